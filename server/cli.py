@@ -1,0 +1,3 @@
+"""Command line."""
+def main():
+    print("ok")

@@ -1,0 +1,20 @@
+"""Shared fixtures: the default model file, fetched once into a cache shared by all tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dualserve.models.hub import default_cache_dir, pull_default_model
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    return default_cache_dir()
+
+
+@pytest.fixture(scope="session")
+def default_gguf(cache_dir: Path) -> Path:
+    """Path to SmolLM2-135M-Instruct.Q4_1.gguf (downloaded on first use)."""
+    return pull_default_model(cache_dir, quiet=True)
