@@ -1,0 +1,233 @@
+"""The engine: one per process, on its own thread, owning the scheduler, the block pool and the runners.
+
+The server submits requests from the event loop; the engine thread runs steps:
+  1. take in new submissions and aborts (thread-safe inbox),
+  2. ask the scheduler which requests run and how many tokens each computes,
+  3. let each request's decoder run its part of the step,
+  4. hand each request's ``Delta`` to its sink and free finished requests' blocks.
+
+Decoders are keyed by (model name, decoder name), so one process can serve an
+AR model with an EAGLE head and a diffusion model from the same block pool.
+An aborted request leaves at the start of the next step, blocks and all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+from .block_manager import BlockPool
+from .detokenize import TextStream
+from .request import Delta, Request, Status
+from .sampling import SamplingParams
+from .scheduler import QueueFull, Scheduled, Scheduler
+
+log = logging.getLogger("dualserve.engine")
+
+
+class Decoder(Protocol):
+    name: str
+
+    def plan(self, req: Request, budget: int) -> tuple[int, int]: ...
+
+    def step(self, batch: Sequence[Scheduled], emit: Callable[[Request, Delta], None]) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_blocks: int = 2048
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 512
+    max_waiting: int = 256
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    busy_seconds: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, pool: BlockPool | None = None):
+        self.config = config
+        self.pool = pool or BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_batched_tokens, config.max_waiting)
+        self.decoders: dict[tuple[str, str], Decoder] = {}
+        self.tokenizers: dict[str, object] = {}
+        self.stats = EngineStats()
+        self._inbox: deque[tuple[str, Request]] = deque()
+        self._wake = threading.Condition()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._requests: dict[str, list[Request]] = {}
+        # n > 1: choices 1..n-1 wait until choice 0 has its prompt in the prefix cache,
+        # then join and share those blocks instead of recomputing the prompt.
+        self._held: dict[str, list[Request]] = {}
+        self.on_step: Callable[["Engine", float], None] | None = None  # metrics hook, set by the server
+
+    # ---- registration and lifecycle ------------------------------------------
+
+    def add_decoder(self, model: str, decoder: Decoder, tokenizer) -> None:
+        self.decoders[(model, decoder.name)] = decoder
+        self.tokenizers[model] = tokenizer
+
+    def decoders_for(self, model: str) -> list[str]:
+        return [d for (m, d) in self.decoders if m == model]
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="dualserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    # ---- called from the server's thread -------------------------------------
+
+    def submit(self, model: str, decoder: str, prompt_ids: list[int], params: SamplingParams,
+               sink: Callable[[int, Delta], None], n: int = 1, suffix_ids: Sequence[int] = (),
+               request_id: str | None = None) -> str:
+        """Queue a request (n choices); returns its id. Raises QueueFull when overloaded."""
+        if (model, decoder) not in self.decoders:
+            raise KeyError(f"model {model!r} has no decoder {decoder!r}")
+        if len(self.scheduler.waiting) + len(self._inbox) + n > self.config.max_waiting:
+            raise QueueFull("the waiting queue is full")
+        rid = request_id or f"req-{next(self._ids)}"
+        tok = self.tokenizers[model]
+        eos = frozenset(tok.eos_token_ids)
+        reqs = []
+        for i in range(n):
+            stream = TextStream(tok, params.stop, skip_special_tokens=params.skip_special_tokens)
+            reqs.append(Request(request_id=rid, prompt_ids=list(prompt_ids), params=params, decoder=decoder,
+                                stream=stream, eos_token_ids=eos, sink=sink, model=model, index=i,
+                                suffix_ids=list(suffix_ids)))
+        with self._wake:
+            self._requests[rid] = reqs
+            for r in reqs:
+                self._inbox.append(("add", r))
+            self._wake.notify()
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        with self._wake:
+            for r in self._requests.get(request_id, []):
+                self._inbox.append(("abort", r))
+            self._wake.notify()
+
+    # ---- the engine thread ---------------------------------------------------
+
+    def _drain_inbox(self) -> None:
+        with self._wake:
+            items = list(self._inbox)
+            self._inbox.clear()
+        for kind, req in items:
+            if kind == "add" and req.index > 0 and self.pool.enable_prefix_caching:
+                self._held.setdefault(req.request_id, []).append(req)
+            elif kind == "add":
+                try:
+                    self.scheduler.add(req)
+                except QueueFull as e:
+                    self._finish(req, "error", error=str(e))
+            elif not req.finished:
+                held = self._held.get(req.request_id, [])
+                if req in held:
+                    held.remove(req)
+                self._finish(req, "abort")
+        for rid, held in list(self._held.items()):
+            first = self._requests.get(rid, [None])[0]
+            if first is None or first.finished or first.num_computed >= len(first.prompt_ids) or not held:
+                for r in held:
+                    self.scheduler.add(r)
+                del self._held[rid]
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        self.scheduler.remove(req)
+        delta = req.finish(reason)
+        delta.error = error
+        self._deliver(req, delta)
+
+    def _deliver(self, req: Request, delta: Delta) -> None:
+        if delta.finish_reason is not None:
+            req.status = Status.FINISHED
+            delta.stats = req.decoder_stats()
+            siblings = self._requests.get(req.request_id, [])
+            if all(r.finished for r in siblings):
+                self._requests.pop(req.request_id, None)
+        try:
+            req.sink(req.index, delta)
+        except Exception:  # noqa: BLE001 - a broken sink must not stop the engine
+            log.exception("output sink failed for %s", req.request_id)
+
+    def emit(self, req: Request, delta: Delta) -> None:
+        """Decoders call this with each request's committed tokens."""
+        self.stats.generated_tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.scheduler.remove(req)
+        self._deliver(req, delta)
+
+    def _plan(self, req: Request, budget: int) -> tuple[int, int]:
+        return self.decoders[(req.model, req.decoder)].plan(req, budget)
+
+    def step(self) -> None:
+        """One scheduling step; public so tests can drive the engine without its thread."""
+        self._drain_inbox()
+        started = time.perf_counter()
+        scheduled = self.scheduler.schedule(self._plan)
+        groups: dict[tuple[str, str], list[Scheduled]] = {}
+        for s in scheduled:
+            req = s.request
+            if req.finished:  # could never fit in the pool
+                self._finish(req, "error", error="the prompt does not fit in the KV block pool")
+                continue
+            if req.table.num_cached_tokens and not req.cached_prompt_tokens:
+                req.cached_prompt_tokens = req.table.num_cached_tokens
+            if req.num_computed == req.table.num_cached_tokens and s.num_new_tokens and not req.output_ids:
+                self.stats.prompt_tokens += len(req.prompt_ids)
+            groups.setdefault((req.model, req.decoder), []).append(s)
+        for key, batch in groups.items():
+            try:
+                self.decoders[key].step(batch, self.emit)
+            except Exception as e:  # noqa: BLE001 - fail the batch, keep serving others
+                log.exception("decoder %s failed", key)
+                for s in batch:
+                    if not s.request.finished:
+                        self._finish(s.request, "error", error=f"internal error: {type(e).__name__}")
+        if scheduled:
+            self.stats.steps += 1
+            elapsed = time.perf_counter() - started
+            self.stats.busy_seconds += elapsed
+            if self.on_step:
+                self.on_step(self, elapsed)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or bool(self._inbox) or bool(self._held)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self._inbox and not self.scheduler.has_work and not self._held:
+                    self._wake.wait()
+                if self._stop:
+                    break
+            self.step()
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(req, "abort")
+
+    def run_until_idle(self) -> None:
+        """Drive steps on the caller's thread until nothing is queued (tests and offline use)."""
+        while self.has_work():
+            self.step()

@@ -1,0 +1,210 @@
+"""Paged attention: the KV tensors that live beside the block pool, and the backends that use them.
+
+The block pool (``block_manager.py``) hands out block ids; this module owns the
+tensors those ids index. One ``KVCache`` per loaded model, sized once at start-up:
+per layer, keys and values of shape (num_blocks, block_size, kv_heads, head_dim).
+
+A step's ``AttentionMetadata`` says, for each sequence in the flattened batch,
+how many of its tokens are already cached (``context_len``), how many new tokens
+it brings (``query_len``), which blocks hold its cache (``block_table``), where the
+new keys/values go (``slot_mapping``; empty = do not store, as for a diffusion
+canvas that is still changing), and what the new tokens may see among
+themselves (``mask``: causal, full, or an explicit boolean matrix such as an
+EAGLE draft tree). Cached tokens are always fully visible.
+
+Two backends implement the same call:
+  * ``SdpaPagedAttention`` (CPU and any device): gathers each sequence's cached
+    keys/values by slot index and runs PyTorch SDPA.
+  * ``FlashPagedAttention`` (CUDA, when flash-attn is importable): writes new
+    keys/values into the paged cache and calls ``flash_attn_with_kvcache`` with
+    the block table; used for causal batches, falling back to SDPA for masks
+    flash-attn cannot express.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Sequence, Union
+
+import torch
+
+from dualserve.models.attention import sdpa
+
+SeqMask = Union[Literal["causal", "full"], torch.Tensor]
+
+
+class KVCache:
+    """Keys and values for every block of the pool, for one model. Owned by its runner."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(num_slots, kv_heads, head_dim) views of one layer's keys and values."""
+        k, v = self.k[layer], self.v[layer]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate block ``src`` into ``dst`` in every layer."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.k[0].device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.k[0].device)
+        for k, v in zip(self.k, self.v):
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def move_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Move single token slots (EAGLE keeps the accepted path of a tree in place)."""
+        if not src:
+            return
+        s = torch.tensor(src, device=self.k[0].device)
+        d = torch.tensor(dst, device=self.k[0].device)
+        for layer in range(len(self.k)):
+            k, v = self.flat(layer)
+            k[d] = k[s]
+            v[d] = v[s]
+
+
+@dataclass
+class SeqAttention:
+    context_len: int            # tokens already in the cache, all visible
+    query_len: int              # new tokens in this step
+    block_table: list[int]
+    mask: SeqMask = "causal"    # among the new tokens
+    # Positions of the cached tokens this sequence may see (default: all context_len).
+    context_slots: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    seqs: list[SeqAttention]
+    slot_mapping: torch.Tensor | None  # (total new tokens,) flat slot ids, or None: do not store
+    block_size: int
+    _context_index: list[torch.Tensor | None] = field(default_factory=list)
+
+    def context_index(self, i: int, device) -> torch.Tensor | None:
+        """Flat slot ids of sequence i's cached tokens, built once per step and shared by all layers."""
+        if not self._context_index:
+            self._context_index = [None] * len(self.seqs)
+        seq = self.seqs[i]
+        if seq.context_len == 0:
+            return None
+        if self._context_index[i] is None:
+            if seq.context_slots is not None:
+                self._context_index[i] = seq.context_slots.to(device)
+            else:
+                pos = torch.arange(seq.context_len)
+                blocks = torch.tensor(seq.block_table, dtype=torch.long)[pos // self.block_size]
+                self._context_index[i] = (blocks * self.block_size + pos % self.block_size).to(device)
+        return self._context_index[i]
+
+
+def full_mask(seq: SeqAttention, device) -> torch.Tensor | None:
+    """(query_len, context_len + query_len) boolean mask, or None if SDPA needs none."""
+    q, c = seq.query_len, seq.context_len
+    if isinstance(seq.mask, torch.Tensor):
+        new = seq.mask.to(device=device, dtype=torch.bool)
+    elif seq.mask == "full" or q == 1:
+        return None
+    else:  # causal among new tokens
+        new = torch.ones(q, q, dtype=torch.bool, device=device).tril()
+    if c == 0:
+        return new
+    return torch.cat([torch.ones(q, c, dtype=torch.bool, device=device), new], dim=1)
+
+
+class SdpaPagedAttention:
+    """Gather cached keys/values per sequence and run SDPA (the CPU path)."""
+
+    def __init__(self, cache: KVCache, meta: AttentionMetadata):
+        self.cache = cache
+        self.meta = meta
+        self._masks: list[torch.Tensor | None] | None = None
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        k_flat, v_flat = self.cache.flat(layer_idx)
+        if meta.slot_mapping is not None:
+            k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
+            v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+        if self._masks is None:
+            self._masks = [full_mask(s, q.device) for s in meta.seqs]
+        outs = []
+        start = 0
+        for i, seq in enumerate(meta.seqs):
+            sl = slice(start, start + seq.query_len)
+            start += seq.query_len
+            idx = meta.context_index(i, q.device)
+            if idx is None:
+                kk, vv = k[sl], v[sl]
+            else:
+                kk = torch.cat([k_flat.index_select(0, idx).to(k.dtype), k[sl]], 0)
+                vv = torch.cat([v_flat.index_select(0, idx).to(v.dtype), v[sl]], 0)
+            mask = self._masks[i]
+            causal = mask is None and seq.mask == "causal" and seq.context_len == 0
+            outs.append(sdpa(q[sl], kk, vv, mask, causal))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+
+class FlashPagedAttention(SdpaPagedAttention):
+    """flash-attn with block tables for all-causal batches; SDPA gathering otherwise."""
+
+    def __init__(self, cache: KVCache, meta: AttentionMetadata):
+        super().__init__(cache, meta)
+        from flash_attn import flash_attn_with_kvcache  # optional GPU extra
+
+        self._flash = flash_attn_with_kvcache
+        self._usable = (meta.slot_mapping is not None and all(
+            isinstance(s.mask, str) and s.mask == "causal" and s.context_slots is None for s in meta.seqs))
+        if self._usable:
+            width = max(len(s.block_table) for s in meta.seqs)
+            table = torch.zeros(len(meta.seqs), width, dtype=torch.int32)
+            for i, s in enumerate(meta.seqs):
+                table[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+            device = cache.k[0].device
+            self._table = table.to(device)
+            self._seqlens = torch.tensor([s.context_len + s.query_len for s in meta.seqs],
+                                         dtype=torch.int32, device=device)
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not self._usable:
+            return super().__call__(layer_idx, q, k, v)
+        meta = self.meta
+        k_flat, v_flat = self.cache.flat(layer_idx)
+        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+        outs = []
+        start = 0
+        # One call per sequence keeps ragged query lengths exact; decode batches
+        # (all query_len == 1) go through one batched call.
+        if all(s.query_len == 1 for s in meta.seqs):
+            out = self._flash(q[:, None], self.cache.k[layer_idx], self.cache.v[layer_idx],
+                              cache_seqlens=self._seqlens, block_table=self._table, causal=True)
+            return out[:, 0]
+        for i, s in enumerate(meta.seqs):
+            sl = slice(start, start + s.query_len)
+            start += s.query_len
+            out = self._flash(q[sl][None], self.cache.k[layer_idx], self.cache.v[layer_idx],
+                              cache_seqlens=self._seqlens[i: i + 1], block_table=self._table[i: i + 1],
+                              causal=True)
+            outs.append(out[0])
+        return torch.cat(outs, 0)
+
+
+def flash_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()

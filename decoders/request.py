@@ -1,0 +1,140 @@
+"""A request inside the engine, and the one place committed tokens become output.
+
+A ``Request`` owns its token ids, sampling parameters, block table, random
+generator and output sink. Every decoder reports "tokens committed this step"
+through ``Request.commit``; that single function applies EOS, stop token ids,
+stop strings (via the shared ``TextStream``), max_tokens and logprobs, so the
+three decoders cannot disagree on what a client sees. Tokens after a stop are
+dropped and never counted in usage.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .block_manager import BlockTable
+from .detokenize import TextStream
+from .sampling import SamplingParams, TokenLogprob, make_generator
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Delta:
+    """What one step produced for one request; the server turns it into OpenAI chunks."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    stats: dict | None = None            # decoder statistics, set on the final delta
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    decoder: str
+    stream: TextStream
+    eos_token_ids: frozenset[int]
+    sink: Callable[[int, Delta], None]  # set by the submitter; called on the engine thread with (index, delta)
+    model: str = ""                      # served model name; picks the runner
+    index: int = 0                       # choice index for n > 1
+    suffix_ids: list[int] = field(default_factory=list)  # fixed right context (diffusion infill)
+    output_ids: list[int] = field(default_factory=list)
+    table: BlockTable = field(default_factory=BlockTable)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    deadline: float | None = None
+    first_token_time: float | None = None
+    # Counters the decoders fill in (surfaced as usage extensions and metrics).
+    num_forwards: int = 0
+    num_prefill_tokens: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    num_preemptions: int = 0
+    cached_prompt_tokens: int = 0        # prefix-cache hit at first admission
+    steps_per_block: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    decoder_state: object = None         # private to the request's decoder
+
+    def __post_init__(self) -> None:
+        seed = None if self.params.seed is None else self.params.seed + self.index
+        self.generator = make_generator(seed)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_computed(self) -> int:
+        return self.table.num_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    def decoder_stats(self) -> dict:
+        """Per-request decoder statistics (usage extension and metrics)."""
+        out: dict = {"decoder": self.decoder, "forward_passes": self.num_forwards,
+                     "cached_prompt_tokens": self.cached_prompt_tokens,
+                     "preemptions": self.num_preemptions}
+        if self.num_forwards:
+            out["tokens_per_forward"] = round(len(self.output_ids) / self.num_forwards, 3)
+        if self.accept_lengths:
+            out["mean_accept_length"] = round(sum(self.accept_lengths) / len(self.accept_lengths), 3)
+            out["draft_seconds"] = round(self.draft_seconds, 4)
+            out["verify_seconds"] = round(self.verify_seconds, 4)
+        if self.steps_per_block:
+            out["steps_per_block"] = self.steps_per_block
+        return out
+
+    def commit(self, token_ids: list[int], logprobs: list[TokenLogprob] | None = None) -> Delta:
+        """Append tokens one by one, stopping exactly where the first stop condition says."""
+        if self.first_token_time is None and token_ids:
+            self.first_token_time = time.monotonic()
+        text: list[str] = []
+        kept: list[int] = []
+        for tok in token_ids:
+            self.output_ids.append(tok)
+            kept.append(tok)
+            if (tok in self.eos_token_ids and not self.params.ignore_eos) or tok in self.params.stop_token_ids:
+                self.finish_reason = "stop"
+                break
+            text.append(self.stream.push(tok))
+            if self.stream.stopped is not None:
+                self.finish_reason = "stop"
+                break
+            if len(self.output_ids) >= self.params.max_tokens:
+                self.finish_reason = "length"
+                break
+        if self.finish_reason is not None and self.stream.stopped is None:
+            text.append(self.stream.flush())
+        lps = logprobs[: len(kept)] if logprobs is not None else None
+        return Delta("".join(text), kept, lps, self.finish_reason)
+
+    def finish(self, reason: str) -> Delta:
+        self.finish_reason = self.finish_reason or reason
+        tail = self.stream.flush() if reason in ("stop", "length") and self.stream.stopped is None else ""
+        return Delta(tail, [], None, self.finish_reason)

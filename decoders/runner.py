@@ -1,0 +1,85 @@
+"""The model runner: one loaded model, its KV tensors, and how a batch becomes a forward.
+
+The runner owns the model weights (by reference) and the ``KVCache`` tensors
+indexed by the shared block pool's block ids. Decoders describe the work of a
+step as ``ForwardItem``s (which tokens, at which positions, with what cache and
+mask) and get hidden states back; they never touch the KV tensors directly.
+
+Tokens that must not be stored (a diffusion canvas still being denoised) are
+written to a scratch block that no request owns, so one batch can mix stored
+and unstored sequences without a second kernel path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from dualserve.models.transformer import Transformer
+
+from .paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache, SdpaPagedAttention, SeqAttention,
+                              SeqMask, flash_available)
+
+
+@dataclass
+class ForwardItem:
+    token_ids: Sequence[int] | torch.Tensor
+    positions: Sequence[int] | torch.Tensor
+    context_len: int                   # cached tokens this sequence sees
+    block_table: list[int]
+    slots: Sequence[int] | None        # where new keys/values go; None = do not store
+    mask: SeqMask = "causal"
+    context_slots: torch.Tensor | None = None  # explicit cached slots (EAGLE tree / sparse context)
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int,
+                 kv_dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                 use_flash: bool | None = None):
+        cfg = model.config
+        self.model = model
+        self.config = cfg
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.dtype = next(model.parameters()).dtype
+        # One extra block at the end is scratch space for tokens that are not stored.
+        self.kv = KVCache(cfg.num_layers, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim,
+                          kv_dtype or self.dtype, self.device)
+        self.scratch_block = num_blocks
+        self.backend = FlashPagedAttention if (use_flash if use_flash is not None else flash_available()) \
+            else SdpaPagedAttention
+        self.num_forwards = 0
+
+    def _as_tensor(self, x, dtype=torch.long) -> torch.Tensor:
+        return x.to(self.device) if isinstance(x, torch.Tensor) else torch.tensor(list(x), dtype=dtype,
+                                                                                 device=self.device)
+
+    def metadata(self, items: Sequence[ForwardItem]) -> AttentionMetadata:
+        slots: list[torch.Tensor] = []
+        seqs = []
+        for it in items:
+            n = len(it.token_ids)
+            if it.slots is None:
+                scratch = self.scratch_block * self.block_size
+                slots.append(torch.arange(scratch, scratch + n, device=self.device) if n <= self.block_size
+                             else torch.full((n,), scratch, device=self.device))
+            else:
+                slots.append(self._as_tensor(it.slots))
+            seqs.append(SeqAttention(it.context_len, n, it.block_table, it.mask, it.context_slots))
+        return AttentionMetadata(seqs, torch.cat(slots), self.block_size)
+
+    @torch.inference_mode()
+    def forward(self, items: Sequence[ForwardItem], aux_layers: Sequence[int] = (),
+                inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run one forward over all items; returns (hidden (tokens, hidden), aux hidden states)."""
+        ids = torch.cat([self._as_tensor(it.token_ids) for it in items])
+        pos = torch.cat([self._as_tensor(it.positions) for it in items])
+        attn = self.backend(self.kv, self.metadata(items))
+        self.num_forwards += 1
+        return self.model(ids, pos, attn, inputs_embeds=inputs_embeds, aux_layers=aux_layers)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)

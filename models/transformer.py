@@ -1,0 +1,160 @@
+"""One decoder-only transformer core: Llama, Mistral, Qwen2, SmolLM, LLaDA, Dream.
+
+Reads top to bottom like the Llama paper (Touvron et al., 2023, section 2.2):
+pre-normalisation with RMSNorm, rotary position embeddings (RoPE, with llama3
+frequency scaling), grouped-query attention, and a SwiGLU feed-forward block.
+Qwen2 adds q/k/v biases; small models tie the output head to the embedding.
+
+What a token may attend to is not decided here. ``forward`` takes an explicit
+``AttentionBackend`` (see ``attention.py``): causal for AR decoding, bidirectional
+for masked diffusion, block-causal for block diffusion, a tree mask for EAGLE
+verification. The same weights serve all of them.
+
+Two projections are fused for fewer kernel launches at batch 1, which is where
+Python dispatch, not arithmetic, dominates: q/k/v into one ``qkv_proj`` and
+gate/up into one ``gate_up_proj``. The loader concatenates the checkpoint's
+separate tensors (see ``loader.FUSED``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionBackend
+from .config import ModelConfig, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32 as the reference does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE in the rotate-half layout (HF convention; GGUF q/k are un-permuted at load)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def reset(self, device: torch.device | str) -> None:
+        """Recompute the frequencies on a real device (the model is built on meta)."""
+        self.inv_freq = rope_inv_freq(self.config).to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (tokens, head_dim / 2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (tokens, 1, head_dim)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, input_size: int | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        # EAGLE-3's draft layer attends over [embedding; feature], hence input_size.
+        self.qkv_proj = nn.Linear(input_size or config.hidden_size, sum(self.split), bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        out = attn(self.layer_idx, q, k, v)  # (tokens, heads, head_dim)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) (Shazeer, 2020)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, input_norm: bool = True):
+        super().__init__()
+        # EAGLE-1/2 heads drop the first input norm (their input is already a fused feature).
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm else nn.Identity()
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, attn: AttentionBackend,
+                inputs_embeds: torch.Tensor | None = None,
+                aux_layers: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run the stack over a flattened batch of tokens.
+
+        input_ids, positions: (tokens,). Returns the final-normed hidden states
+        (tokens, hidden) and, for each index in ``aux_layers``, the residual stream
+        after that layer (EAGLE-3 draws its features from three of them).
+        """
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary(positions, x.dtype)
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn)
+            if i in aux_layers:
+                aux.append(x)
+        return self.norm(x), aux
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(tokens, hidden) -> (tokens, vocab) in fp32."""
+        return F.linear(hidden, self.lm_head_weight).float()

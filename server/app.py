@@ -1,0 +1,145 @@
+"""The HTTP surface: thin litestar handlers over ``Service``.
+
+Each handler decodes the body into a msgspec Struct, asks the service to
+validate, route and submit, and encodes the result (JSON, or SSE from an async
+generator). Every generation response names the decoder that served it and
+why in ``x-dualserve-decoder`` / ``x-dualserve-route-reason``. A client that
+disconnects aborts its engine requests, which frees their blocks within a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.exceptions import HTTPException
+from litestar.response import Stream
+
+from .chat import ChatHandler
+from .errors import APIError, bad_request, handle_api_error, handle_http_exception, handle_unexpected
+from .protocol import (ModelCard, ModelList, chat_decoder, completion_decoder, encoder)
+from .responses import completion_body, completion_stream
+from .service import Service
+
+DECODER_HEADER = "x-dualserve-decoder"
+
+
+@dataclass
+class AppState:
+    service: Service
+    on_shutdown: list[Callable[[], Any]] = field(default_factory=list)
+    body_limit: int = 8 * 1024 * 1024
+
+
+def decode(raw: bytes, decoder: msgspec.json.Decoder) -> Any:
+    if not raw:
+        raise bad_request("request body is empty; expected a JSON object")
+    try:
+        return decoder.decode(raw)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        param = msg.rsplit("at `$.", 1)[-1].rstrip("`").split("[")[0].split(".")[0] if "at `$." in msg else None
+        raise bad_request(msg, param, "invalid_type") from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"could not parse the JSON body: {e}", None, "invalid_json") from None
+
+
+def route_headers(route) -> dict[str, str]:
+    return {DECODER_HEADER: route.decoder, "x-dualserve-route-reason": route.reason}
+
+
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Run ``work``; if the client goes away first, cancel it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task not in done:
+        task.cancel()
+        raise asyncio.CancelledError
+    watcher.cancel()
+    return task.result()
+
+
+def json_response(body: Any, headers: dict[str, str]) -> Response:
+    return Response(content=encoder.encode(body), media_type="application/json", headers=headers)
+
+
+def sse_response(gen, headers: dict[str, str]) -> Stream:
+    return Stream(gen, media_type="text/event-stream",
+                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+
+
+@get("/health", sync_to_thread=False)
+def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@get("/v1/models", sync_to_thread=False)
+def list_models(state: Any) -> Response:
+    service: Service = state.app_state.service
+    cards = [ModelCard(id=m.name, created=m.created, decoders=m.decoders, max_model_len=m.max_model_len)
+             for m in service.models.values()]
+    return json_response(ModelList(data=cards), {})
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request, state: Any) -> Response | Stream:
+    service: Service = state.app_state.service
+    body = decode(await request.body(), completion_decoder)
+    model = service.model(body.model)
+    prompts = service.completion_prompts(body, model)
+    suffix_ids = model.tokenizer.encode(body.suffix, add_special_tokens=False) if body.suffix else None
+    route = service.route(model, body, request.headers.get("x-dualserve-decoder"), infill=bool(body.suffix))
+    if suffix_ids and route.decoder != "diffusion":
+        raise bad_request(f"suffix (infilling) needs the diffusion decoder; this request was routed to "
+                          f"{route.decoder}", "suffix", "unsupported_parameter")
+    params = service.sampling_params(body, body.max_tokens, body.logprobs, max(len(p) for p in prompts), model,
+                                     default_max=16)
+    job = service.start(model, route, prompts, params, body.n, suffix_ids)
+    echo = [model.tokenizer.decode(p) for p in prompts] if body.echo else []
+    headers = route_headers(route)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return sse_response(completion_stream(service, job, echo, include_usage), headers)
+    results = await until_disconnect(request, service.collect(job))
+    return json_response(completion_body(service, job, results, echo, results[0].stats), headers)
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request, state: Any) -> Response | Stream:
+    service: Service = state.app_state.service
+    body = decode(await request.body(), chat_decoder)
+    handler = ChatHandler(service, body, request.headers.get("x-dualserve-decoder"))
+    job = handler.start()
+    headers = route_headers(job.route)
+    if body.stream:
+        return sse_response(handler.stream(job), headers)
+    return json_response(await until_disconnect(request, handler.complete(job)), headers)
+
+
+def create_app(app_state: AppState) -> Litestar:
+    from litestar.datastructures import State
+
+    async def shutdown() -> None:
+        for fn in app_state.on_shutdown:
+            fn()
+
+    return Litestar(
+        route_handlers=[health, list_models, completions, chat_completions],
+        state=State({"app_state": app_state}),
+        exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception,
+                            Exception: handle_unexpected},
+        on_shutdown=[shutdown],
+        request_max_body_size=app_state.body_limit,
+        debug=False,
+    )

@@ -1,0 +1,251 @@
+"""Wire types: every request and response body the server speaks, as msgspec Structs.
+
+Requests tolerate unknown OpenAI fields (msgspec ignores them), so new SDK
+versions keep working. Responses use ``omit_defaults`` so optional extensions
+stay off the wire unless set. Encoders and decoders are created once, here.
+
+dualserve's own request hints ride along as extra body fields, which the
+OpenAI SDK sends through ``extra_body``: ``decoder``, ``priority``,
+``latency_budget_ms``, plus vLLM-style sampling extras (``top_k``, ``min_p``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from msgspec import Struct, field
+
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class Hints(Struct, kw_only=True):
+    """Fields shared by both generation endpoints: sampling, stopping and dualserve's hints."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    decoder: str | None = None
+    priority: str | None = None
+    latency_budget_ms: float | None = None
+
+
+class CompletionRequest(Hints, kw_only=True):
+    # str | list[str] | list[int] | list[list[int]]: checked in the service (msgspec allows one array type).
+    prompt: str | list[Any] | None = None
+    suffix: str | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+
+
+class FunctionCall(Struct, kw_only=True, omit_defaults=True):
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(Struct, kw_only=True, omit_defaults=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: Role
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(Hints, kw_only=True):
+    messages: list[ChatMessage] | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class InfillRequest(Struct, kw_only=True):
+    """llama.cpp's POST /infill body (as sent by llama.vscode and similar plugins)."""
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[dict[str, Any]] = field(default_factory=list)
+    prompt: str = ""
+    n_predict: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    stream: bool = False
+    stop: list[str] | None = None
+    seed: int | None = None
+    model: str | None = None
+    decoder: str | None = None
+
+
+# ---- responses ------------------------------------------------------------------
+
+
+class Usage(Struct, kw_only=True, omit_defaults=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+    # dualserve extension: decoder statistics (forwards, tokens per forward, acceptance...)
+    dualserve: dict[str, Any] | None = None
+
+
+class CompletionLogprobs(Struct, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(Struct, kw_only=True, omit_defaults=True):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct, kw_only=True):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatResponseMessage(Struct, kw_only=True, omit_defaults=True):
+    role: str = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(Struct, kw_only=True):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(Struct, kw_only=True, omit_defaults=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    object: str = "chat.completion"
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class DeltaToolCall(Struct, kw_only=True, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: dict[str, str] | None = None
+
+
+class ChatDelta(Struct, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatChunkChoice(Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Struct, kw_only=True, omit_defaults=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: Usage | None = None
+
+
+class ModelCard(Struct, kw_only=True, omit_defaults=True):
+    id: str
+    created: int
+    owned_by: str = "dualserve"
+    object: str = "model"
+    # dualserve extension: which decoders this model serves, and its context length.
+    decoders: list[str] | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(Struct, kw_only=True):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class ErrorBody(Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Struct, kw_only=True):
+    error: ErrorBody
+
+
+encoder = msgspec.json.Encoder()
+completion_decoder = msgspec.json.Decoder(CompletionRequest)
+chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+infill_decoder = msgspec.json.Decoder(InfillRequest)

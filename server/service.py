@@ -1,0 +1,248 @@
+"""Between HTTP and the engine: validate, tokenize, route, submit, and collect results.
+
+Handlers stay thin: they decode a body and call ``Service``. This module owns
+the OpenAI semantics that do not belong to any decoder: defaults, limits,
+prompt forms, chat templates, choice indexing for n and multiple prompts,
+usage accounting and the logprob formats. It talks to the engine through
+``submit``/``abort`` only and never imports model internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from dualserve.decoders.engine import Engine
+from dualserve.decoders.request import Delta
+from dualserve.decoders.sampling import SamplingParams, TokenLogprob
+from dualserve.decoders.scheduler import QueueFull
+
+from .errors import APIError, bad_request
+from .protocol import CompletionRequest, Hints
+from .router import Route, Router
+
+
+@dataclass
+class ServedModel:
+    name: str
+    tokenizer: Any
+    max_model_len: int
+    decoders: list[str]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    max_n: int = 16
+    max_prompts: int = 64
+    max_stop: int = 16
+    max_logprobs: int = 20
+    request_timeout: float | None = 600.0
+
+
+@dataclass
+class Job:
+    """One API request: its engine submissions, their outputs, and the decision that routed it."""
+
+    id: str
+    model: ServedModel
+    route: Route
+    prompts: list[list[int]]
+    n: int
+    params: SamplingParams
+    queue: asyncio.Queue
+    engine_ids: list[str] = field(default_factory=list)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, choice: int) -> list[int]:
+        return self.prompts[choice // self.n]
+
+
+@dataclass
+class ChoiceResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: dict[str, Any] | None = None
+
+
+class Service:
+    def __init__(self, engine: Engine, models: dict[str, ServedModel], router: Router,
+                 limits: ServiceLimits = ServiceLimits()):
+        self.engine = engine
+        self.models = models
+        self.router = router
+        self.limits = limits
+        self.default_model = next(iter(models))
+
+    # ---- validation ----------------------------------------------------------
+
+    def model(self, name: str | None) -> ServedModel:
+        if name is None or name == "" or (name not in self.models and len(self.models) == 1
+                                           and name in ("default", "dualserve")):
+            return self.models[self.default_model]
+        if name not in self.models:
+            raise APIError(404, f"The model '{name}' does not exist. Available: {', '.join(self.models)}",
+                           "invalid_request_error", "model", "model_not_found")
+        return self.models[name]
+
+    def prompt_ids(self, model: ServedModel, prompt: Any) -> list[list[int]]:
+        """Accept a string, a list of strings, a token-id list or a list of token-id lists."""
+        tok = model.tokenizer
+        if prompt is None:
+            raise bad_request("you must provide a prompt", "prompt", "missing_required_parameter")
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            prompts = prompt
+        elif isinstance(prompt, list) and prompt and all(type(p) is int for p in prompt):
+            return [self._check_ids(model, prompt)]
+        elif isinstance(prompt, list) and prompt and all(
+                isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt):
+            return [self._check_ids(model, p) for p in prompt]
+        else:
+            raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
+                              "lists of token ids, and must not be empty", "prompt", "invalid_type")
+        if len(prompts) > self.limits.max_prompts:
+            raise bad_request(f"at most {self.limits.max_prompts} prompts per request", "prompt")
+        out = []
+        for text in prompts:
+            ids = tok.encode(text, add_special_tokens=True)
+            if not ids:
+                ids = [tok.bos_token_id] if tok.bos_token_id is not None else [tok.eos_token_id]
+            out.append(ids)
+        return out
+
+    def _check_ids(self, model: ServedModel, ids: list[int]) -> list[int]:
+        vocab = model.tokenizer.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise bad_request(f"token ids must be in [0, {vocab})", "prompt", "invalid_value")
+        return list(ids)
+
+    def sampling_params(self, body: Hints, max_tokens: int | None, logprobs: int | None,
+                        prompt_len: int, model: ServedModel, default_max: int | None) -> SamplingParams:
+        room = model.max_model_len - prompt_len
+        if room <= 0:
+            raise bad_request(f"This model's maximum context length is {model.max_model_len} tokens, but the "
+                              f"prompt has {prompt_len} tokens.", "messages" if default_max is None else "prompt",
+                              "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(default_max, room) if default_max is not None else room
+        if max_tokens < 1:
+            raise bad_request("max_tokens must be at least 1", "max_tokens", "invalid_value")
+        if prompt_len + max_tokens > model.max_model_len:
+            raise bad_request(f"This model's maximum context length is {model.max_model_len} tokens. You requested "
+                              f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+                              "completion). Please reduce the prompt or max_tokens.", "max_tokens",
+                              "context_length_exceeded")
+        temp = 1.0 if body.temperature is None else body.temperature
+        checks = [(0 <= temp <= 2, "temperature", "between 0 and 2"),
+                  (body.top_p is None or 0 < body.top_p <= 1, "top_p", "in (0, 1]"),
+                  (body.top_k is None or body.top_k >= -1, "top_k", "-1, 0 or positive"),
+                  (body.min_p is None or 0 <= body.min_p <= 1, "min_p", "in [0, 1]"),
+                  (-2 <= body.presence_penalty <= 2, "presence_penalty", "between -2 and 2"),
+                  (-2 <= body.frequency_penalty <= 2, "frequency_penalty", "between -2 and 2"),
+                  (body.repetition_penalty is None or body.repetition_penalty > 0, "repetition_penalty",
+                   "positive"),
+                  (1 <= body.n <= self.limits.max_n, "n", f"between 1 and {self.limits.max_n}"),
+                  (logprobs is None or 0 <= logprobs <= self.limits.max_logprobs, "logprobs",
+                   f"between 0 and {self.limits.max_logprobs}")]
+        for ok, param, what in checks:
+            if not ok:
+                raise bad_request(f"{param} must be {what}", param, "invalid_value")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > self.limits.max_stop or any(not s for s in stop):
+            raise bad_request(f"stop must be up to {self.limits.max_stop} non-empty strings", "stop")
+        bias: dict[int, float] = {}
+        for key, value in (body.logit_bias or {}).items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            if not 0 <= tid < model.tokenizer.vocab_size or not -100 <= value <= 100:
+                raise bad_request("logit_bias maps token ids in the vocabulary to values in [-100, 100]",
+                                  "logit_bias")
+            bias[tid] = float(value)
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=temp, top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0, seed=body.seed,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty or 1.0, logit_bias=bias, logprobs=logprobs,
+            stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+
+    # ---- submission ------------------------------------------------------------
+
+    def start(self, model: ServedModel, route: Route, prompts: list[list[int]], params: SamplingParams,
+              n: int, suffix_ids: list[int] | None = None) -> Job:
+        loop = asyncio.get_running_loop()
+        job = Job(id=uuid.uuid4().hex[:24], model=model, route=route, prompts=prompts, n=n, params=params,
+                  queue=asyncio.Queue())
+        for p_idx, ids in enumerate(prompts):
+            base = p_idx * n
+
+            def sink(index: int, delta: Delta, base: int = base) -> None:
+                loop.call_soon_threadsafe(job.queue.put_nowait, (base + index, delta))
+
+            try:
+                job.engine_ids.append(self.engine.submit(model.name, route.decoder, ids, params, sink, n=n,
+                                                         suffix_ids=suffix_ids or ()))
+            except QueueFull:
+                self.cancel(job)
+                raise APIError(429, "The server is overloaded; retry shortly.", "rate_limit_error", None,
+                               "server_overloaded", headers={"Retry-After": "1"}) from None
+        return job
+
+    def cancel(self, job: Job) -> None:
+        for rid in job.engine_ids:
+            self.engine.abort(rid)
+
+    async def deltas(self, job: Job) -> AsyncIterator[tuple[int, Delta]]:
+        """Yield (choice index, delta) until every choice has finished; abort on cancel or timeout."""
+        remaining = job.num_choices
+        deadline = None if self.limits.request_timeout is None else time.monotonic() + self.limits.request_timeout
+        try:
+            while remaining:
+                timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+                try:
+                    index, delta = await asyncio.wait_for(job.queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    raise APIError(504, "the request timed out", "timeout_error", None, "timeout") from None
+                if delta.error and delta.finish_reason == "error":
+                    raise APIError(503 if "pool" in delta.error else 500, delta.error,
+                                   "server_error", None, "engine_error")
+                if delta.finish_reason is not None:
+                    remaining -= 1
+                yield index, delta
+        finally:
+            if remaining:
+                self.cancel(job)
+
+    async def collect(self, job: Job) -> list[ChoiceResult]:
+        results = [ChoiceResult() for _ in range(job.num_choices)]
+        async for index, delta in self.deltas(job):
+            r = results[index]
+            r.text += delta.text
+            r.token_ids += delta.token_ids
+            r.logprobs += delta.logprobs or []
+            r.finish_reason = delta.finish_reason or r.finish_reason
+            r.stats = delta.stats or r.stats
+        return results
+
+    def route(self, model: ServedModel, body: Hints, header_decoder: str | None, **features: Any) -> Route:
+        return self.router.route(model.name, model.decoders, body.decoder or header_decoder,
+                                 priority=body.priority, latency_budget_ms=body.latency_budget_ms,
+                                 n=body.n, **features)
+
+    def completion_prompts(self, body: CompletionRequest, model: ServedModel) -> list[list[int]]:
+        return self.prompt_ids(model, body.prompt)
+
+    def token_text(self, model: ServedModel, token_id: int) -> str:
+        return model.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,149 @@
+"""Pure parts of the load client: statistics, per-request metrics, table formatting, prompt loading.
+
+No server is started here; streaming against a live server is covered by end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from dualserve.clients.bench import (
+    COLUMNS,
+    DEFAULT_PROMPTS,
+    RequestResult,
+    Stats,
+    format_plain,
+    level_row,
+    load_prompts,
+    parse_args,
+    percentile,
+    ratio_lines,
+    ratios,
+    summarize_level,
+)
+
+
+def make_result(start: float, times: list[float], tokens: int | None, error: str | None = None) -> RequestResult:
+    return RequestResult(
+        "p", "chat", t_start=start, chunk_times=times, completion_tokens=tokens,
+        usage_reported=tokens is not None, error=error,
+    )
+
+
+@pytest.mark.parametrize("q", [0, 10, 50, 90, 99, 100])
+def test_percentile_matches_numpy_linear(q):
+    xs = [5.0, 1.0, 9.0, 3.0, 7.5, 2.0, 2.0]
+    assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_percentile_rejects_empty():
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    assert Stats.of([]) is None
+
+
+def test_request_metrics_use_usage_tokens_not_chunks():
+    # Three chunks, but the server reports 9 tokens: a speculative decoder streamed several per chunk.
+    r = make_result(10.0, [10.5, 11.0, 12.5], tokens=9)
+    assert r.ttft == pytest.approx(0.5)
+    assert r.tokens == 9
+    assert r.tpot == pytest.approx(2.0 / 8)
+    assert r.decode_tps == pytest.approx(4.0)
+    assert r.gaps == pytest.approx([0.5, 1.5])
+
+
+def test_request_without_usage_falls_back_to_chunk_count():
+    r = make_result(0.0, [0.1, 0.2, 0.3, 0.4], tokens=None)
+    assert r.tokens == 4 and not r.usage_reported
+    assert r.decode_tps == pytest.approx(10.0)
+
+
+def test_single_token_request_has_no_decode_rate():
+    r = make_result(0.0, [0.2], tokens=1)
+    assert r.ok and r.tpot is None and r.decode_tps is None
+
+
+def test_summarize_level_aggregates_and_skips_failures():
+    results = [
+        make_result(0.0, [0.1, 0.2, 0.3], tokens=3),
+        make_result(0.0, [0.3, 0.5, 0.7], tokens=3),
+        make_result(0.0, [], tokens=None, error="APIConnectionError: refused"),
+    ]
+    lv = summarize_level(2, results, wall_s=1.5)
+    assert (lv.n_requests, lv.n_ok, lv.completion_tokens) == (3, 2, 6)
+    assert lv.aggregate_tps == pytest.approx(4.0)
+    assert lv.ttft.mean == pytest.approx(0.2)
+    assert lv.itl.n == 4 and lv.itl.mean == pytest.approx(0.15)
+    assert lv.decode_tps.mean == pytest.approx((10.0 + 5.0) / 2)
+    assert lv.errors == ["APIConnectionError: refused"]
+    assert lv.usage_missing == 0
+
+
+def test_ratios_and_their_text():
+    ours = summarize_level(1, [make_result(0.0, [0.1, 0.2, 0.3], tokens=3)], wall_s=0.3)
+    base = summarize_level(1, [make_result(0.0, [0.2, 0.4, 0.6], tokens=3)], wall_s=0.6)
+    r = ratios(ours, base)
+    assert r["decode_tps"] == pytest.approx(2.0)
+    assert r["aggregate_tps"] == pytest.approx(2.0)
+    assert r["ttft"] == pytest.approx(0.5)
+    assert r["tpot"] == pytest.approx(0.5)
+    assert ratio_lines(r)[0] == "decode tok/s (higher is better): 2.00x"
+    empty = summarize_level(1, [], wall_s=0.0)
+    assert ratios(ours, empty)["decode_tps"] is None
+
+
+def test_level_row_and_plain_table():
+    lv = summarize_level(4, [make_result(0.0, [0.1, 0.2, 0.3], tokens=3)], wall_s=0.5)
+    row = level_row("ours", lv)
+    assert len(row) == len(COLUMNS)
+    assert row[:4] == ["ours", "4", "1/1", "100.0"]
+    assert row[-2:] == ["10.0", "6.0"]
+    failed = level_row("baseline", summarize_level(1, [make_result(0.0, [], None, "boom")], wall_s=1.0))
+    assert failed[3] == "-" and failed[-2] == "-"
+    lines = format_plain([row, failed]).splitlines()
+    assert len(lines) == 4
+    assert len({len(line) for line in lines}) == 1  # every line padded to the same width
+    assert lines[0].split()[0] == "server" and lines[2].startswith("ours")
+
+
+def test_default_prompt_set_is_large_and_varied():
+    prompts = load_prompts()
+    assert len(prompts) >= 60
+    assert len({p.id for p in prompts}) == len(prompts)
+    kinds = Counter(p.kind for p in prompts)
+    assert set(kinds) == {"chat", "code", "json_extraction", "summarisation", "factual", "arithmetic"}
+    assert min(kinds.values()) >= 8
+    assert all(p.prompt.strip() for p in prompts)
+    assert DEFAULT_PROMPTS.name == "bench.jsonl"
+
+
+def test_load_prompts_validates(tmp_path):
+    good = tmp_path / "ok.jsonl"
+    good.write_text(json.dumps({"id": "a", "kind": "chat", "prompt": "hi"}) + "\n\n")
+    assert [p.id for p in load_prompts(good)] == ["a"]
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
+    with pytest.raises(ValueError, match="kind"):
+        load_prompts(missing)
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text((json.dumps({"id": "a", "kind": "x", "prompt": "y"}) + "\n") * 2)
+    with pytest.raises(ValueError, match="duplicate"):
+        load_prompts(dup)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="no prompts"):
+        load_prompts(empty)
+
+
+def test_parse_args_levels():
+    args = parse_args(["--concurrency", "1, 8", "--decoder", "eagle", "--endpoint", "chat"])
+    assert args.levels == [1, 8] and args.decoder == "eagle" and args.endpoint == "chat"
+    assert args.max_tokens == 128 and args.temperature == 0.0
+    with pytest.raises(SystemExit):
+        parse_args(["--concurrency", "0"])
+    with pytest.raises(SystemExit):
+        parse_args(["--concurrency", "a,b"])
