@@ -15,6 +15,7 @@ from typing import Any, Awaitable, Callable
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
+from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
@@ -85,7 +86,7 @@ def health() -> dict[str, str]:
 
 
 @get("/v1/models", sync_to_thread=False)
-def list_models(state: Any) -> Response:
+def list_models(state: State) -> Response:
     service: Service = state.app_state.service
     cards = [ModelCard(id=m.name, created=m.created, decoders=m.decoders, max_model_len=m.max_model_len)
              for m in service.models.values()]
@@ -93,7 +94,7 @@ def list_models(state: Any) -> Response:
 
 
 @post("/v1/completions", status_code=200)
-async def completions(request: Request, state: Any) -> Response | Stream:
+async def completions(request: Request, state: State) -> Response | Stream:
     service: Service = state.app_state.service
     body = decode(await request.body(), completion_decoder)
     model = service.model(body.model)
@@ -116,7 +117,7 @@ async def completions(request: Request, state: Any) -> Response | Stream:
 
 
 @post("/v1/chat/completions", status_code=200)
-async def chat_completions(request: Request, state: Any) -> Response | Stream:
+async def chat_completions(request: Request, state: State) -> Response | Stream:
     service: Service = state.app_state.service
     body = decode(await request.body(), chat_decoder)
     handler = ChatHandler(service, body, request.headers.get("x-dualserve-decoder"))
@@ -128,8 +129,6 @@ async def chat_completions(request: Request, state: Any) -> Response | Stream:
 
 
 def create_app(app_state: AppState) -> Litestar:
-    from litestar.datastructures import State
-
     async def shutdown() -> None:
         for fn in app_state.on_shutdown:
             fn()

@@ -59,12 +59,12 @@ class CompletionRequest(Hints, kw_only=True):
     best_of: int | None = None
 
 
-class FunctionCall(Struct, kw_only=True, omit_defaults=True):
+class FunctionCall(Struct, kw_only=True):
     name: str
     arguments: str = ""
 
 
-class ToolCall(Struct, kw_only=True, omit_defaults=True):
+class ToolCall(Struct, kw_only=True):
     id: str
     function: FunctionCall
     type: str = "function"
@@ -140,7 +140,7 @@ class CompletionChoice(Struct, kw_only=True):
     finish_reason: str | None = None
 
 
-class Completion(Struct, kw_only=True, omit_defaults=True):
+class Completion(Struct, kw_only=True):
     id: str
     created: int
     model: str
@@ -167,7 +167,7 @@ class ChatLogprobs(Struct, kw_only=True):
     content: list[ChatTokenLogprob] | None
 
 
-class ChatResponseMessage(Struct, kw_only=True, omit_defaults=True):
+class ChatResponseMessage(Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -180,7 +180,7 @@ class ChatChoice(Struct, kw_only=True):
     finish_reason: str | None = None
 
 
-class ChatCompletion(Struct, kw_only=True, omit_defaults=True):
+class ChatCompletion(Struct, kw_only=True):
     id: str
     created: int
     model: str
@@ -210,7 +210,7 @@ class ChatChunkChoice(Struct, kw_only=True):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(Struct, kw_only=True, omit_defaults=True):
+class ChatCompletionChunk(Struct, kw_only=True):
     id: str
     created: int
     model: str
@@ -219,7 +219,7 @@ class ChatCompletionChunk(Struct, kw_only=True, omit_defaults=True):
     usage: Usage | None = None
 
 
-class ModelCard(Struct, kw_only=True, omit_defaults=True):
+class ModelCard(Struct, kw_only=True):
     id: str
     created: int
     owned_by: str = "dualserve"
