@@ -10,7 +10,9 @@ decoding each token alone:
    `detokenize_incrementally`, TGI `decode_token`): decode a short window that begins a few
    tokens back, and emit what it has beyond the text of its first part, unless that ends in
    U+FFFD, an incomplete UTF-8 sequence. Each push costs a decode of a window, not of the
-   whole sequence, and the concatenated output equals `tokenizer.decode(all_ids)`.
+   whole sequence, and the concatenated output equals `tokenizer.decode(all_ids)` whenever the
+   ids spell valid UTF-8. (Sentencepiece byte fallback turns a whole run of byte tokens into
+   U+FFFD once any of it is invalid, which no stream can know in advance.)
 2. A stop string may span tokens or begin inside one. Text is held back while its end could
    still be the start of a stop string; once a stop string appears, the text before it is
    emitted, the stream stops, and nothing after it is ever emitted.
@@ -42,14 +44,14 @@ class TextStream:
     def __init__(
         self,
         tokenizer: Detokenizer,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | None = (),
         skip_special_tokens: bool = True,
         include_stop_str: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._include_stop = include_stop_str
-        self._stops = tuple(dict.fromkeys(s for s in stop if s))
+        self._stops = tuple(dict.fromkeys(s for s in stop or () if s))
         self._max_hold = max((len(s) for s in self._stops), default=1) - 1
         self._ids: list[int] = []
         # ids[prefix_offset:read_offset] were decoded into text already emitted (or held);
@@ -112,13 +114,18 @@ class TextStream:
         return out
 
     def _find_stop(self, text: str) -> tuple[int, str] | None:
-        """The earliest stop string in `text` (text before `_pending` can hold none)."""
-        best: tuple[int, str] | None = None
+        """The stop string in `text` that ends first, the longer one on a tie.
+
+        Generation would have stopped token by token at the first completed stop string, so
+        ranking by end (not by start) gives the same cut however the text arrived in chunks.
+        Text already emitted can hold no stop string: its possible beginnings were held back.
+        """
+        best: tuple[int, int, str] | None = None
         for stop in self._stops:
             at = text.find(stop)
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, stop)
-        return best
+            if at >= 0 and (best is None or (at + len(stop), at) < best[:2]):
+                best = (at + len(stop), at, stop)
+        return None if best is None else (best[1], best[2])
 
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest end of `text` that is the beginning of some stop string."""

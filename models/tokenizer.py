@@ -62,11 +62,6 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 
 
 @dataclass(frozen=True)
@@ -89,7 +84,6 @@ PRE_SPLITS: dict[str, PreSplit] = {
     "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "falcon3": _LLAMA3,
     "pixtral": _LLAMA3, "dbrx": PreSplit(_LLAMA3_SPLIT), "smaug-bpe": PreSplit(_LLAMA3_SPLIT),
     "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2, "stablelm2": _QWEN2,
-    "gpt-4o": PreSplit(_GPT4O_SPLIT), "llama4": PreSplit(_GPT4O_SPLIT),
 }
 # llama.cpp prepends bos by default for these pre-tokenizers (llama_vocab::impl::load).
 _BOS_BY_DEFAULT = {"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"}
@@ -325,14 +319,6 @@ def _hf_chat_template(directory: Path, config: Mapping[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _ids_of(value: Any) -> list[int]:
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int)]
-    return []
-
-
 class Tokenizer:
     """One model's tokenizer: encode, decode, special ids and the chat template.
 
@@ -385,42 +371,36 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
         """The vocabulary embedded in an open GGUF file (llama.cpp's `tokenizer.*` keys)."""
-        kind = _gguf_value(reader, "tokenizer.ggml.model")
-        tokens = _gguf_value(reader, "tokenizer.ggml.tokens")
+
+        def meta(key: str) -> Any:
+            return _gguf_value(reader, "tokenizer.ggml." + key)
+
+        kind, tokens, pre = meta("model"), meta("tokens"), meta("pre")
         if not tokens:
             raise TokenizerError("GGUF file has no tokenizer.ggml.tokens")
-        types = _gguf_value(reader, "tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-        pre = _gguf_value(reader, "tokenizer.ggml.pre")
+        types = meta("token_type") or [NORMAL] * len(tokens)
         if kind == "gpt2":
-            merges = _gguf_value(reader, "tokenizer.ggml.merges") or []
-            backend = byte_level_backend(tokens, merges, pre)
+            backend = byte_level_backend(tokens, meta("merges") or [], pre)
             add_bos_default = pre in _BOS_BY_DEFAULT
         elif kind == "llama":
-            scores = _gguf_value(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
-            charsmap = _gguf_value(reader, "tokenizer.ggml.precompiled_charsmap")
-            vocab = SpmVocab(
-                list(tokens), list(scores), list(types),
-                add_dummy_prefix=_gguf_value(reader, "tokenizer.ggml.add_space_prefix") is not False,
-                remove_extra_whitespaces=bool(_gguf_value(reader, "tokenizer.ggml.remove_extra_whitespaces")),
+            charsmap = meta("precompiled_charsmap")
+            backend = spm_backend(SpmVocab(
+                tokens, meta("scores") or [0.0] * len(tokens), types,
+                add_dummy_prefix=meta("add_space_prefix") is not False,
+                remove_extra_whitespaces=bool(meta("remove_extra_whitespaces")),
                 charsmap=bytes(b & 0xFF for b in charsmap) if charsmap else None,
-                special_ids=(None, None, None, _gguf_value(reader, "tokenizer.ggml.unknown_token_id")),
-            )
-            backend = spm_backend(vocab)
+                special_ids=(None, None, None, meta("unknown_token_id"))))
             add_bos_default = True  # llama.cpp and transformers both default to bos for SPM
         else:
             raise TokenizerError(f"GGUF tokenizer model {kind!r} is not supported (gpt2 and llama are)")
         _add_typed_tokens(backend, tokens, types)
-        add_bos = _gguf_value(reader, "tokenizer.ggml.add_bos_token")
+        add_bos = meta("add_bos_token")
         return cls(
-            backend,
-            bos_token_id=_gguf_value(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_id=_gguf_value(reader, "tokenizer.ggml.eos_token_id"),
-            pad_token_id=_gguf_value(reader, "tokenizer.ggml.padding_token_id"),
-            unk_token_id=_gguf_value(reader, "tokenizer.ggml.unknown_token_id"),
-            stop_token_ids=[i for i in (_gguf_value(reader, "tokenizer.ggml.eot_token_id"),
-                                        _gguf_value(reader, "tokenizer.ggml.eom_token_id")) if i is not None],
+            backend, bos_token_id=meta("bos_token_id"), eos_token_id=meta("eos_token_id"),
+            pad_token_id=meta("padding_token_id"), unk_token_id=meta("unknown_token_id"),
+            stop_token_ids=[i for i in (meta("eot_token_id"), meta("eom_token_id")) if i is not None],
             add_bos_token=add_bos_default if add_bos is None else bool(add_bos),
-            add_eos_token=bool(_gguf_value(reader, "tokenizer.ggml.add_eos_token")),
+            add_eos_token=bool(meta("add_eos_token")),
             chat_template=_gguf_value(reader, "tokenizer.chat_template"),
         )
 
@@ -448,8 +428,10 @@ class Tokenizer:
             found = backend.token_to_id(text) if text is not None else None
             return fallback if found is None else found
 
-        bos, eos, pad, unk = (token_id(n, f) for n, f in zip(("bos_token", "eos_token", "pad_token", "unk_token"), spm_ids))
-        generation = _read_json(directory / "generation_config.json")
+        names_ids = zip(("bos_token", "eos_token", "pad_token", "unk_token"), spm_ids)
+        bos, eos, pad, unk = (token_id(name, fallback) for name, fallback in names_ids)
+        generation_eos = _read_json(directory / "generation_config.json").get("eos_token_id")
+        generation_eos = generation_eos if isinstance(generation_eos, list) else [generation_eos]
         add_bos, add_eos = names.get("add_bos_token"), names.get("add_eos_token")
         if add_bos is None or add_eos is None:
             inferred_bos, inferred_eos = _post_processor_adds(backend, bos, eos)
@@ -457,7 +439,7 @@ class Tokenizer:
             add_eos = inferred_eos if add_eos is None else add_eos
         return cls(
             backend, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, unk_token_id=unk,
-            stop_token_ids=_ids_of(generation.get("eos_token_id")),
+            stop_token_ids=[i for i in generation_eos if isinstance(i, int)],
             add_bos_token=bool(add_bos), add_eos_token=bool(add_eos),
             chat_template=_hf_chat_template(directory, config),
         )
@@ -493,13 +475,6 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
-    def id_to_token(self, token_id: int) -> str | None:
-        return self._backend.id_to_token(token_id)
-
-    def token_text(self, token_id: int | None) -> str | None:
-        """The content of a token id, as chat templates see bos_token and eos_token."""
-        return None if token_id is None else self._backend.id_to_token(token_id)
-
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -512,16 +487,12 @@ class Tokenizer:
             raise ChatTemplateError("this model has no chat template")
         if self._compiled is None:
             self._compiled = compile_chat_template(self.chat_template)
-        specials = {
-            "bos_token": self.token_text(self.bos_token_id),
-            "eos_token": self.token_text(self.eos_token_id),
-            "pad_token": self.token_text(self.pad_token_id),
-            "unk_token": self.token_text(self.unk_token_id),
-        }
-        return self._compiled.render(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt,
-            **{k: v for k, v in specials.items() if v is not None}, **extra,
-        )
+        # Templates see the special tokens by name, as transformers passes its special_tokens_map.
+        ids = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id,
+               "pad_token": self.pad_token_id, "unk_token": self.unk_token_id}
+        specials = {name: self._backend.id_to_token(i) for name, i in ids.items() if i is not None}
+        return self._compiled.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                     **{**specials, **extra})
 
 
 def _add_config_tokens(backend: Backend, decoder: Mapping[str, Any]) -> None:
@@ -531,9 +502,8 @@ def _add_config_tokens(backend: Backend, decoder: Mapping[str, Any]) -> None:
         text = _token_text(entry)
         if text is None or backend.token_to_id(text) is not None:
             continue
-        token = AddedToken(text, special=bool(entry.get("special")), normalized=bool(entry.get("normalized", False)),
-                           lstrip=bool(entry.get("lstrip")), rstrip=bool(entry.get("rstrip")),
-                           single_word=bool(entry.get("single_word")))
+        flags = ("special", "normalized", "lstrip", "rstrip", "single_word")
+        token = AddedToken(text, **{flag: bool(entry.get(flag)) for flag in flags})
         (backend.add_special_tokens if token.special else backend.add_tokens)([token])
         if backend.token_to_id(text) != int(key):
             log.warning("added token %r got id %s, tokenizer_config.json says %s",

@@ -1,0 +1,40 @@
+# dualserve: OpenAI-compatible server with AR, EAGLE and diffusion decoders.
+#
+# CPU image (default):
+#   docker build -t dualserve .
+#   docker run -p 8000:8000 -v dualserve-cache:/cache dualserve
+#
+# GPU image: build on a CUDA base with the gpu extra (flash-attn), e.g.
+#   docker build -t dualserve:gpu \
+#     --build-arg BASE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04 \
+#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 \
+#     --build-arg EXTRAS=gpu .
+#   docker run --gpus all -p 8000:8000 -v dualserve-cache:/cache dualserve:gpu
+ARG BASE=python:3.11-slim
+FROM ${BASE}
+
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG EXTRAS=""
+ENV PIP_NO_CACHE_DIR=1 DUALSERVE_CACHE=/cache PYTHONUNBUFFERED=1
+
+RUN if ! command -v python3 >/dev/null; then \
+      apt-get update && apt-get install -y --no-install-recommends python3 python3-pip python3-venv && \
+      rm -rf /var/lib/apt/lists/*; fi
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY server ./server
+COPY decoders ./decoders
+COPY models ./models
+COPY clients ./clients
+RUN pip install --extra-index-url ${TORCH_INDEX} "torch>=2.4" && \
+    if [ -n "${EXTRAS}" ]; then pip install ".[${EXTRAS}]"; else pip install .; fi
+
+# Fetch the embedded default model at build time so the container starts offline.
+RUN dualserve pull
+
+EXPOSE 8000
+# Inside a container, bind all interfaces; the port mapping decides exposure.
+CMD ["dualserve", "serve", "--host", "0.0.0.0", "--port", "8000"]

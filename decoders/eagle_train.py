@@ -1,0 +1,367 @@
+"""``dualserve train-eagle``: self-distil an EAGLE draft head for any loaded target.
+
+Three resumable stages, each writing under ``--work-dir``:
+
+1. **data**: the target answers a varied prompt set (``eagle_prompts.py``, plus
+   any ``--prompts`` JSONL files) through the paged runner, batched; every fed
+   position's post-norm hidden state and EAGLE-3 low/mid/high features are
+   captured in the same forwards and written as fp16 safetensors shards.
+   Finished shards are skipped on restart.
+2. **vocab** (EAGLE-3): the ``--draft-vocab`` most frequent answer tokens, sorted
+   ascending, give ``d2t``/``t2d`` (upstream ``traineagle3/cnets.py``).
+3. **train**: AdamW with warmup and cosine decay on the objectives in
+   ``eagle_losses.py``; a checkpoint (weights + optimizer moments as
+   safetensors, progress as JSON) every ``--save-every`` steps; the finished
+   head is written in the layout ``models/eagle.py`` loads.
+
+The EAGLE-3 head starts from the target where shapes allow: its lm_head rows
+and final norm are the target's, and the residual branches start at zero, so
+step 0 trains from a sensible output space rather than noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from safetensors.torch import load_file, save_file
+
+from dualserve.models.config import RopeScaling
+from dualserve.models.eagle import EagleConfig, EagleHead, HEAD_CLASSES, eagle3_aux_layers, save_eagle_head
+from dualserve.models.loader import LoadedModel
+
+from .eagle_losses import Batch, eagle1_loss, eagle3_loss
+from .eagle_prompts import build_prompts
+from .runner import ForwardItem, ModelRunner
+
+console = Console(stderr=True)
+
+
+# ---- stage 1: self-distilled data ----------------------------------------------
+
+def chat_ids(loaded: LoadedModel, prompt: str) -> list[int]:
+    tok = loaded.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+@torch.inference_mode()
+def generate_shard(runner: ModelRunner, prompts: list[list[int]], max_new: int, eos: set[int],
+                   aux_layers: tuple[int, ...], temperature: float, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Answer a batch of prompts; return per sequence its tokens and the features of every fed position.
+
+    Each sequence owns a contiguous run of blocks, so slot = base + position.
+    """
+    bs = runner.block_size
+    per_seq = -(-(max(map(len, prompts)) + max_new) // bs)
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [{"ids": list(p), "final": [], "aux": [], "done": False} for p in prompts]
+    starts = [0] * len(seqs)
+    while True:
+        live = [i for i, s in enumerate(seqs) if not s["done"]]
+        if not live:
+            break
+        items = []
+        for i in live:
+            ids, start, base = seqs[i]["ids"], starts[i], i * per_seq * bs
+            items.append(ForwardItem(ids[start:], range(start, len(ids)), start,
+                                     list(range(i * per_seq, (i + 1) * per_seq)),
+                                     range(base + start, base + len(ids))))
+        final, aux = runner.forward(items, aux_layers=aux_layers)
+        aux_cat = torch.cat(aux, -1) if aux else final[:, :0]
+        offset, last_rows = 0, []
+        for i in live:
+            n = len(seqs[i]["ids"]) - starts[i]
+            seqs[i]["final"].append(final[offset:offset + n].half())
+            seqs[i]["aux"].append(aux_cat[offset:offset + n].half())
+            offset += n
+            last_rows.append(offset - 1)
+            starts[i] = len(seqs[i]["ids"])
+        logits = runner.logits(final[last_rows])  # (live, vocab)
+        if temperature > 0:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
+        else:
+            nxt = logits.argmax(-1)
+        for i, tok in zip(live, nxt.tolist()):
+            s = seqs[i]
+            s["ids"].append(tok)
+            if tok in eos or len(s["ids"]) - len(prompts[i]) >= max_new:
+                s["done"] = True
+    return [{"ids": torch.tensor(s["ids"]), "prompt_len": torch.tensor(len(p)),
+             "final": torch.cat(s["final"]), "aux": torch.cat(s["aux"])} for s, p in zip(seqs, prompts)]
+
+
+def make_data(loaded: LoadedModel, args: argparse.Namespace, aux_layers: tuple[int, ...], data_dir: Path) -> None:
+    prompts = build_prompts(args.num_prompts, args.seed)
+    for path in args.prompts or []:
+        prompts += [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()]
+    data_dir.mkdir(parents=True, exist_ok=True)
+    bs = 16
+    per_seq = -(-(args.max_prompt_len + args.max_new_tokens) // bs)
+    runner = ModelRunner(loaded.model, args.gen_batch * per_seq, bs)
+    eos = set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
+    shards = [prompts[i:i + args.gen_batch] for i in range(0, len(prompts), args.gen_batch)]
+    tokens, started = 0, time.perf_counter()
+    for n, shard in enumerate(shards):
+        out = data_dir / f"shard-{n:04d}.safetensors"
+        if out.exists():
+            continue
+        ids = [chat_ids(loaded, p)[-args.max_prompt_len:] for p in shard]
+        # Every other shard is sampled: the head should know the target's spread, not one path.
+        temperature = args.gen_temperature if n % 2 else 0.0
+        seqs = generate_shard(runner, ids, args.max_new_tokens, eos, aux_layers, temperature, args.seed + n)
+        flat = {f"{j}.{k}": v for j, s in enumerate(seqs) for k, v in s.items()}
+        save_file(flat, str(out.with_suffix(".tmp")))
+        out.with_suffix(".tmp").rename(out)
+        tokens += sum(len(s["ids"]) - int(s["prompt_len"]) for s in seqs)
+        rate = tokens / (time.perf_counter() - started)
+        console.log(f"data: shard {n + 1}/{len(shards)}, {tokens} answer tokens, {rate:.1f} tok/s")
+
+
+def load_sequences(data_dir: Path) -> list[dict[str, torch.Tensor]]:
+    seqs = []
+    for f in sorted(data_dir.glob("shard-*.safetensors")):
+        flat = load_file(str(f))
+        count = len({k.split(".")[0] for k in flat})
+        seqs += [{k: flat[f"{j}.{k}"] for k in ("ids", "prompt_len", "final", "aux")} for j in range(count)]
+    return seqs
+
+
+# ---- stage 2: draft vocabulary ---------------------------------------------------
+
+def draft_vocab(seqs: list[dict[str, torch.Tensor]], vocab_size: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) from answer-token counts; ties and unseen ids fill by ascending id."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(s["ids"][int(s["prompt_len"]):], minlength=vocab_size)[:vocab_size]
+    order = torch.argsort(counts * vocab_size - torch.arange(vocab_size), descending=True)  # stable by id
+    used = order[:size].sort().values  # (draft_vocab,)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    return used - torch.arange(size), t2d
+
+
+# ---- stage 3: training -----------------------------------------------------------
+
+def batches(seqs: list[dict[str, torch.Tensor]], batch_size: int, rng: random.Random) -> list[list[int]]:
+    """Length-bucketed batches (little padding), in random order."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]["ids"]))
+    groups = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    rng.shuffle(groups)
+    return groups
+
+
+def collate(seqs: list[dict[str, torch.Tensor]], device: str = "cpu") -> Batch:
+    t = max(len(s["ids"]) for s in seqs)
+    b, h, a = len(seqs), seqs[0]["final"].shape[1], seqs[0]["aux"].shape[1]
+    ids = torch.zeros(b, t, dtype=torch.long)
+    final = torch.zeros(b, t, h)
+    aux = torch.zeros(b, t, a)
+    valid = torch.zeros(b, t, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        n = len(s["ids"])
+        ids[i, :n] = s["ids"]
+        final[i, :n - 1] = s["final"].float()
+        aux[i, :n - 1] = s["aux"].float()
+        valid[i, int(s["prompt_len"]):n] = True
+    lengths = torch.tensor([len(s["ids"]) for s in seqs])
+    return Batch(*(x.to(device) for x in (ids, final, aux, valid, lengths)))
+
+
+def new_head(loaded: LoadedModel, args: argparse.Namespace, d2t: torch.Tensor | None,
+             t2d: torch.Tensor | None) -> EagleHead:
+    target = loaded.config
+    layer = target.replace(num_layers=1, intermediate_size=args.intermediate_size or target.intermediate_size,
+                           rope_scaling=RopeScaling(),
+                           tie_word_embeddings=False)
+    if args.kind == "eagle1":
+        config = EagleConfig("eagle1", layer, target.hidden_size, target.vocab_size, fc_bias=False)
+    else:
+        config = EagleConfig("eagle3", layer, target.hidden_size, len(d2t),
+                             aux_layers=eagle3_aux_layers({}, target.num_layers))
+    torch.manual_seed(args.seed)
+    head = HEAD_CLASSES[config.kind](config).to(args.device)
+    head.rotary.reset(args.device)
+    model = loaded.model
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+                p.zero_()  # residual branches start closed
+        if config.kind == "eagle3":
+            used = torch.arange(len(d2t)) + d2t
+            head.lm_head.weight.copy_(model.lm_head_weight[used.to(model.lm_head_weight.device)])
+            head.norm.weight.copy_(model.norm.weight)
+            # fc starts as "take the highest feature": step 0 then begins as an early exit
+            # from that layer through the target's own output space.
+            h = target.hidden_size
+            head.fc.weight.mul_(0.01)
+            head.fc.weight[:, 2 * h:] += torch.eye(h, device=head.fc.weight.device)
+            head.d2t.copy_(d2t)
+            head.t2d.copy_(t2d)
+    return head.attach(model)
+
+
+def checkpoint_paths(work: Path) -> tuple[Path, Path]:
+    return work / "checkpoint.safetensors", work / "checkpoint.json"
+
+
+def save_checkpoint(work: Path, head: EagleHead, opt: torch.optim.Optimizer, progress: dict) -> None:
+    weights, meta = checkpoint_paths(work)
+    state = {f"head.{k}": v.detach().clone() for k, v in head.state_dict().items()}
+    names = {id(p): n for n, p in head.named_parameters()}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for k, v in opt.state.get(p, {}).items():
+                if torch.is_tensor(v):
+                    state[f"opt.{names[id(p)]}.{k}"] = v.detach().clone().reshape(v.shape)
+    save_file(state, str(weights.with_suffix(".tmp")))
+    weights.with_suffix(".tmp").rename(weights)
+    meta.write_text(json.dumps(progress))
+
+
+def load_checkpoint(work: Path, head: EagleHead, opt: torch.optim.Optimizer) -> dict:
+    weights, meta = checkpoint_paths(work)
+    if not weights.exists() or not meta.exists():
+        return {"step": 0}
+    state = load_file(str(weights))
+    head.load_state_dict({k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
+    params = dict(head.named_parameters())
+    for key, v in state.items():
+        if key.startswith("opt."):
+            name, field = key.removeprefix("opt.").rsplit(".", 1)
+            opt.state.setdefault(params[name], {})[field] = v
+    return json.loads(meta.read_text())
+
+
+def lr_at(step: int, total: int, args: argparse.Namespace) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, total - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train(loaded: LoadedModel, args: argparse.Namespace, seqs: list[dict[str, torch.Tensor]], head: EagleHead,
+          work: Path) -> None:
+    trainable = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    progress = load_checkpoint(work, head, opt)
+    per_epoch = len(batches(seqs, args.batch_size, random.Random(0)))
+    total = per_epoch * args.epochs
+    step = progress["step"]
+    draft_rows = None
+    if args.kind == "eagle3":
+        used = torch.arange(len(head.d2t), device=head.d2t.device) + head.d2t
+        draft_rows = loaded.model.lm_head_weight[used.to(loaded.model.lm_head_weight.device)].float()
+    started, window = time.perf_counter(), []
+    autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.bf16)
+    while step < total:
+        epoch, index = divmod(step, per_epoch)
+        order = batches(seqs, args.batch_size, random.Random(args.seed + epoch))
+        batch = collate([seqs[i] for i in order[index]], args.device)
+        with autocast:
+            if args.kind == "eagle3":
+                loss, stats = eagle3_loss(head, batch, draft_rows, args.ttt_steps)
+            else:
+                loss, stats = eagle1_loss(head, batch)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total, args)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        step += 1
+        window.append((float(loss.detach()), stats))
+        if step % args.log_every == 0 or step == total:
+            log_progress(step, total, epoch, window, started)
+            window = []
+        if step % args.save_every == 0 or step == total:
+            save_checkpoint(work, head, opt, {"step": step})
+            save_eagle_head(head, loaded.config, args.output,
+                            metadata={"step": str(step), "target": loaded.name, "kind": args.kind})
+
+
+def log_progress(step: int, total: int, epoch: int, window: list, started: float) -> None:
+    loss = sum(w[0] for w in window) / len(window)
+    steps = len(window[0][1])
+    acc = []
+    for k in range(steps):
+        hits = sum(w[1][k][0] for w in window)
+        rows = sum(w[1][k][1] for w in window)
+        acc.append(f"{hits / max(rows, 1):.3f}")
+    elapsed = time.perf_counter() - started
+    console.log(f"train: step {step}/{total} epoch {epoch} loss {loss:.4f} top1@step [{', '.join(acc)}] "
+                f"{elapsed / 60:.1f} min")
+
+
+def run(loaded: LoadedModel, args: argparse.Namespace) -> Path:
+    """All three stages for an already loaded target; returns the output directory."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    work = Path(args.work_dir)
+    aux_layers = eagle3_aux_layers({}, loaded.config.num_layers) if args.kind == "eagle3" else ()
+    console.log(f"target {loaded.name}: {loaded.config.num_layers} layers, hidden {loaded.config.hidden_size}; "
+                f"head {args.kind}, aux layers {aux_layers}")
+    make_data(loaded, args, aux_layers, work / "data")
+    seqs = load_sequences(work / "data")
+    console.log(f"data: {len(seqs)} sequences, {sum(len(s['ids']) for s in seqs)} tokens")
+    d2t = t2d = None
+    if args.kind == "eagle3":
+        d2t, t2d = draft_vocab(seqs, loaded.config.vocab_size, min(args.draft_vocab, loaded.config.vocab_size))
+        answer = sum(len(s["ids"]) - int(s["prompt_len"]) for s in seqs)
+        covered = sum(int(t2d[s["ids"][int(s["prompt_len"]):]].sum()) for s in seqs)
+        console.log(f"vocab: {len(d2t)} draft ids cover {covered / max(answer, 1):.1%} of answer tokens")
+    head = new_head(loaded, args, d2t, t2d)
+    for p in head.parameters():
+        p.requires_grad_(True)
+    head.train()
+    train(loaded, args, seqs, head, work)
+    console.log(f"head written to {args.output}")
+    return Path(args.output)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dualserve train-eagle", description="Self-distil an EAGLE draft head.")
+    p.add_argument("--model", default=None, help="target: HF directory, .gguf file or known name (default model)")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--kind", choices=["eagle3", "eagle1"], default="eagle3")
+    p.add_argument("--output", required=True, help="head directory to write (config.json + model.safetensors)")
+    p.add_argument("--work-dir", required=True, help="data shards and checkpoints (resumable)")
+    p.add_argument("--prompts", nargs="*", help="extra JSONL prompt files ({\"prompt\": ...} per line)")
+    p.add_argument("--num-prompts", type=int, default=384, help="generated prompts")
+    p.add_argument("--max-prompt-len", type=int, default=192)
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--gen-batch", type=int, default=32)
+    p.add_argument("--gen-temperature", type=float, default=0.7)
+    p.add_argument("--draft-vocab", type=int, default=4096)
+    p.add_argument("--intermediate-size", type=int, default=None, help="head MLP width (default: the target's)")
+    p.add_argument("--ttt-steps", type=int, default=3, help="EAGLE-3 training-time-test unroll")
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs, CPUs with bf16 units; AVX2-only "
+                   "CPUs run it slower than fp32)")
+    p.add_argument("--device", default="cpu")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dualserve.models.hub import default_cache_dir, resolve_model
+    from dualserve.models.loader import load_model
+
+    args = parser().parse_args(argv)
+    cache = default_cache_dir(args.cache_dir)
+    name, path = resolve_model(args.model, cache)
+    loaded = load_model(path, name=name, dtype=torch.float32, device=args.device, cache_dir=cache)
+    run(loaded, args)
+    return 0
