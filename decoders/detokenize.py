@@ -14,8 +14,9 @@ decoding each token alone:
    ids spell valid UTF-8. (Sentencepiece byte fallback turns a whole run of byte tokens into
    U+FFFD once any of it is invalid, which no stream can know in advance.)
 2. A stop string may span tokens or begin inside one. Text is held back while its end could
-   still be the start of a stop string; once a stop string appears, the text before it is
-   emitted, the stream stops, and nothing after it is ever emitted.
+   still be the start of a stop string; once one is complete (the one that ends first, as
+   token-by-token generation would have met it), the text before it is emitted, the stream
+   stops, and nothing after it is ever emitted.
 """
 
 from __future__ import annotations

@@ -155,7 +155,10 @@ def spm_backend(vocab: SpmVocab) -> Backend:
 
     Same shape as transformers' LlamaTokenizer (models/llama/tokenization_llama.py): byte fallback,
     a Metaspace pre-tokenizer that prefixes the first word only, and a decoder that turns the
-    meta-space back into spaces, bytes back into text and drops the prefix space.
+    meta-space back into spaces, bytes back into text and drops the prefix space. Where the
+    references disagree we follow transformers: text that starts with a space gets no second
+    one (sentencepiece adds it), and text right after a special token gets none (llama.cpp
+    adds it).
     """
     unk_id = vocab.special_ids[3]
     byte_fallback = BYTE in vocab.types

@@ -52,8 +52,10 @@ class ChatHandler:
 
         tok = self.model.tokenizer
         try:
+            extra = {k: v for k, v in (self.body.chat_template_kwargs or {}).items()
+                     if k not in ("messages", "tools", "add_generation_prompt")}
             text = tok.apply_chat_template(message_dicts(self.body), tools=self.body.tools,
-                                           add_generation_prompt=True, **(self.body.chat_template_kwargs or {}))
+                                           add_generation_prompt=True, **extra)
         except ChatTemplateError as e:
             raise bad_request(f"could not apply the chat template: {e}", "messages", "invalid_messages") from None
         return tok.encode(text, add_special_tokens=False)

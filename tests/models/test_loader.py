@@ -1,0 +1,235 @@
+"""The loader against transformers: the default GGUF, and tiny random Hugging Face checkpoints.
+
+* The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) loaded by us and by transformers'
+  ``LlamaForCausalLM`` from the same file: both dequantize the same blocks to fp32, so the
+  logits differ only by summation order. Measured max |diff| is about 5e-5 on 18 tokens
+  (logits of magnitude ~20); the bound asserted is 1e-3, and every position's argmax must agree.
+  A wrong q/k un-permutation, norm epsilon or rope base moves the logits by whole units.
+* The GGUF is converted once into a cache directory; the second load reads the cache, skips the
+  conversion, is faster, and gives bit-identical logits.
+* Tiny random checkpoints written by transformers itself (``from_config`` + ``save_pretrained``,
+  safetensors): Qwen2-style with q/k/v biases, Llama-style with an untied head and llama3 rope
+  scaling, a sharded one with ``model.safetensors.index.json``, and a tied-embedding one. Our
+  logits must match transformers' within 1e-4 (fp32).
+
+transformers is only a test reference here; the code under test never imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dualserve.models import loader
+from dualserve.models.attention import DenseAttention
+from dualserve.models.loader import LoadedModel, load_model
+
+GGUF_BOUND = 1e-3
+TINY_BOUND = 1e-4
+VOCAB = 97
+
+
+def our_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """(tokens, vocab) fp32 logits for one sequence starting at position 0."""
+    tokens = torch.tensor(ids)
+    hidden, _ = loaded.model(tokens, torch.arange(len(ids)), DenseAttention([len(ids)]))
+    return loaded.model.logits(hidden)
+
+
+# ---- the default GGUF --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_loads(default_gguf: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Two loads into a fresh cache: the first converts, the second must reuse the conversion."""
+    cache = tmp_path_factory.mktemp("dualserve-cache")
+    calls: list[Path] = []
+    convert = loader.convert_gguf
+
+    def counting_convert(path: Path, out_dir: Path) -> Path:
+        calls.append(out_dir)
+        return convert(path, out_dir)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loader, "convert_gguf", counting_convert)
+        first = load_model(default_gguf, cache_dir=cache)
+        converted_after_first = list(calls)
+        second = load_model(default_gguf, cache_dir=cache)
+    return first, second, converted_after_first, list(calls), cache
+
+
+@pytest.fixture(scope="module")
+def hf_gguf_model(default_gguf: Path):
+    """transformers' model from the same GGUF file, loaded once (about 40 s on 2 CPU cores)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def chat_ids(gguf_loads) -> list[int]:
+    tok = gguf_loads[1].tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.slow
+def test_gguf_logits_match_transformers(gguf_loads, hf_gguf_model, chat_ids: list[int]) -> None:
+    ours = gguf_loads[1]
+    assert type(hf_gguf_model).__name__ == "LlamaForCausalLM"
+    assert ours.config.family == "llama" and ours.config.tie_word_embeddings
+    assert ours.config.vocab_size == hf_gguf_model.config.vocab_size
+    assert len(chat_ids) >= 16
+    logits = our_logits(ours, chat_ids)
+    with torch.inference_mode():
+        ref = hf_gguf_model(torch.tensor([chat_ids])).logits[0].float()
+    assert logits.shape == ref.shape
+    diff = (logits - ref).abs().max().item()
+    assert diff < GGUF_BOUND, f"max |logit diff| {diff:.2e} exceeds {GGUF_BOUND}"
+    assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.slow
+def test_gguf_conversion_is_cached(gguf_loads, chat_ids: list[int]) -> None:
+    first, second, after_first, after_second, cache = gguf_loads
+    assert len(after_first) == 1, "the first load into an empty cache converts the GGUF"
+    assert after_second == after_first, "the second load must reuse the conversion"
+    target = after_first[0]
+    assert target.parent == cache / "converted"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in target.iterdir()}
+    assert not list(target.parent.glob("*.partial")), "no half-written conversion is left behind"
+    assert second.load_seconds < first.load_seconds
+    assert second.config == first.config
+    assert torch.equal(our_logits(first, chat_ids), our_logits(second, chat_ids))
+
+
+# ---- tiny random Hugging Face checkpoints ---------------------------------------------------
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+
+
+def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A word-level tokenizer.json over ``vocab_size`` tokens: load_model reads a tokenizer too."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(directory / "tokenizer.json"))
+
+
+def redraw(model: torch.nn.Module, seed: int) -> None:
+    """Replace transformers' small init (std 0.02) with weights whose mistakes show in the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied head appears once, as the embedding
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+
+
+def write_tiny(directory: Path, family: str, *, tied: bool = False, max_shard_size: str | None = None,
+               seed: int = 0) -> torch.nn.Module:
+    """Write a tiny random checkpoint with transformers and return transformers' model."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 rms_norm_eps=1e-6, tie_word_embeddings=tied)
+    if family == "qwen2":
+        config = Qwen2Config(**sizes, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    else:
+        config = LlamaConfig(**sizes, rope_parameters=dict(LLAMA3_ROPE))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    redraw(model, seed)
+    model.save_pretrained(directory, max_shard_size=max_shard_size or "1GB")
+    write_word_tokenizer(directory, VOCAB)
+    return model
+
+
+def compare(directory: Path, ref: torch.nn.Module, length: int = 40) -> LoadedModel:
+    ours = load_model(directory)
+    ids = torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = our_logits(ours, ids)
+    with torch.inference_mode():
+        expected = ref(torch.tensor([ids])).logits[0].float()
+    assert expected.abs().max() > 1.0, "the reference logits are too flat to tell mistakes apart"
+    torch.testing.assert_close(logits, expected, atol=TINY_BOUND, rtol=0)
+    return ours
+
+
+def test_qwen2_with_qkv_bias(tmp_path: Path) -> None:
+    ref = write_tiny(tmp_path, "qwen2")
+    assert ref.model.layers[0].self_attn.q_proj.bias is not None
+    ours = compare(tmp_path, ref)
+    assert ours.config.family == "qwen2" and ours.config.attention_bias
+    assert not ours.config.tie_word_embeddings
+    assert ours.model.layers[0].self_attn.qkv_proj.bias is not None
+    assert ours.config.rope_theta == 1000000.0
+
+
+def test_llama_untied_with_llama3_rope(tmp_path: Path) -> None:
+    ref = write_tiny(tmp_path, "llama", seed=1)
+    ours = compare(tmp_path, ref)
+    cfg = ours.config
+    assert cfg.family == "llama" and not cfg.attention_bias and not cfg.tie_word_embeddings
+    assert cfg.rope_scaling.kind == "llama3" and cfg.rope_scaling.factor == 8.0
+    assert cfg.rope_scaling.original_max_position_embeddings == 64 and cfg.rope_theta == 500000.0
+    assert not torch.equal(ours.model.lm_head.weight, ours.model.embed_tokens.weight)
+
+
+def test_sharded_safetensors(tmp_path: Path) -> None:
+    ref = write_tiny(tmp_path, "llama", max_shard_size="40KB", seed=2)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and all((tmp_path / s).is_file() for s in shards)
+    assert not list(tmp_path.glob("*.bin")), "save_pretrained writes safetensors only"
+    assert loader.safetensors_files(tmp_path) == sorted(tmp_path / s for s in shards)
+    compare(tmp_path, ref)
+
+
+def test_tied_embeddings(tmp_path: Path) -> None:
+    ref = write_tiny(tmp_path, "qwen2", tied=True, seed=3)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" not in f.keys(), "a tied checkpoint stores the embedding only"
+    ours = compare(tmp_path, ref)
+    assert ours.config.tie_word_embeddings
+    assert not hasattr(ours.model, "lm_head")
+    assert ours.model.lm_head_weight is ours.model.embed_tokens.weight
+
+
+def test_load_is_strict(tmp_path: Path) -> None:
+    """An unknown tensor in a checkpoint is an error, not silently dropped."""
+    from safetensors.torch import load_file, save_file
+
+    write_tiny(tmp_path, "llama", seed=4)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    state["model.layers.0.mlp.extra.weight"] = torch.zeros(2, 2)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises((RuntimeError, ValueError)):
+        load_model(tmp_path)
+
+
+def test_meta_build_keeps_dtype_and_device(tmp_path: Path) -> None:
+    write_tiny(tmp_path, "qwen2", seed=5)
+    start = time.perf_counter()
+    ours = load_model(tmp_path, dtype=torch.bfloat16)
+    assert time.perf_counter() - start >= ours.load_seconds >= 0
+    params = list(ours.model.parameters())
+    assert all(p.dtype == torch.bfloat16 and p.device.type == "cpu" and not p.requires_grad for p in params)
+    assert ours.model.rotary.inv_freq.device.type == "cpu"
+    assert ours.model.rotary.inv_freq.dtype == torch.float32  # frequencies stay fp32 under bf16 weights
