@@ -53,6 +53,16 @@ from .transformer import Attention, DecoderLayer, RMSNorm, Rotary, SwiGLU, Trans
 
 HeadKind = Literal["eagle1", "eagle3"]
 
+ASSETS = Path(__file__).parent / "assets"
+# Heads that ship with the project, by served model name (``hub.DEFAULT_MODEL_NAME``).
+DEFAULT_HEADS: dict[str, Path] = {"SmolLM2-135M-Instruct": ASSETS / "eagle-smollm2"}
+
+
+def default_head(model_name: str) -> Path | None:
+    """The bundled head for a model name; a GGUF file stem's quantization suffix is ignored."""
+    path = DEFAULT_HEADS.get(model_name) or DEFAULT_HEADS.get(model_name.split(".")[0])
+    return path if path is not None and (path / "config.json").exists() else None
+
 
 @dataclass(frozen=True)
 class EagleConfig:
@@ -271,6 +281,9 @@ def load_eagle_head(path: Path | str, target: Transformer, dtype: torch.dtype | 
     kind = head_kind(list(raw))
     # The checkpoint is the ground truth for fc.bias (vicuna heads omit the config key).
     config = EagleConfig.from_hf(cfg, kind, target.config, fc_bias="fc.bias" in raw)
+    if config.layer.hidden_size != target.config.hidden_size:
+        raise ValueError(f"head hidden size {config.layer.hidden_size} does not match the target's "
+                         f"{target.config.hidden_size}: the head borrows the target's embedding")
     state = map_head_state(raw, kind)
     if kind == "eagle3" and "d2t" not in state:  # draft vocab == target vocab: identity maps
         state["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)

@@ -80,7 +80,8 @@ def _write(path: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     # Contiguous copies: safetensors refuses views; "format": "pt" is what transformers writes.
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
+    save_file(contiguous, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
@@ -329,7 +330,9 @@ def _redraw_diffusion_gemma(model: torch.nn.Module, init: _Init) -> None:
         enc.layer_scalar.copy_(scalar)
 
 
-def write_tiny_diffusion_gemma(path: str | Path, seed: int = 0, *, canvas_length: int = 8, vocab_size: int = 512) -> Path:
+def write_tiny_diffusion_gemma(
+    path: str | Path, seed: int = 0, *, canvas_length: int = 8, vocab_size: int = 512
+) -> Path:
     """Write a tiny DiffusionGemma checkpoint with transformers' own classes; return its directory.
 
     Two layers (sliding then full attention), hidden 64, 4 experts (top-2) beside the dense MLP,

@@ -30,8 +30,11 @@ from tiny_checkpoints import (
 def _read(directory: Path) -> tuple[dict, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
     """config.json and {tensor name: (shape, dtype)} from model.safetensors."""
     config = json.loads((directory / "config.json").read_text())
+    tensors = {}
     with safe_open(str(directory / "model.safetensors"), "pt") as f:
-        tensors = {name: (tuple(f.get_tensor(name).shape), f.get_tensor(name).dtype) for name in f.keys()}
+        for name in f.keys():
+            tensor = f.get_tensor(name)
+            tensors[name] = (tuple(tensor.shape), tensor.dtype)
     return config, tensors
 
 
@@ -94,13 +97,15 @@ def test_block_diffusion_matches_qwen_layout(tmp_path: Path, flavor: str):
     assert {name: shape for name, (shape, _) in tensors.items()} == _meta_state_shapes(cls, cfg)
 
 
-def test_writers_are_deterministic(tmp_path: Path):
-    _, first = _read(write_tiny_llada(tmp_path / "a", seed=3))
-    with safe_open(str(tmp_path / "a" / "model.safetensors"), "pt") as f:
-        a = f.get_tensor("model.transformer.blocks.1.ff_proj.weight")
-    write_tiny_llada(tmp_path / "b", seed=3)
-    with safe_open(str(tmp_path / "b" / "model.safetensors"), "pt") as f:
-        assert torch.equal(a, f.get_tensor("model.transformer.blocks.1.ff_proj.weight"))
+def test_writers_are_deterministic_and_keep_the_global_rng(tmp_path: Path):
+    name = "model.transformer.blocks.1.ff_proj.weight"
+    before = torch.get_rng_state()
+    tensors = []
+    for sub in ("a", "b"):
+        with safe_open(str(write_tiny_llada(tmp_path / sub, seed=3) / "model.safetensors"), "pt") as f:
+            tensors.append(f.get_tensor(name))
+    assert torch.equal(*tensors)
+    assert torch.equal(before, torch.get_rng_state())
     with pytest.raises(ValueError, match="mask id"):
         write_tiny_dream(tmp_path / "c", vocab_size=1000)
 

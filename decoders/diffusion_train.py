@@ -1,0 +1,314 @@
+"""``dualserve train-diffusion``: adapt an AR checkpoint into a block-diffusion twin.
+
+Stages, each resumable from ``--work-dir``:
+
+1. **data** (``diffusion_data.py``): the AR model's own greedy answers to a
+   varied prompt set, generated through the engine in one batch and cached as
+   JSONL (``--data``). One prompt in ``--holdout`` (by a stable hash) is kept
+   out of training for the sanity evaluation.
+2. **train** (``diffusion_twin.py``): LoRA adapters on every projection plus
+   the [MASK] embedding row, trained on the two-stream block-diffusion
+   objective with complementary masks. AdamW, linear warmup, cosine decay to
+   10%. A checkpoint (trainable tensors + optimizer moments as safetensors,
+   progress as JSON) every ``--save-every`` steps, and the twin directory is
+   rewritten at the same time, so an interrupted run leaves a usable twin.
+3. **eval** (``diffusion_eval.py``): masked-block denoising accuracy on the
+   held-out answers, before and after training.
+
+The mask token: the model's own ``mask_token_id`` if it has one, else
+``--mask-token`` (default ``<reponame>``, SmolLM2's unused duplicate of
+``<repo_name>``), else the last vocabulary id. Its embedding row starts as the
+mean embedding and is trained.
+
+bf16 autocast is used where the CPU has bf16 matrix units (AMX or AVX512-BF16)
+or on CUDA; on AVX2-only CPUs bf16 matmuls are emulated and measured slower
+than fp32, so ``--bf16 auto`` leaves them in fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from safetensors.torch import load_file, save_file
+
+from dualserve.models.adapter import TwinSpec, save_twin
+from dualserve.models.loader import LoadedModel, hf_config_dict
+
+from .diffusion_data import generate_dataset, read_dataset, twin_prompts
+from .diffusion_twin import Example, LoRALinear, adapter_tensors, add_lora, make_example, pack, twin_loss
+
+console = Console(stderr=True)
+DEFAULT_MASK_TOKEN = "<reponame>"
+
+
+def is_holdout(prompt: str, every: int) -> bool:
+    return every > 0 and int(hashlib.sha1(prompt.encode()).hexdigest(), 16) % every == 0
+
+
+def pick_mask_token(loaded: LoadedModel, name: str | None) -> int:
+    if loaded.config.mask_token_id is not None:
+        return loaded.config.mask_token_id
+    tok_id = loaded.tokenizer.token_to_id(name or DEFAULT_MASK_TOKEN)
+    return tok_id if tok_id is not None else loaded.config.vocab_size - 1
+
+
+def use_bf16(choice: str, device: str) -> bool:
+    if choice != "auto":
+        return choice == "on"
+    if device.startswith("cuda"):
+        return True
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+
+
+def examples_from(records: list[dict], block_size: int, pad_id: int) -> list[Example]:
+    out = []
+    for rec in records:
+        ex = make_example(rec["prompt_ids"], rec["answer_ids"], rec["finish"] == "stop", block_size, pad_id)
+        if ex is not None:
+            out.append(ex)
+    return out
+
+
+def packed_len(ex: Example, block_size: int) -> int:
+    n0 = ex.prompt_len // block_size * block_size
+    return len(ex.ids) + 2 * (len(ex.ids) - n0)
+
+
+def schedule(examples: list[Example], block_size: int, max_tokens: int, seed: int) -> list[list[int]]:
+    """One epoch's steps: shuffled examples packed greedily into steps of at most ``max_tokens``."""
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    steps: list[list[int]] = []
+    used = max_tokens
+    for i in order:
+        n = packed_len(examples[i], block_size)
+        if used + n > max_tokens:
+            steps.append([])
+            used = 0
+        steps[-1].append(i)
+        used += n
+    return steps
+
+
+# ---- checkpoints -------------------------------------------------------------------
+
+def trainable(loras: dict[str, LoRALinear], mask_embedding: torch.nn.Parameter) -> dict[str, torch.nn.Parameter]:
+    out = {"mask_embedding": mask_embedding}
+    for name, m in loras.items():
+        out[f"{name}.lora_A"] = m.lora_A
+        out[f"{name}.lora_B"] = m.lora_B
+    return out
+
+
+def save_checkpoint(work: Path, params: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer,
+                    progress: dict) -> None:
+    state = {f"param.{k}": v.detach().clone() for k, v in params.items()}
+    for name, p in params.items():
+        for k, v in opt.state.get(p, {}).items():
+            if torch.is_tensor(v):
+                state[f"opt.{name}.{k}"] = v.detach().clone()
+    tmp = work / "checkpoint.safetensors.tmp"
+    save_file(state, str(tmp))
+    tmp.replace(work / "checkpoint.safetensors")
+    (work / "checkpoint.json").write_text(json.dumps(progress))
+
+
+def load_checkpoint(work: Path, params: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer) -> dict:
+    if not (work / "checkpoint.safetensors").exists() or not (work / "checkpoint.json").exists():
+        return {"step": 0}
+    state = load_file(str(work / "checkpoint.safetensors"))
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(state[f"param.{name}"])
+    for key, v in state.items():
+        if key.startswith("opt."):
+            name, field = key.removeprefix("opt.").rsplit(".", 1)
+            opt.state.setdefault(params[name], {})[field] = v.to(params[name].device)
+    return json.loads((work / "checkpoint.json").read_text())
+
+
+# ---- training ----------------------------------------------------------------------
+
+def lr_at(step: int, total: int, args: argparse.Namespace) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, total - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def write_twin(loaded: LoadedModel, args: argparse.Namespace, spec: TwinSpec, loras, mask_embedding,
+               step: int) -> None:
+    save_twin(args.output, hf_config_dict(loaded.config), spec, adapter_tensors(loras, mask_embedding),
+              dtype=torch.bfloat16 if args.adapter_dtype == "bf16" else torch.float16,
+              metadata={"step": str(step), "base_model": spec.base_model})
+
+
+def train(loaded: LoadedModel, args: argparse.Namespace, examples: list[Example], spec: TwinSpec) -> None:
+    """Train LoRA + [MASK] row on ``examples`` for ``args.steps`` optimizer steps (resumable)."""
+    model = loaded.model
+    loras = add_lora(model, args.rank, args.alpha, args.seed)
+    emb = model.embed_tokens.weight
+    mask_embedding = torch.nn.Parameter(emb.detach().float().mean(0).to(emb))
+    params = trainable(loras, mask_embedding)
+    opt = torch.optim.AdamW(params.values(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    progress = load_checkpoint(work, params, opt)
+    step, history = progress["step"], work / "history.jsonl"
+    autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16,
+                              enabled=use_bf16(args.bf16, args.device))
+    model.train()
+    window = {"loss": 0.0, "targets": 0, "correct": 0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
+    bar = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                   console=console, disable=not console.is_terminal)
+    with bar:
+        task = bar.add_task("train", total=args.steps, completed=step, info="")
+        while step < args.steps:
+            steps_per_epoch = len(schedule(examples, spec.block_size, args.tokens_per_step, args.seed))
+            epoch, index = divmod(step, steps_per_epoch)
+            chosen = schedule(examples, spec.block_size, args.tokens_per_step, args.seed + epoch)[index]
+            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+            batch = [pack(examples[i], spec.block_size, spec.mask_token_id, gen) for i in chosen]
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, args.steps, args)
+            with autocast:
+                loss, n, correct = twin_loss(model, mask_embedding, spec.mask_token_id, batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
+            opt.step()
+            step += 1
+            window["loss"] += float(loss.detach()) * n
+            window["targets"] += n
+            window["correct"] += correct
+            window["tokens"] += sum(p.length for p in batch)
+            window["steps"] += 1
+            if step % args.log_every == 0 or step == args.steps:
+                info = log_window(step, args.steps, epoch, window, history)
+                bar.update(task, completed=step, info=info)
+                window = {k: 0 for k in window} | {"start": time.perf_counter()}
+            else:
+                bar.update(task, completed=step)
+            if step % args.save_every == 0 or step == args.steps:
+                save_checkpoint(work, params, opt, {"step": step})
+                write_twin(loaded, args, spec, loras, mask_embedding, step)
+    model.eval()
+
+
+def log_window(step: int, total: int, epoch: int, w: dict, history: Path) -> str:
+    elapsed = max(time.perf_counter() - w["start"], 1e-9)
+    rec = {"step": step, "epoch": epoch, "loss": round(w["loss"] / max(w["targets"], 1), 4),
+           "acc": round(w["correct"] / max(w["targets"], 1), 4),
+           "tokens_per_s": round(w["tokens"] / elapsed, 1), "targets_per_s": round(w["targets"] / elapsed, 1),
+           "time": round(time.time())}
+    with history.open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+    info = (f"loss {rec['loss']:.3f} acc {rec['acc']:.3f} {rec['tokens_per_s']:.0f} tok/s "
+            f"({rec['targets_per_s']:.0f} targets/s)")
+    console.log(f"train: step {step}/{total} epoch {epoch} {info}")
+    return info
+
+
+# ---- the command -------------------------------------------------------------------
+
+def run_eval(loaded: LoadedModel, examples: list[Example], spec: TwinSpec, args: argparse.Namespace,
+             label: str) -> list[dict]:
+    from .diffusion_eval import denoise_eval
+
+    rows = [s.row() for s in denoise_eval(loaded.model, examples[: args.eval_samples], spec.block_size,
+                                          spec.mask_token_id, args.eval_blocks)]
+    for r in rows:
+        console.log(f"eval ({label}): {r['rule']}: accuracy {r['accuracy']:.3f} vs AR greedy, "
+                    f"{r['tokens_per_forward']:.2f} tokens/forward over {r['tokens']} tokens")
+    with (Path(args.work_dir) / "eval.jsonl").open("a") as f:
+        f.write(json.dumps({"label": label, "rows": rows}) + "\n")
+    return rows
+
+
+def run(loaded: LoadedModel, args: argparse.Namespace, base_model: str) -> Path:
+    """Data, training and evaluation for an already loaded AR model; returns the twin directory."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = TwinSpec(block_size=args.block_size, mask_token_id=pick_mask_token(loaded, args.mask_token),
+                    base_model=base_model, rank=args.rank, alpha=args.alpha)
+    console.log(f"twin of {loaded.name}: block {spec.block_size}, mask id {spec.mask_token_id} "
+                f"({loaded.tokenizer.convert_ids_to_tokens([spec.mask_token_id])[0]}), LoRA rank {spec.rank}, "
+                f"bf16 autocast {'on' if use_bf16(args.bf16, args.device) else 'off'}")
+    prompts = twin_prompts(args.num_prompts, args.seed, args.prompts)
+    records = generate_dataset(loaded, prompts, Path(args.data), max_new_tokens=args.max_new_tokens,
+                               max_prompt_len=args.max_prompt_len, concurrency=args.gen_concurrency,
+                               log=console.log)
+    pad = loaded.tokenizer.eos_token_id if loaded.tokenizer.eos_token_id is not None else loaded.config.eos_token_ids[0]
+    train_recs = [r for r in records if not is_holdout(r["prompt"], args.holdout)]
+    held = examples_from([r for r in records if is_holdout(r["prompt"], args.holdout)], spec.block_size, pad)
+    examples = examples_from(train_recs, spec.block_size, pad)
+    console.log(f"data: {len(examples)} training answers ({sum(len(e.ids) - e.prompt_len for e in examples)} "
+                f"answer tokens), {len(held)} held out")
+    work = Path(args.work_dir)
+    if args.eval_samples and not (work / "checkpoint.json").exists():
+        run_eval(loaded, held, spec, args, "AR model, step 0")
+    train(loaded, args, examples, spec)
+    if args.eval_samples:
+        run_eval(loaded, held, spec, args, f"twin, step {args.steps}")
+    console.log(f"twin written to {args.output}")
+    return Path(args.output)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dualserve train-diffusion",
+                                description="Adapt an AR checkpoint into a block-diffusion twin (LoRA).")
+    p.add_argument("--from", dest="model", default=None,
+                   help="AR model: HF directory, .gguf file or known name (default: the embedded model)")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--output", required=True, help="twin directory to write (config.json + adapter.safetensors)")
+    p.add_argument("--work-dir", required=True, help="checkpoints, training history and eval results")
+    p.add_argument("--data", default=None, help="self-distilled JSONL cache (default: WORK_DIR/data.jsonl)")
+    p.add_argument("--prompts", nargs="*", help="extra JSONL prompt files ({\"prompt\": ...} per line)")
+    p.add_argument("--num-prompts", type=int, default=640, help="generated prompts")
+    p.add_argument("--max-prompt-len", type=int, default=192)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gen-concurrency", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--mask-token", default=None, help=f"token text to use as [MASK] (default {DEFAULT_MASK_TOKEN})")
+    p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--alpha", type=float, default=32.0)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--tokens-per-step", type=int, default=2048, help="packed tokens per optimizer step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--save-every", type=int, default=20)
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--holdout", type=int, default=20, help="keep one prompt in N out of training")
+    p.add_argument("--eval-samples", type=int, default=24, help="held-out answers to evaluate (0: none)")
+    p.add_argument("--eval-blocks", type=int, default=2, help="answer blocks evaluated per held-out answer")
+    p.add_argument("--adapter-dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
+                   help="bf16 autocast (auto: CUDA, or CPUs with AMX / AVX512-BF16)")
+    p.add_argument("--device", default="cpu")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dualserve.models.hub import ALIASES, default_cache_dir, resolve_model
+    from dualserve.models.loader import load_model
+
+    args = parser().parse_args(argv)
+    args.data = args.data or str(Path(args.work_dir) / "data.jsonl")
+    cache = default_cache_dir(args.cache_dir)
+    name, path = resolve_model(args.model, cache)
+    base_model = name if args.model is None or args.model in ALIASES else str(Path(path).resolve())
+    loaded = load_model(path, name=name, dtype=torch.float32, device=args.device, cache_dir=cache)
+    run(loaded, args, base_model)
+    return 0

@@ -1,0 +1,250 @@
+"""EAGLE-2 draft trees and the acceptance rules that verify them, as small pure pieces.
+
+Growing a tree (EAGLE-2, Li et al. 2024, section 4; upstream ``cnets.py``
+``topK_genrate``): from the head's output at the root, take the top-k tokens;
+then ``depth - 1`` times, feed the current frontier (k nodes) through the head,
+take each node's top-k children, score every child by the *cumulative* draft
+log-probability of its path, and keep the k best children as the next frontier.
+Every scored node joins a candidate pool; the best ``num_nodes`` of the pool are
+verified. A child never scores above its parent and sits later in the pool, so a
+stable sort by score keeps parents before children: the selection is a tree.
+
+Verifying it (``accept_greedy`` / ``accept_sampled``): one target forward over
+root + nodes gives the target's distribution at every node; walk down from the
+root accepting children the target agrees with, then add one token of the
+target's own (the "bonus"). At temperature 0 that is the longest path whose
+every token is the target's argmax. At temperature > 0 each node's children are
+tried in turn: child x is accepted with probability p(x); if rejected, p(x) is
+zeroed and p renormalised, and if no child is accepted the bonus is drawn from
+what is left. That is the sequential decomposition of drawing from p itself, so
+the output distribution is exactly the target's (upstream ``evaluate_posterior``;
+SpecInfer's multi-candidate rule with point-mass drafts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dualserve.models.attention import sdpa
+
+from .paged_attention import KVCache
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    depth: int = 5          # longest draft path (tokens after the root)
+    top_k: int = 4          # children per expanded node, and frontier width
+    num_nodes: int = 16     # drafted tokens verified per step (the root is extra)
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.top_k < 1 or self.num_nodes < 1:
+            raise ValueError("depth, top_k and num_nodes must be positive")
+        if self.num_nodes > self.pool_size:
+            raise ValueError(f"num_nodes={self.num_nodes} exceeds the {self.pool_size} candidates a tree of "
+                             f"depth {self.depth} and top_k {self.top_k} can hold")
+
+    @property
+    def pool_size(self) -> int:
+        return self.top_k + (self.depth - 1) * self.top_k ** 2
+
+    @classmethod
+    def chain(cls, depth: int) -> "TreeConfig":
+        """Chain drafting: one path of ``depth`` tokens (top_k = 1)."""
+        return cls(depth=depth, top_k=1, num_nodes=depth)
+
+
+@dataclass
+class DraftTree:
+    """Root first, parents before children. ``parents[0] == -1``; tokens are target ids."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.depths:
+            self.depths = [0]
+            for p in self.parents[1:]:
+                self.depths.append(self.depths[p] + 1)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def mask(self) -> torch.Tensor:
+        """(nodes, nodes) bool: node i may attend to node j iff j is i or an ancestor of i."""
+        n = len(self.tokens)
+        m = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            m[i] |= m[self.parents[i]]
+        return m
+
+    def children(self) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in self.tokens]
+        for i, p in enumerate(self.parents[1:], start=1):
+            out[p].append(i)
+        return out
+
+
+def select_nodes(scores: torch.Tensor, num: int) -> torch.Tensor:
+    """Indices of the ``num`` best pool entries, ascending (so parents come first).
+
+    The stable sort breaks score ties by pool index, and a parent's index is
+    always below its children's: a selected child's parent is always selected.
+    """
+    order = torch.sort(-scores, stable=True).indices[:num]
+    return order.sort().values
+
+
+class DraftTreeAttention:
+    """The head's attention while it grows a tree.
+
+    Keys/values of the real prefix come from the head's paged cache (gathered
+    once per layer); tree nodes are kept in dense scratch tensors that die with
+    the step. ``visible`` (new nodes x nodes fed so far) says which earlier
+    nodes each new node sees: its ancestors.
+    """
+
+    def __init__(self, cache: KVCache, prefix_slots: torch.Tensor | None):
+        self.cache = cache
+        self.prefix_slots = prefix_slots
+        self.prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.nodes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.visible: torch.Tensor | None = None  # set by the caller before each forward
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = q.shape[0]
+        if layer_idx not in self.prefix:
+            if self.prefix_slots is None or not len(self.prefix_slots):
+                empty = k[:0]
+                self.prefix[layer_idx] = (empty, empty)
+            else:
+                kf, vf = self.cache.flat(layer_idx)
+                self.prefix[layer_idx] = (kf.index_select(0, self.prefix_slots).to(k.dtype),
+                                          vf.index_select(0, self.prefix_slots).to(v.dtype))
+        pk, pv = self.prefix[layer_idx]
+        nk, nv = self.nodes.get(layer_idx, (k[:0], v[:0]))
+        keys = torch.cat([pk, nk, k])  # (prefix + fed + new, kv_heads, head_dim)
+        values = torch.cat([pv, nv, v])
+        visible = self.visible if self.visible is not None else torch.zeros(n, len(nk), dtype=torch.bool)
+        mask = torch.cat([torch.ones(n, len(pk), dtype=torch.bool), visible,
+                          torch.eye(n, dtype=torch.bool)], dim=1).to(q.device)
+        self.nodes[layer_idx] = (torch.cat([nk, k]), torch.cat([nv, v]))
+        return sdpa(q, keys, values, mask)
+
+
+def grow_tree(head, attn: DraftTreeAttention, root: int, last_hidden: torch.Tensor, position: int,
+              config: TreeConfig, max_depth: int) -> DraftTree:
+    """EAGLE-2 dynamic tree from the head's output at the root (``last_hidden``, (hidden,)).
+
+    ``position`` is the root's absolute position; a node at depth d is fed to the
+    head at RoPE position ``position + d - 1`` (the head's pair convention:
+    feature j with token j+1 sits at position j). ``max_depth`` caps the depth
+    (no point drafting past max_tokens).
+    """
+    depth = min(config.depth, max_depth)
+    if depth < 1:
+        return DraftTree([root], [-1])
+    k = config.top_k
+    logp = torch.log_softmax(head.logits(last_hidden[None])[0], -1)
+    scores, ids = logp.topk(k)  # level 1: (k,)
+    pool_scores, pool_ids, pool_parent = [scores], [ids], [torch.full((k,), -1)]  # parent = pool index
+    frontier = torch.arange(k)          # pool indices of the frontier
+    frontier_hidden = last_hidden[None].expand(k, -1)
+    fed_rows: list[torch.Tensor] = []   # per fed node: its visibility row over fed nodes
+    ancestors_of = {}                   # pool index -> fed index, for fed nodes
+    offset = k
+    for level in range(1, depth):
+        tokens = torch.cat(pool_ids)[frontier]
+        attn.visible = _visible_rows(frontier, torch.cat(pool_parent), ancestors_of, len(fed_rows), fed_rows)
+        out = head(head.to_target(tokens), frontier_hidden, torch.full((k,), position + level - 1), attn)
+        for j, f in enumerate(frontier.tolist()):
+            ancestors_of[f] = len(fed_rows) - k + j
+        child_logp, child_ids = torch.log_softmax(head.logits(out), -1).topk(k, dim=-1)  # (k, k)
+        cum = (child_logp + scores[:, None]).reshape(-1)  # (k * k,) cumulative path log-prob
+        pool_scores.append(cum)
+        pool_ids.append(child_ids.reshape(-1))
+        pool_parent.append(frontier.repeat_interleave(k))
+        scores, best = cum.topk(k)
+        frontier = offset + best
+        frontier_hidden = out[best // k]
+        offset += k * k
+    all_scores, all_ids, all_parent = torch.cat(pool_scores), torch.cat(pool_ids), torch.cat(pool_parent)
+    chosen = select_nodes(all_scores, min(config.num_nodes, len(all_scores)))
+    tree_index = {int(c): i + 1 for i, c in enumerate(chosen.tolist())}
+    parents = [-1] + [tree_index.get(int(all_parent[c]), 0) for c in chosen.tolist()]
+    tokens = [root] + head.to_target(all_ids[chosen]).tolist()
+    return DraftTree(tokens, parents)
+
+
+def _visible_rows(frontier: torch.Tensor, parent: torch.Tensor, fed_index: dict, num_fed: int,
+                  fed_rows: list[torch.Tensor]) -> torch.Tensor:
+    """Visibility of the frontier over already fed nodes: the fed ancestors of each frontier node.
+
+    Appends each frontier node's own row (ancestors + itself) to ``fed_rows``.
+    """
+    rows = []
+    for f in frontier.tolist():
+        p = int(parent[f])
+        row = torch.zeros(num_fed, dtype=torch.bool)
+        if p >= 0:
+            parent_row = fed_rows[fed_index[p]]  # as long as the fed count when the parent was fed
+            row[:len(parent_row)] = parent_row
+        rows.append(row)
+    visible = torch.stack(rows) if rows else torch.zeros(0, num_fed, dtype=torch.bool)  # (k, fed)
+    total = num_fed + len(rows)
+    for j, row in enumerate(rows):
+        full = torch.zeros(total, dtype=torch.bool)
+        full[:num_fed] = row
+        full[num_fed + j] = True
+        fed_rows.append(full)
+    return visible
+
+
+# ---- acceptance ------------------------------------------------------------------
+
+Dist = Callable[[int, list[int]], torch.Tensor]  # (node, tokens accepted so far) -> (vocab,) logits or probs
+
+
+def accept_greedy(tree: DraftTree, logits_at: Dist) -> tuple[list[int], int]:
+    """Longest path of target-argmax tokens; returns (accepted node indices, bonus token)."""
+    children = tree.children()
+    node, path, tokens = 0, [], []
+    while True:
+        best = int(torch.argmax(logits_at(node, tokens)))
+        nxt = next((c for c in children[node] if tree.tokens[c] == best), None)
+        if nxt is None:
+            return path, best
+        node = nxt
+        path.append(node)
+        tokens.append(best)
+
+
+def accept_sampled(tree: DraftTree, probs_at: Dist, generator: torch.Generator) -> tuple[list[int], int]:
+    """Lossless multi-candidate rejection sampling with point-mass drafts (see module docstring)."""
+    children = tree.children()
+    node, path, tokens = 0, [], []
+    while True:
+        p = probs_at(node, tokens).clone()
+        accepted = None
+        tried: set[int] = set()
+        for c in children[node]:
+            x = tree.tokens[c]
+            if x in tried:
+                continue
+            tried.add(x)
+            if float(torch.rand((), generator=generator)) < float(p[x]):
+                accepted = c
+                break
+            p[x] = 0.0
+            total = p.sum()
+            if total <= 0:
+                break
+            p = p / total
+        if accepted is None:
+            return path, int(torch.multinomial(p, 1, generator=generator))
+        node = accepted
+        path.append(node)
+        tokens.append(tree.tokens[node])

@@ -1,0 +1,168 @@
+"""Diffusion twins: an AR checkpoint plus a low-rank adapter that turns it into a block-diffusion model.
+
+A twin directory holds two files:
+
+- ``config.json``: the base model's Hugging Face config with two more keys,
+  ``"dualserve_diffusion": {"block_size", "mask_token_id", "shift_logits",
+  "base_model"}`` (read by ``ModelConfig.from_hf``) and ``"lora": {"rank",
+  "alpha", "targets"}``;
+- ``adapter.safetensors``: per adapted projection ``layers.N.<module>.lora_A``
+  (rank, in) and ``.lora_B`` (out, rank), in our fused naming (``qkv_proj``,
+  ``o_proj``, ``gate_up_proj``, ``down_proj``), plus ``mask_embedding``
+  (hidden,), the trained embedding row of the [MASK] token.
+
+``load_twin`` loads the base through the one loader and *merges* the adapter
+into a copy of the weights: W' = W + (alpha / rank) * B @ A (LoRA, Hu et al.
+2021, section 4.1). Merging costs one copy of the adapted matrices, but a
+merged twin runs at exactly the base model's speed; applying the adapter at run
+time would add two small matmuls per projection per forward, which at batch 1 on
+a CPU is dispatch time the AR model does not pay. Norms are shared with an
+already loaded base when one is passed in.
+
+The [MASK] row is written into ``embed_tokens``. With tied embeddings that row
+is also the output row of the [MASK] id; training used the same tied matrix, so
+the twin has learnt never to predict it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import ModelConfig
+from .loader import LoadedModel, build, load_model
+from .transformer import Transformer
+
+ADAPTER_FILE = "adapter.safetensors"
+# Our fused projections; a LoRA on qkv_proj is one low-rank update of the stacked q/k/v.
+LORA_TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@dataclass(frozen=True)
+class TwinSpec:
+    """What the ``dualserve_diffusion`` and ``lora`` keys of a twin's config.json say."""
+
+    block_size: int
+    mask_token_id: int
+    base_model: str
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = LORA_TARGETS
+    shift_logits: bool = True
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def config_keys(self) -> dict:
+        return {"dualserve_diffusion": {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
+                                        "shift_logits": self.shift_logits, "base_model": self.base_model},
+                "lora": {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}}
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "TwinSpec":
+        d, lora = cfg["dualserve_diffusion"], cfg["lora"]
+        return cls(block_size=int(d["block_size"]), mask_token_id=int(d["mask_token_id"]),
+                   base_model=str(d["base_model"]), rank=int(lora["rank"]), alpha=float(lora["alpha"]),
+                   targets=tuple(lora.get("targets", LORA_TARGETS)), shift_logits=bool(d.get("shift_logits", True)))
+
+
+def twin_config(base: ModelConfig, spec: TwinSpec) -> ModelConfig:
+    """The block-diffusion config of a twin of ``base``."""
+    return base.replace(family="block_diffusion", mask_token_id=spec.mask_token_id,
+                        diffusion_block_size=spec.block_size, shift_logits=spec.shift_logits)
+
+
+def is_twin_dir(path: Path | str) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / ADAPTER_FILE).exists()
+
+
+def lora_names(model: Transformer, targets: tuple[str, ...] = LORA_TARGETS) -> list[str]:
+    """Parameter prefixes (``layers.N.self_attn.qkv_proj``) that carry an adapter, in layer order."""
+    return [f"layers.{i}.{t}" for i in range(len(model.layers)) for t in targets]
+
+
+def merged_weights(model: Transformer, adapter: dict[str, torch.Tensor], spec: TwinSpec) -> dict[str, torch.Tensor]:
+    """The twin's state dict: ``model``'s tensors with W + scale * B @ A and the [MASK] row set.
+
+    Unchanged tensors are returned by reference (shared with ``model``); changed
+    ones are new tensors in fp32 arithmetic, cast back to the model's dtype.
+    """
+    state = dict(model.state_dict())
+    for prefix in lora_names(model, spec.targets):
+        a, b = adapter[f"{prefix}.lora_A"].float(), adapter[f"{prefix}.lora_B"].float()
+        w = state[f"{prefix}.weight"]
+        delta = (b @ a) * spec.scale  # (out, in)
+        state[f"{prefix}.weight"] = (w.float() + delta.to(w.device)).to(w.dtype)
+    emb = state["embed_tokens.weight"].clone()
+    emb[spec.mask_token_id] = adapter["mask_embedding"].to(emb)
+    state["embed_tokens.weight"] = emb
+    if "lm_head.weight" in state and model.config.tie_word_embeddings:
+        state["lm_head.weight"] = emb
+    return state
+
+
+def apply_twin(base: LoadedModel, path: Path | str, name: str | None = None) -> LoadedModel:
+    """A twin built from an already loaded base model (which is left unchanged)."""
+    path = Path(path)
+    start = time.perf_counter()
+    cfg = json.loads((path / "config.json").read_text())
+    spec = TwinSpec.from_config(cfg)
+    _check_shapes(base.config, cfg)
+    adapter = load_file(str(path / ADAPTER_FILE))
+    state = merged_weights(base.model, adapter, spec)
+    param = next(base.model.parameters())
+    model = build(twin_config(base.model.config, spec), state, param.dtype, param.device)
+    return LoadedModel(name=name or path.name, path=path, config=model.config, model=model,
+                       tokenizer=base.tokenizer, load_seconds=base.load_seconds + time.perf_counter() - start)
+
+
+def load_twin(path: Path | str, *, name: str | None = None, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu", cache_dir: Path | None = None,
+              base: LoadedModel | None = None) -> LoadedModel:
+    """Load a twin directory: its base model (the default model by name, else a path), then the adapter.
+
+    ``base_model`` in config.json is resolved relative to the twin directory when it
+    is a relative path. Pass ``base`` to reuse a loaded base instead of loading it again.
+    """
+    from .hub import ALIASES, default_cache_dir, resolve_model
+
+    path = Path(path)
+    if base is None:
+        spec = TwinSpec.from_config(json.loads((path / "config.json").read_text()))
+        cache = cache_dir or default_cache_dir()
+        if spec.base_model in ALIASES:
+            base_name, base_path = resolve_model(spec.base_model, cache)
+        else:
+            base_path = Path(spec.base_model).expanduser()
+            base_path = base_path if base_path.is_absolute() else path / base_path
+            base_name = base_path.stem if base_path.is_file() else base_path.name
+        base = load_model(base_path, name=base_name, dtype=dtype, device=device, cache_dir=cache)
+    return apply_twin(base, path, name=name)
+
+
+def _check_shapes(base: ModelConfig, cfg: dict) -> None:
+    got = (cfg.get("hidden_size"), cfg.get("num_hidden_layers"), cfg.get("vocab_size"))
+    want = (base.hidden_size, base.num_layers, base.vocab_size)
+    if got != want:
+        raise ValueError(f"twin was trained for (hidden, layers, vocab) = {got}, base model has {want}")
+
+
+def save_twin(out_dir: Path | str, base_config_json: dict, spec: TwinSpec, adapter: dict[str, torch.Tensor],
+              dtype: torch.dtype = torch.bfloat16, metadata: dict[str, str] | None = None) -> Path:
+    """Write config.json + adapter.safetensors (adapter tensors cast to ``dtype``)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in adapter.items()}
+    tmp = out / (ADAPTER_FILE + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt", **(metadata or {})})
+    tmp.replace(out / ADAPTER_FILE)
+    cfg = {**base_config_json, **spec.config_keys()}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out

@@ -1,0 +1,76 @@
+"""A real dualserve server in a subprocess, shared by the server tests of one session.
+
+The server runs ``python -m dualserve.server.cli serve`` on the embedded default model, on a
+free port of 127.0.0.1, exactly as a user would start it. The fixture waits for ``/health``,
+yields the base URL, and stops the process (terminate, then kill). If the server dies or
+never answers, the test fails with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+# Loading takes a few seconds on an idle machine; a first run also converts the GGUF (~20 s),
+# and a busy 2-core CI runner can be several times slower.
+STARTUP_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"dualserve exited with {proc.returncode} during start-up:\n{log_tail(log)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    pytest.fail(f"dualserve did not answer /health within {STARTUP_TIMEOUT_S:.0f} s:\n{log_tail(log)}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def server_url(default_gguf: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL (no /v1) of a dualserve server on the default model."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "dualserve.log"
+    cmd = [sys.executable, "-m", "dualserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--cache-dir", str(cache_dir)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log)
+        yield url
+    finally:
+        stop(proc)
