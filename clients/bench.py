@@ -315,18 +315,22 @@ async def stream_one(client: AsyncOpenAI, spec: BenchSpec, prompt: Prompt) -> Re
 async def run_level(
     client: AsyncOpenAI, spec: BenchSpec, prompts: Sequence[Prompt], concurrency: int, n_requests: int
 ) -> tuple[LevelSummary, list[RequestResult]]:
-    """Send n_requests (prompts taken in order, cycling) with at most `concurrency` in flight."""
-    queue = [prompts[i % len(prompts)] for i in range(n_requests)]
-    results: list[RequestResult] = []
+    """Send n_requests (prompts taken in order, cycling) with at most `concurrency` in flight.
+
+    Results come back in submission order, so request i used prompts[i % len(prompts)].
+    """
+    pending = iter(range(n_requests))
+    results: list[RequestResult | None] = [None] * n_requests
 
     async def worker() -> None:
-        while queue:
-            results.append(await stream_one(client, spec, queue.pop(0)))
+        for i in pending:  # the shared iterator hands each index to exactly one worker
+            results[i] = await stream_one(client, spec, prompts[i % len(prompts)])
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, n_requests))))
     wall = time.perf_counter() - t0
-    return summarize_level(concurrency, results, wall), results
+    done = [r for r in results if r is not None]
+    return summarize_level(concurrency, done, wall), done
 
 
 async def resolve_model(client: AsyncOpenAI, model: str | None) -> str:
@@ -365,10 +369,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _level_record(summary: LevelSummary, results: Sequence[RequestResult]) -> dict:
+def level_record(summary: LevelSummary, results: Sequence[RequestResult]) -> dict:
+    """JSON-ready level: the summary plus every request, with times in seconds from the level's start."""
+    t0 = min((r.t_start for r in results), default=0.0)
     record = asdict(summary)
     record["requests"] = [
-        asdict(r) | {"ttft": r.ttft, "tpot": r.tpot, "decode_tps": r.decode_tps, "tokens": r.tokens}
+        asdict(r) | {
+            "t_start": round(r.t_start - t0, 6),
+            "chunk_times": [round(t - r.t_start, 6) for t in r.chunk_times],
+            "ttft": r.ttft, "tpot": r.tpot, "decode_tps": r.decode_tps, "tokens": r.tokens,
+        }
         for r in results
     ]
     return record
@@ -401,7 +411,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     report: dict = {
         "server": {"url": args.base_url, **asdict(spec)},
         "prompts": str(args.prompts),
-        "levels": [_level_record(s, r) for s, r in runs],
+        "levels": [level_record(s, r) for s, r in runs],
     }
     ratio_text: list[str] = []
     if args.baseline_url:
@@ -409,7 +419,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         bspec, bruns = await bench_server(args.baseline_url, args.baseline_model, args, prompts, [1], None)
         base = bruns[0][0]
         rows.append(level_row("baseline", base))
-        report["baseline"] = {"url": args.baseline_url, **asdict(bspec), "level": _level_record(*bruns[0])}
+        report["baseline"] = {"url": args.baseline_url, **asdict(bspec), "level": level_record(*bruns[0])}
         ours_single = next((s for s, _ in runs if s.concurrency == 1), None)
         if ours_single is None:
             _, extra = await bench_server(args.base_url, args.model, args, prompts, [1], args.decoder)

@@ -20,9 +20,13 @@ from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
 from .chat import ChatHandler
-from .errors import APIError, bad_request, handle_api_error, handle_http_exception, handle_unexpected
-from .protocol import (ModelCard, ModelList, chat_decoder, completion_decoder, encoder)
-from .responses import completion_body, completion_stream
+from .infill import build_infill
+from .metrics import Metrics
+from .status import render_page
+from .errors import (APIError, bad_request, error_response, handle_api_error, handle_http_exception,
+                     handle_unexpected)
+from .protocol import ModelCard, ModelList, chat_decoder, completion_decoder, encoder, infill_decoder
+from .responses import completion_body, completion_stream, infill_body, infill_stream
 from .service import Service
 
 DECODER_HEADER = "x-dualserve-decoder"
@@ -31,6 +35,8 @@ DECODER_HEADER = "x-dualserve-decoder"
 @dataclass
 class AppState:
     service: Service
+    metrics: Metrics = field(default_factory=Metrics)
+    api_key: str | None = None       # Bearer token required on /v1/*, /infill and /metrics when set
     on_shutdown: list[Callable[[], Any]] = field(default_factory=list)
     body_limit: int = 8 * 1024 * 1024
 
@@ -78,6 +84,21 @@ def json_response(body: Any, headers: dict[str, str]) -> Response:
 def sse_response(gen, headers: dict[str, str]) -> Stream:
     return Stream(gen, media_type="text/event-stream",
                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+
+
+OPEN_PATHS = ("/health", "/", "/status.json")
+
+
+def check_api_key(request: Request) -> Response | None:
+    """Bearer authentication for everything but the health check and the status page."""
+    key = request.app.state.app_state.api_key
+    if not key or request.url.path in OPEN_PATHS:
+        return None
+    header = request.headers.get("authorization", "")
+    if header.startswith("Bearer ") and header[7:].strip() == key:
+        return None
+    return error_response(APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'.",
+                                   "invalid_request_error", None, "invalid_api_key"))
 
 
 @get("/health", sync_to_thread=False)
@@ -128,13 +149,56 @@ async def chat_completions(request: Request, state: State) -> Response | Stream:
     return json_response(await until_disconnect(request, handler.complete(job)), headers)
 
 
+@get("/metrics", sync_to_thread=False)
+def metrics(state: State) -> Response:
+    app: AppState = state.app_state
+    return Response(content=app.metrics.render(app.service.engine),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@get("/", sync_to_thread=False)
+def status_page(state: State) -> Response:
+    app: AppState = state.app_state
+    return Response(content=render_page(list(app.service.models), app.metrics.node_cost_per_hour),
+                    media_type="text/html")
+
+
+@get("/status.json", sync_to_thread=False)
+def status_json(state: State) -> Response:
+    app: AppState = state.app_state
+    now = app.metrics.refresh(app.service.engine)
+    return json_response({"now": now, "history": list(app.metrics.history)}, {})
+
+
+@post("/infill", status_code=200)
+async def infill(request: Request, state: State) -> Response | Stream:
+    """llama.cpp-compatible infill (llama.vscode and similar plugins)."""
+    service: Service = state.app_state.service
+    body = decode(await request.body(), infill_decoder)
+    model = service.model(body.model)
+    hints = service.infill_hints(body)
+    route = service.route(model, hints, request.headers.get("x-dualserve-decoder"), infill=True)
+    prompt = build_infill(model.tokenizer, body.input_prefix + body.prompt, body.input_suffix, body.input_extra,
+                          native=route.decoder == "diffusion")
+    params = service.sampling_params(hints, body.n_predict or body.max_tokens or 64, None,
+                                     len(prompt.prefix_ids) + len(prompt.suffix_ids), model, default_max=64)
+    job = service.start(model, route, [prompt.prefix_ids], params, 1, prompt.suffix_ids)
+    headers = route_headers(route)
+    if body.stream:
+        return sse_response(infill_stream(service, job), headers)
+    results = await until_disconnect(request, service.collect(job))
+    return json_response(infill_body(job, results[0]), headers)
+
+
 def create_app(app_state: AppState) -> Litestar:
     async def shutdown() -> None:
         for fn in app_state.on_shutdown:
             fn()
 
     return Litestar(
-        route_handlers=[health, list_models, completions, chat_completions],
+        route_handlers=[health, list_models, completions, chat_completions, infill, metrics, status_page,
+                        status_json],
+        before_request=check_api_key,
         state=State({"app_state": app_state}),
         exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception,
                             Exception: handle_unexpected},

@@ -62,6 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import AppState, create_app
+    from .metrics import Metrics
     from .router import Router
     from .service import ServedModel, Service, ServiceLimits
 
@@ -69,9 +70,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     served = {name: ServedModel(name=name, tokenizer=m.tokenizer,
                                 max_model_len=min(m.config.max_position_embeddings, args.max_model_len),
                                 decoders=dep.engine.decoders_for(name)) for name, m in dep.models.items()}
-    service = Service(dep.engine, served, Router(), ServiceLimits(request_timeout=args.request_timeout))
+    metrics = Metrics(node_cost_per_hour=args.node_cost_per_hour)
+    service = Service(dep.engine, served, Router(), ServiceLimits(request_timeout=args.request_timeout), metrics)
     dep.engine.start()
-    app = create_app(AppState(service=service, on_shutdown=[dep.engine.shutdown]))
+    app = create_app(AppState(service=service, metrics=metrics, api_key=args.api_key,
+                              on_shutdown=[dep.engine.shutdown], body_limit=int(args.max_body_mb * 2**20)))
     print(f"dualserve: serving {', '.join(served)} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, loop="auto",
                 timeout_graceful_shutdown=5)
@@ -123,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-model-len", type=int, default=8192)
     serve.add_argument("--request-timeout", type=float, default=600.0)
     serve.add_argument("--log-level", default="warning")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
+    serve.add_argument("--node-cost-per-hour", type=float, default=0.0,
+                       help="node cost (any currency) per hour, for cost-per-token metrics")
+    serve.add_argument("--max-body-mb", type=float, default=8.0, help="request body size limit")
     serve.set_defaults(func=cmd_serve)
 
     pull = sub.add_parser("pull", help="download the embedded default model into the cache")

@@ -76,7 +76,8 @@ class ChoiceResult:
 
 class Service:
     def __init__(self, engine: Engine, models: dict[str, ServedModel], router: Router,
-                 limits: ServiceLimits = ServiceLimits()):
+                 limits: ServiceLimits = ServiceLimits(), metrics=None):
+        self.metrics = metrics  # server.metrics.Metrics, or None
         self.engine = engine
         self.models = models
         self.router = router
@@ -207,7 +208,10 @@ class Service:
     async def deltas(self, job: Job) -> AsyncIterator[tuple[int, Delta]]:
         """Yield (choice index, delta) until every choice has finished; abort on cancel or timeout."""
         remaining = job.num_choices
-        deadline = None if self.limits.request_timeout is None else time.monotonic() + self.limits.request_timeout
+        started = time.monotonic()
+        first: dict[int, float] = {}
+        produced: dict[int, int] = {}
+        deadline = None if self.limits.request_timeout is None else started + self.limits.request_timeout
         try:
             while remaining:
                 timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
@@ -218,12 +222,24 @@ class Service:
                 if delta.error and delta.finish_reason == "error":
                     raise APIError(503 if "pool" in delta.error else 500, delta.error,
                                    "server_error", None, "engine_error")
+                if delta.token_ids and index not in first:
+                    first[index] = time.monotonic() - started
+                produced[index] = produced.get(index, 0) + len(delta.token_ids)
                 if delta.finish_reason is not None:
                     remaining -= 1
+                    self._observe(job, index, delta, first.get(index), produced[index], started)
                 yield index, delta
         finally:
             if remaining:
                 self.cancel(job)
+
+    def _observe(self, job: Job, index: int, delta: Delta, ttft: float | None, tokens: int,
+                 started: float) -> None:
+        if self.metrics is None:
+            return
+        prompt = len(job.prompt_of(index)) if index % job.n == 0 else 0
+        self.metrics.observe_request(job.route.decoder, delta.finish_reason or "unknown", prompt, tokens, ttft,
+                                     time.monotonic() - started, delta.stats)
 
     async def collect(self, job: Job) -> list[ChoiceResult]:
         results = [ChoiceResult() for _ in range(job.num_choices)]
@@ -240,6 +256,11 @@ class Service:
         return self.router.route(model.name, model.decoders, body.decoder or header_decoder,
                                  priority=body.priority, latency_budget_ms=body.latency_budget_ms,
                                  n=body.n, **features)
+
+    def infill_hints(self, body) -> Hints:
+        """llama.cpp's /infill fields as OpenAI-style sampling hints."""
+        return Hints(model=body.model, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                     stop=body.stop, seed=body.seed, decoder=body.decoder)
 
     def completion_prompts(self, body: CompletionRequest, model: ServedModel) -> list[list[int]]:
         return self.prompt_ids(model, body.prompt)

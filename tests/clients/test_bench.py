@@ -1,6 +1,7 @@
 """Pure parts of the load client: statistics, per-request metrics, table formatting, prompt loading.
 
-No server is started here; streaming against a live server is covered by end-to-end tests.
+No server is started here: the streaming path runs against canned SSE bodies through
+httpx.MockTransport; streaming against a live server is covered by end-to-end tests.
 """
 
 from __future__ import annotations
@@ -8,21 +9,27 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import httpx
 import numpy as np
 import pytest
+from openai import AsyncOpenAI
 
 from dualserve.clients.bench import (
     COLUMNS,
     DEFAULT_PROMPTS,
+    BenchSpec,
+    Prompt,
     RequestResult,
     Stats,
     format_plain,
+    level_record,
     level_row,
     load_prompts,
     parse_args,
     percentile,
     ratio_lines,
     ratios,
+    run_level,
     summarize_level,
 )
 
@@ -147,3 +154,57 @@ def test_parse_args_levels():
         parse_args(["--concurrency", "0"])
     with pytest.raises(SystemExit):
         parse_args(["--concurrency", "a,b"])
+
+
+def sse(*events: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def completion_chunk(text: str, finish: str | None = None) -> dict:
+    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    return {"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": [choice]}
+
+
+def fake_client(seen: list[dict]) -> AsyncOpenAI:
+    """A client whose server streams two text chunks, an empty final chunk, then usage (5 tokens)."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+        body = sse(
+            completion_chunk("Hello"), completion_chunk(" world, again"), completion_chunk("", "length"),
+            {**completion_chunk(""), "choices": [], "usage": usage},
+        )
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return AsyncOpenAI(base_url="http://fake/v1", api_key="x", http_client=http, max_retries=0)
+
+
+async def test_run_level_streams_and_counts_usage_tokens():
+    seen: list[dict] = []
+    spec = BenchSpec(model="m", endpoint="completions", max_tokens=5, temperature=0.0, decoder="eagle")
+    prompts = [Prompt("a", "chat", "hi"), Prompt("b", "code", "def")]
+    summary, results = await run_level(fake_client(seen), spec, prompts, concurrency=2, n_requests=3)
+    assert sorted(body["prompt"] for body in seen) == ["def", "hi", "hi"]
+    assert [r.prompt_id for r in results] == ["a", "b", "a"]
+    assert seen[0]["decoder"] == "eagle" and seen[0]["temperature"] == 0.0 and seen[0]["stream"]
+    assert seen[0]["stream_options"] == {"include_usage": True}
+    assert summary.n_ok == 3 and summary.completion_tokens == 15 and summary.usage_missing == 0
+    r = results[0]
+    assert r.text == "Hello world, again" and r.finish_reason == "length" and len(r.chunk_times) == 2
+    record = level_record(summary, results)
+    json.dumps(record)
+    assert record["requests"][0]["tokens"] == 5 and record["requests"][0]["t_start"] >= 0
+
+
+async def test_failed_request_is_recorded_not_raised():
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(500, json={"error": {"message": "boom"}})
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    client = AsyncOpenAI(base_url="http://fake/v1", api_key="x", http_client=http, max_retries=0)
+    spec = BenchSpec(model="m", endpoint="chat", max_tokens=4, temperature=0.0, decoder=None)
+    summary, results = await run_level(client, spec, [Prompt("a", "chat", "hi")], concurrency=1, n_requests=1)
+    assert summary.n_ok == 0 and "InternalServerError" in summary.errors[0]
+    assert level_row("ours", summary)[3] == "-"

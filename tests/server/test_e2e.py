@@ -276,6 +276,16 @@ def test_disconnect_midway_leaves_server_serving(client: openai.OpenAI, model: s
     assert after.choices[0].finish_reason in ("stop", "length")
 
 
+def test_client_timeout_on_non_streamed_request(client: openai.OpenAI, model: str, http: httpx.Client) -> None:
+    """A non-streamed request whose client gives up is aborted; the server keeps serving."""
+    body = {"model": model, "prompt": "Tell me a very long story.", "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    assert http.get("/health").status_code == 200
+    after = greedy_completion(client, model, "Hello", max_tokens=3)
+    assert after.choices[0].finish_reason in ("stop", "length")
+
+
 # ---- errors --------------------------------------------------------------------------------------
 
 
@@ -296,44 +306,40 @@ def assert_error(r: httpx.Response, status: int, param: str | None = "<any>", co
     return err
 
 
-def post(http: httpx.Client, path: str, **kw) -> httpx.Response:
-    return http.post(path, **kw)
-
-
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("body", [b'{"model": "x", "prompt": ', b"{not json}", b"\xff\xfe", b"[1, 2"],
                          ids=["truncated", "garbage", "bytes", "array"])
 def test_malformed_json(http: httpx.Client, path: str, body: bytes) -> None:
-    assert_error(post(http, path, content=body, headers={"content-type": "application/json"}), 400)
+    assert_error(http.post(path, content=body, headers={"content-type": "application/json"}), 400)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_empty_and_non_object_bodies(http: httpx.Client, path: str) -> None:
-    assert_error(post(http, path, content=b""), 400)
+    assert_error(http.post(path, content=b""), 400)
     for body in (b"null", b"[]", b"42", b'"text"'):
-        assert_error(post(http, path, content=body), 400)
+        assert_error(http.post(path, content=body), 400)
 
 
 def test_wrong_types(http: httpx.Client, model: str) -> None:
-    err = assert_error(post(http, "/v1/completions", json={"model": model, "prompt": "a", "max_tokens": "x"}), 400,
+    err = assert_error(http.post("/v1/completions", json={"model": model, "prompt": "a", "max_tokens": "x"}), 400,
                        param="max_tokens")
     assert "max_tokens" in err["message"]
-    assert_error(post(http, "/v1/chat/completions", json={"model": model, "messages": "hi"}), 400,
+    assert_error(http.post("/v1/chat/completions", json={"model": model, "messages": "hi"}), 400,
                  param="messages")
-    assert_error(post(http, "/v1/completions", json={"model": model, "prompt": "a", "temperature": "hot"}), 400,
+    assert_error(http.post("/v1/completions", json={"model": model, "prompt": "a", "temperature": "hot"}), 400,
                  param="temperature")
-    assert_error(post(http, "/v1/completions", json={"model": model, "prompt": "a", "stream": "yes"}), 400,
+    assert_error(http.post("/v1/completions", json={"model": model, "prompt": "a", "stream": "yes"}), 400,
                  param="stream")
-    assert_error(post(http, "/v1/chat/completions",
+    assert_error(http.post("/v1/chat/completions",
                       json={"model": model, "messages": [{"role": "wizard", "content": "hi"}]}), 400)
     for prompt in ([], [1, "a"], [[1], "a"], [[]], {"text": "a"}, 3):
-        assert_error(post(http, "/v1/completions", json={"model": model, "prompt": prompt}), 400, param="prompt")
+        assert_error(http.post("/v1/completions", json={"model": model, "prompt": prompt}), 400, param="prompt")
 
 
 def test_missing_prompt_and_messages(http: httpx.Client, model: str) -> None:
-    assert_error(post(http, "/v1/completions", json={"model": model}), 400, param="prompt")
-    assert_error(post(http, "/v1/chat/completions", json={"model": model}), 400, param="messages")
-    assert_error(post(http, "/v1/chat/completions", json={"model": model, "messages": []}), 400, param="messages")
+    assert_error(http.post("/v1/completions", json={"model": model}), 400, param="prompt")
+    assert_error(http.post("/v1/chat/completions", json={"model": model}), 400, param="messages")
+    assert_error(http.post("/v1/chat/completions", json={"model": model, "messages": []}), 400, param="messages")
 
 
 def test_unknown_model(client: openai.OpenAI, http: httpx.Client) -> None:
@@ -341,7 +347,7 @@ def test_unknown_model(client: openai.OpenAI, http: httpx.Client) -> None:
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
     assert exc.value.status_code == 404
     assert exc.value.body["param"] == "model" and exc.value.body["code"] == "model_not_found"
-    assert_error(post(http, "/v1/completions", json={"model": "no-such-model", "prompt": "a"}), 404,
+    assert_error(http.post("/v1/completions", json={"model": "no-such-model", "prompt": "a"}), 404,
                  param="model", code="model_not_found")
 
 
@@ -357,15 +363,15 @@ def test_non_positive_max_tokens(client: openai.OpenAI, model: str, max_tokens: 
 def test_oversize_max_tokens(http: httpx.Client, model: str) -> None:
     for path, extra in (("/v1/completions", {"prompt": "a"}),
                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})):
-        r = post(http, path, json={"model": model, "max_tokens": 10**7, **extra})
+        r = http.post(path, json={"model": model, "max_tokens": 10**7, **extra})
         assert_error(r, 400, param="max_tokens", code="context_length_exceeded")
 
 
 def test_prompt_longer_than_context(http: httpx.Client, model: str) -> None:
     context = http.get("/v1/models").json()["data"][0]["max_model_len"]
-    r = post(http, "/v1/completions", json={"model": model, "prompt": [5] * (context + 10), "max_tokens": 1})
+    r = http.post("/v1/completions", json={"model": model, "prompt": [5] * (context + 10), "max_tokens": 1})
     assert_error(r, 400, code="context_length_exceeded")
-    r = post(http, "/v1/chat/completions",
+    r = http.post("/v1/chat/completions",
              json={"model": model, "messages": [{"role": "user", "content": "hello " * (context + 10)}]})
     assert_error(r, 400, code="context_length_exceeded")
 
@@ -381,7 +387,7 @@ def test_unknown_decoder_hint(http: httpx.Client, model: str, where: str) -> Non
     for path in ("/v1/completions", "/v1/chat/completions"):
         payload = body if path == "/v1/completions" else {
             **{k: v for k, v in body.items() if k != "prompt"}, "messages": [{"role": "user", "content": "a"}]}
-        err = assert_error(post(http, path, json=payload, headers=headers), 400, param="decoder")
+        err = assert_error(http.post(path, json=payload, headers=headers), 400, param="decoder")
         assert "turbo" in err["message"]
         assert all(name in err["message"] for name in VALID_DECODERS), err["message"]
 
@@ -396,13 +402,25 @@ def test_unknown_decoder_via_sdk(client: openai.OpenAI, model: str) -> None:
                                          ("top_p", 1.5), ("n", 100), ("n", 0), ("logprobs", 100),
                                          ("presence_penalty", 3.0)])
 def test_invalid_sampling_values(http: httpx.Client, model: str, field: str, value: Any) -> None:
-    r = post(http, "/v1/completions", json={"model": model, "prompt": "a", "max_tokens": 1, field: value})
+    r = http.post("/v1/completions", json={"model": model, "prompt": "a", "max_tokens": 1, field: value})
     assert_error(r, 400, param=field)
 
 
 def test_token_ids_out_of_vocabulary(http: httpx.Client, model: str, tokenizer: Tokenizer) -> None:
     for bad in ([tokenizer.vocab_size], [-1]):
-        assert_error(post(http, "/v1/completions", json={"model": model, "prompt": bad}), 400, param="prompt")
+        assert_error(http.post("/v1/completions", json={"model": model, "prompt": bad}), 400, param="prompt")
+
+
+@pytest.mark.xfail(strict=True, reason="msgspec's RecursionError escapes server/app.py:decode as a 500")
+def test_deeply_nested_json(http: httpx.Client) -> None:
+    body = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert_error(http.post("/v1/completions", content=body), 400)
+
+
+@pytest.mark.xfail(strict=True, reason="a seed outside torch's 64-bit range fails in Generator.manual_seed: 500")
+def test_seed_out_of_range(http: httpx.Client, model: str) -> None:
+    r = http.post("/v1/completions", json={"model": model, "prompt": "a", "max_tokens": 1, "seed": 2**70})
+    assert_error(r, 400, param="seed")
 
 
 def test_unknown_route_and_method(http: httpx.Client) -> None:
