@@ -19,11 +19,14 @@ from .runner import ForwardItem, ModelRunner
 from .sampling import process_logits, sample_token, token_logprobs
 from .scheduler import Scheduled
 
+# Logit rows computed at a time for prompt logprobs: bounds the (rows, vocab) fp32 buffer.
+PROMPT_LOGPROB_ROWS = 128
+
 
 def pending_tokens(req: Request, pool: BlockPool) -> int:
     """Tokens whose KV is not yet computed, counting a prefix-cache hit for a fresh table."""
     computed = req.num_computed
-    if not req.table.blocks:
+    if not req.table.blocks and req.uses_prefix_cache:
         computed = pool.match_prefix(req.all_ids)[1]
     return req.num_tokens - computed
 
@@ -39,18 +42,55 @@ def span_items(batch: Sequence[Scheduled], pool: BlockPool) -> list[ForwardItem]
     return items
 
 
+def sample_one(row: torch.Tensor, req: Request) -> int:
+    """One token from one request's raw logits row (vocab,): bias, penalties, grammar, then sample."""
+    penalties = req.penalty_state(row.shape[-1], row.device)
+    processed = process_logits(row, req.prompt_ids, req.output_ids, req.params, penalties)
+    if req.constraint is not None:
+        processed = req.constraint.mask_logits(processed)
+    tok = sample_token(processed, req.params, req.generator)
+    if req.constraint is not None:
+        req.constraint.consume(tok)
+    return tok
+
+
 def sample_next(runner: ModelRunner, reqs: Sequence[Request], hidden: torch.Tensor):
-    """Sample one token per request from its last hidden state; returns [(token, logprob or None)]."""
+    """Sample one token per request from its last hidden state; returns [(token, logprobs or None)]."""
     logits = runner.logits(hidden)  # (len(reqs), vocab)
+    tokens: list[int | None] = [None] * len(reqs)
+    # Plain greedy rows (the common case) share one argmax; argmax is exact, so this
+    # gives the same tokens as row by row.
+    plain = [i for i, r in enumerate(reqs)
+             if r.params.greedy and not r.params.needs_processing and r.constraint is None]
+    if plain:
+        for i, tok in zip(plain, logits[plain].argmax(-1).tolist()):
+            tokens[i] = tok
     out = []
-    for row, req in zip(logits, reqs):
-        processed = process_logits(row, req.prompt_ids, req.output_ids, req.params)
-        tok = sample_token(processed, req.params, req.generator)
+    for i, req in enumerate(reqs):
+        tok = tokens[i] if tokens[i] is not None else sample_one(logits[i], req)
         lp = None
         if req.params.logprobs is not None:
-            lp = token_logprobs(row[None], [tok], req.params.logprobs)
+            lp = token_logprobs(logits[i: i + 1], [tok], req.params.logprobs)
         out.append((tok, lp))
     return out
+
+
+def fill_prompt_logprobs(runner: ModelRunner, req: Request, hidden: torch.Tensor, start: int) -> None:
+    """Logprobs of the prompt tokens a prefill span predicts.
+
+    hidden: (span, hidden) for positions start, start + 1, ...; position p predicts
+    prompt token p + 1. Spans arrive in order from position 0 (the prefix cache is
+    bypassed while these are missing), so entries up to ``start`` are already there.
+    """
+    prompt = req.prompt_ids
+    end = min(start + hidden.shape[0], len(prompt) - 1)
+    found = []
+    for lo in range(start, end, PROMPT_LOGPROB_ROWS):
+        hi = min(lo + PROMPT_LOGPROB_ROWS, end)
+        logits = runner.logits(hidden[lo - start: hi - start])  # (rows, vocab)
+        found += token_logprobs(logits, prompt[lo + 1: hi + 1], req.params.logprobs or 0)
+    del req.prompt_logprobs[start + 1:]
+    req.prompt_logprobs.extend(found)
 
 
 class ARDecoder:
@@ -71,12 +111,15 @@ class ARDecoder:
         last_rows, ready = [], []
         offset = 0
         for s in batch:
-            req = s.request
-            offset += s.num_new_tokens
-            done = req.num_computed + s.num_new_tokens
-            self.pool.commit(req.table, req.all_ids, done)
+            req, n = s.request, s.num_new_tokens
+            start = req.num_computed
+            if req.needs_prompt_logprobs:
+                fill_prompt_logprobs(self.runner, req, hidden[offset: offset + n], start)
+            offset += n
+            req.num_prefill_tokens += max(0, min(start + n, len(req.prompt_ids)) - start)
+            self.pool.commit(req.table, req.all_ids, start + n)
             req.num_forwards += 1
-            if done == req.num_tokens:
+            if start + n == req.num_tokens:
                 last_rows.append(offset - 1)
                 ready.append(req)
         if not ready:

@@ -23,6 +23,7 @@ from typing import Callable, Protocol, Sequence
 
 from .block_manager import BlockPool
 from .detokenize import TextStream
+from .grammar import GrammarCompiler
 from .request import Delta, Request, Status
 from .sampling import SamplingParams
 from .scheduler import QueueFull, Scheduled, Scheduler
@@ -64,6 +65,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_batched_tokens, config.max_waiting)
         self.decoders: dict[tuple[str, str], Decoder] = {}
         self.tokenizers: dict[str, object] = {}
+        self.vocab_sizes: dict[str, int] = {}
+        self._grammars: dict[str, GrammarCompiler] = {}  # built on first structured request per model
         self.stats = EngineStats()
         self._inbox: deque[tuple[str, Request]] = deque()
         self._wake = threading.Condition()
@@ -78,9 +81,15 @@ class Engine:
 
     # ---- registration and lifecycle ------------------------------------------
 
-    def add_decoder(self, model: str, decoder: Decoder, tokenizer) -> None:
+    def add_decoder(self, model: str, decoder: Decoder, tokenizer, vocab_size: int | None = None) -> None:
         self.decoders[(model, decoder.name)] = decoder
         self.tokenizers[model] = tokenizer
+        self.vocab_sizes[model] = vocab_size or tokenizer.vocab_size
+
+    def grammar_compiler(self, model: str) -> GrammarCompiler:
+        if model not in self._grammars:
+            self._grammars[model] = GrammarCompiler(self.tokenizers[model], self.vocab_sizes[model])
+        return self._grammars[model]
 
     def decoders_for(self, model: str) -> list[str]:
         return [d for (m, d) in self.decoders if m == model]
@@ -112,9 +121,10 @@ class Engine:
         reqs = []
         for i in range(n):
             stream = TextStream(tok, params.stop, skip_special_tokens=params.skip_special_tokens)
+            constraint = self.grammar_compiler(model).constraint(params.grammar) if params.grammar else None
             reqs.append(Request(request_id=rid, prompt_ids=list(prompt_ids), params=params, decoder=decoder,
                                 stream=stream, eos_token_ids=eos, sink=sink, model=model, index=i,
-                                suffix_ids=list(suffix_ids)))
+                                suffix_ids=list(suffix_ids), constraint=constraint))
         with self._wake:
             self._requests[rid] = reqs
             for r in reqs:

@@ -19,7 +19,8 @@ import torch
 
 from .block_manager import BlockTable
 from .detokenize import TextStream
-from .sampling import SamplingParams, TokenLogprob, make_generator
+from .grammar import Constraint
+from .sampling import PenaltyState, SamplingParams, TokenLogprob, make_generator
 
 
 class Status(enum.Enum):
@@ -38,6 +39,8 @@ class Delta:
     finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"
     error: str | None = None
     stats: dict | None = None            # decoder statistics, set on the final delta
+    # Echo with logprobs: one entry per prompt token (None for the first), on the first delta.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -70,14 +73,46 @@ class Request:
     steps_per_block: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     decoder_state: object = None         # private to the request's decoder
+    constraint: Constraint | None = None  # grammar state for structured output, set at submit
+    # Entry i is the logprob of prompt token i (None for the first); filled by the decoder during
+    # prefill when params.prompt_logprobs is set, else None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Running penalty counts, made on first use by penalty_state and updated by commit.
+    penalties: PenaltyState | None = None
+    _ids: list[int] = field(default_factory=list, init=False, repr=False)
+    _prompt_logprobs_sent: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         seed = None if self.params.seed is None else self.params.seed + self.index
         self.generator = make_generator(seed)
+        self._ids = self.prompt_ids + self.output_ids
+        if self.params.prompt_logprobs and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Prompt then output ids. One list, extended by commit, so reading it costs nothing
+        per token; callers must not modify it."""
+        if len(self._ids) != len(self.prompt_ids) + len(self.output_ids):
+            self._ids = self.prompt_ids + self.output_ids  # output_ids was changed directly
+        return self._ids
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked for and not all computed: the prompt must be run, not cached."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        return not self.needs_prompt_logprobs
+
+    def penalty_state(self, vocab: int, device: torch.device | str = "cpu") -> PenaltyState | None:
+        """The running penalty state, or None when the request has no penalties."""
+        if not self.params.needs_penalties:
+            return None
+        if self.penalties is None:
+            self.penalties = PenaltyState(self.prompt_ids, self.output_ids, vocab, device)
+        return self.penalties
 
     @property
     def num_tokens(self) -> int:
@@ -118,6 +153,7 @@ class Request:
         kept: list[int] = []
         for tok in token_ids:
             self.output_ids.append(tok)
+            self._ids.append(tok)
             kept.append(tok)
             if (tok in self.eos_token_ids and not self.params.ignore_eos) or tok in self.params.stop_token_ids:
                 self.finish_reason = "stop"
@@ -131,8 +167,14 @@ class Request:
                 break
         if self.finish_reason is not None and self.stream.stopped is None:
             text.append(self.stream.flush())
+        if self.penalties is not None:
+            self.penalties.add(kept)
         lps = logprobs[: len(kept)] if logprobs is not None else None
-        return Delta("".join(text), kept, lps, self.finish_reason)
+        delta = Delta("".join(text), kept, lps, self.finish_reason)
+        if self.prompt_logprobs is not None and not self._prompt_logprobs_sent:
+            delta.prompt_logprobs = self.prompt_logprobs
+            self._prompt_logprobs_sent = True
+        return delta
 
     def finish(self, reason: str) -> Delta:
         self.finish_reason = self.finish_reason or reason

@@ -17,8 +17,11 @@ what else shares the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
+
+from .grammar import GrammarSpec
 
 
 @dataclass(frozen=True)
@@ -39,15 +42,19 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None   # structured output (JSON schema, regex, Lark)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 1e-5
 
     @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+    @property
     def needs_processing(self) -> bool:
-        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
-            or self.repetition_penalty != 1.0
+        return bool(self.logit_bias) or self.needs_penalties
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
@@ -57,30 +64,63 @@ def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tens
     return logits
 
 
-def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
+class PenaltyState:
+    """What the penalties need to know about one sequence, kept as tensors over the vocabulary.
+
+    Built once from the tokens so far, then updated with each committed token,
+    so a decode step costs a few vector operations, not a pass over the sequence.
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], output_ids: Sequence[int], vocab: int,
+                 device: torch.device | str = "cpu"):
+        self.vocab = vocab
+        self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)  # (vocab,)
+        ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
+        self.in_prompt[ids[(ids >= 0) & (ids < vocab)]] = True
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)  # (vocab,) output occurrences
+        self.add(output_ids)
+
+    def add(self, token_ids: Sequence[int]) -> None:
+        """Count newly committed output tokens."""
+        ids = [t for t in token_ids if 0 <= t < self.vocab]
+        if ids:
+            idx = torch.tensor(ids, dtype=torch.long, device=self.counts.device)
+            self.counts.index_add_(0, idx, torch.ones(len(ids), device=self.counts.device))
+
+    def apply(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """logits: (vocab,) for this sequence, modified in place and returned."""
+        if params.repetition_penalty != 1.0:
+            seen = self.in_prompt | (self.counts > 0)
+            penalised = torch.where(logits > 0, logits / params.repetition_penalty,
+                                    logits * params.repetition_penalty)
+            logits.copy_(torch.where(seen, penalised, logits))
+        if params.presence_penalty or params.frequency_penalty:
+            counts = self.counts.to(logits.dtype)
+            logits -= params.frequency_penalty * counts
+            logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
+
+
+def apply_penalties(logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int],
                     params: SamplingParams) -> torch.Tensor:
-    """logits: (vocab,) for one sequence, modified in place and returned."""
-    vocab = logits.shape[-1]
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
-        seen = seen[seen < vocab]
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-    if output_ids and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=vocab)[:vocab]
-        logits -= params.frequency_penalty * counts.to(logits.dtype)
-        logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
+    """logits: (vocab,) for one sequence, modified in place and returned (stateless form)."""
+    return PenaltyState(prompt_ids, output_ids, logits.shape[-1], logits.device).apply(logits, params)
 
 
-def process_logits(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
-                   params: SamplingParams) -> torch.Tensor:
-    """Bias and penalties for one sequence (vocab,). Temperature and truncation come later."""
+def process_logits(logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                   params: SamplingParams, penalties: PenaltyState | None = None) -> torch.Tensor:
+    """Bias and penalties for one sequence (vocab,). Temperature and truncation come later.
+
+    With ``penalties`` (the request's running state) the token lists are not read.
+    """
     if not params.needs_processing:
         return logits
-    logits = logits.clone()
-    apply_logit_bias(logits, params.logit_bias)
-    return apply_penalties(logits, prompt_ids, output_ids, params)
+    logits = apply_logit_bias(logits.clone(), params.logit_bias)
+    if not params.needs_penalties:
+        return logits
+    if penalties is None:
+        return apply_penalties(logits, prompt_ids, output_ids, params)
+    return penalties.apply(logits, params)
 
 
 def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -116,11 +156,19 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from (vocab,) processed logits."""
+    """One token from (vocab,) processed logits.
+
+    Inverse-CDF sampling with one uniform draw from the request's own generator:
+    the draw is made on the generator's device (the CPU) whatever device the
+    logits are on, so a seed gives the same tokens on any backend and in any batch.
+    """
     if params.greedy:
         return int(torch.argmax(logits))
     probs = truncated_probs(logits.float(), params)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    cdf = probs.cumsum(-1)  # (vocab,)
+    u = torch.rand(1, generator=generator, device=generator.device).to(cdf.device) * cdf[-1]
+    # The first index whose cumulative mass exceeds u: never a zero-probability token.
+    return min(int(torch.searchsorted(cdf, u, right=True)), cdf.shape[-1] - 1)
 
 
 @dataclass

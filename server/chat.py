@@ -7,12 +7,17 @@ is the client's 400, not our 500.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any, AsyncIterator
+
+from dualserve.decoders.grammar import GrammarSpec
 
 from .errors import bad_request
 from .protocol import ChatCompletion, ChatCompletionRequest
 from .responses import chat_body, chat_stream
 from .service import Job, Service
+from .tools import ToolStream, family_for, inject_tools, template_renders_tools
 
 
 def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -40,22 +45,66 @@ def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def forced_tool(body: ChatCompletionRequest) -> tuple[bool, str | None]:
+    """(use tools at all, name of a forced function) from tools + tool_choice."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice requires tools", "tool_choice")
+        return False, None
+    for i, tool in enumerate(body.tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not fn.get("name"):
+            raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+                              f"tools[{i}]")
+    names = [t["function"]["name"] for t in body.tools]
+    if choice is None or choice == "auto" or choice == "required":
+        return True, None
+    if choice == "none":
+        return False, None
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise bad_request(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+        return True, name
+    raise bad_request("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                      "{'name': ...}}", "tool_choice")
+
+
+def response_grammar(body: ChatCompletionRequest) -> GrammarSpec | None:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return GrammarSpec("json_object")
+    schema = (fmt.json_schema or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                          "response_format.json_schema")
+    return GrammarSpec("json_schema", json.dumps(schema))
+
+
 class ChatHandler:
     def __init__(self, service: Service, body: ChatCompletionRequest, header_decoder: str | None):
         self.service = service
         self.body = body
         self.header_decoder = header_decoder
         self.model = service.model(body.model)
+        self.use_tools, self.forced = forced_tool(body)
+        self.family = family_for(self.model.tokenizer.chat_template)
 
     def prompt_ids(self) -> list[int]:
         from dualserve.models.chat_template import ChatTemplateError
 
         tok = self.model.tokenizer
+        messages = message_dicts(self.body)
+        tools = self.body.tools if self.use_tools else None
+        if tools and not template_renders_tools(tok.chat_template):
+            messages, tools = inject_tools(messages, tools, self.family), None
         try:
             extra = {k: v for k, v in (self.body.chat_template_kwargs or {}).items()
                      if k not in ("messages", "tools", "add_generation_prompt")}
-            text = tok.apply_chat_template(message_dicts(self.body), tools=self.body.tools,
-                                           add_generation_prompt=True, **extra)
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **extra)
         except ChatTemplateError as e:
             raise bad_request(f"could not apply the chat template: {e}", "messages", "invalid_messages") from None
         return tok.encode(text, add_special_tokens=False)
@@ -65,17 +114,23 @@ class ChatHandler:
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         ids = self.prompt_ids()
-        route = self.service.route(self.model, body, self.header_decoder,
-                                   structured=bool(body.response_format and body.response_format.type != "text"))
+        grammar = response_grammar(body)
+        if self.use_tools and (self.forced or body.tool_choice == "required"):
+            grammar = GrammarSpec("lark", self.family.call_grammar(body.tools or [], self.forced))
+        route = self.service.route(self.model, body, self.header_decoder, structured=grammar is not None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self.service.sampling_params(body, max_tokens, logprobs, len(ids), self.model, default_max=None)
+        params = dataclasses.replace(params, grammar=grammar)
         return self.service.start(self.model, route, [ids], params, body.n)
 
     async def complete(self, job: Job) -> ChatCompletion:
         results = await self.service.collect(job)
-        return chat_body(self.service, job, results, self.body.logprobs, results[0].stats if results else None)
+        parser = self.family.parse if self.use_tools else None
+        return chat_body(self.service, job, results, self.body.logprobs, results[0].stats if results else None,
+                         parser)
 
     def stream(self, job: Job) -> AsyncIterator[bytes]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
-        return chat_stream(self.service, job, self.body.logprobs, include_usage)
+        tool_stream = (lambda: ToolStream(self.family)) if self.use_tools else None
+        return chat_stream(self.service, job, self.body.logprobs, include_usage, tool_stream)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from dualserve.decoders.engine import Engine
+from dualserve.decoders.grammar import GrammarError
 from dualserve.decoders.request import Delta
 from dualserve.decoders.sampling import SamplingParams, TokenLogprob
 from dualserve.decoders.scheduler import QueueFull
@@ -195,6 +196,9 @@ class Service:
             try:
                 job.engine_ids.append(self.engine.submit(model.name, route.decoder, ids, params, sink, n=n,
                                                          suffix_ids=suffix_ids or ()))
+            except GrammarError as e:
+                self.cancel(job)
+                raise bad_request(f"invalid grammar or schema: {e}", "response_format", "invalid_schema") from None
             except QueueFull:
                 self.cancel(job)
                 raise APIError(429, "The server is overloaded; retry shortly.", "rate_limit_error", None,
