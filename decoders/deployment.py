@@ -1,13 +1,22 @@
 """Assemble a deployment: loaded models + one block pool + the decoders each model serves.
 
-This is the single place that decides sizes at start-up: how many KV blocks
-the pool has (from a block count or a memory budget) and which decoders are
-registered for which model. Everything it builds is handed to the engine.
+This is the single place that decides sizes at start-up, how many KV blocks
+the pool has (from a block count or a memory budget), and which decoders are
+registered under which served name:
+
+  * an AR model serves ``ar``, plus ``eagle`` when it has a draft head, plus
+    ``diffusion`` when it has a diffusion twin (an adapter on its weights);
+  * a diffusion-family model (LLaDA, Dream, block diffusion, DiffusionGemma)
+    serves ``diffusion`` under its own name.
+
+Every model's KV tensors are indexed by the same block ids, so there is no
+static split of memory between decoders or models.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -28,34 +37,90 @@ class PoolSpec:
 
 
 @dataclass
+class ServedSpec:
+    """What one served model name offers."""
+
+    name: str
+    base: LoadedModel                  # an AR model, or a diffusion-family model
+    eagle_head: Path | None = None     # EAGLE draft head directory for an AR base
+    twin: LoadedModel | None = None    # diffusion twin of an AR base, served as its "diffusion" decoder
+
+
+@dataclass
 class Deployment:
     engine: Engine
     models: dict[str, LoadedModel]
     runners: dict[str, ModelRunner] = field(default_factory=dict)
 
+    def decoders(self, name: str) -> list[str]:
+        return self.engine.decoders_for(name)
+
+
+def kv_models(specs: list[ServedSpec]) -> list[LoadedModel]:
+    out = []
+    for s in specs:
+        out.append(s.base)
+        if s.twin is not None:
+            out.append(s.twin)
+    return out
+
 
 def blocks_for(models: list[LoadedModel], spec: PoolSpec, kv_dtype: torch.dtype) -> int:
     if spec.num_blocks:
         return spec.num_blocks
-    per_block = sum(KVCache.bytes_per_block(m.config.num_layers, spec.block_size, m.config.num_kv_heads,
-                                            m.config.head_dim, kv_dtype) for m in models)
-    return max(16, int(spec.memory_gb * 2**30 // per_block))
+    per_block = 0
+    for m in models:
+        c = m.config
+        if hasattr(c, "num_kv_heads"):
+            per_block += KVCache.bytes_per_block(c.num_layers, spec.block_size, c.num_kv_heads, c.head_dim, kv_dtype)
+    return max(16, int(spec.memory_gb * 2**30 // max(per_block, 1)))
 
 
-def build_deployment(models: list[LoadedModel], engine_config: EngineConfig | None = None,
+def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int, device: str,
+             runners: dict[str, ModelRunner]) -> None:
+    base = spec.base
+    if getattr(base.config, "family", None) == "diffusion_gemma":
+        from .diffusion_gemma import register_diffusion_gemma
+
+        register_diffusion_gemma(engine, spec.name, base, device=device)
+        return
+    runner = ModelRunner(base.model, num_blocks, block_size, device=device)
+    runners[spec.name] = runner
+    if base.config.is_diffusion:
+        from .diffusion import register_diffusion
+
+        register_diffusion(engine, spec.name, runner, base)
+        return
+    engine.add_decoder(spec.name, ARDecoder(runner, engine.pool), base.tokenizer, base.config.vocab_size)
+    if spec.eagle_head is not None:
+        from dualserve.models.eagle import load_eagle_head
+
+        from .eagle import EagleDecoder
+
+        head = load_eagle_head(spec.eagle_head, base.model, device=device)
+        engine.add_decoder(spec.name, EagleDecoder(runner, engine.pool, head), base.tokenizer,
+                           base.config.vocab_size)
+    if spec.twin is not None:
+        from .diffusion import register_diffusion
+
+        twin_runner = ModelRunner(spec.twin.model, num_blocks, block_size, device=device)
+        runners[f"{spec.name}:diffusion"] = twin_runner
+        register_diffusion(engine, spec.name, twin_runner, spec.twin)
+
+
+def build_deployment(models: list[LoadedModel] | list[ServedSpec], engine_config: EngineConfig | None = None,
                      pool: PoolSpec = PoolSpec(), device: str = "cpu") -> Deployment:
-    """One pool for all models; each AR-capable model gets the ``ar`` decoder."""
-    kv_dtype = next(models[0].model.parameters()).dtype
-    num_blocks = blocks_for(models, pool, kv_dtype)
+    """One pool for all models; each served name gets the decoders its parts allow."""
+    specs = [m if isinstance(m, ServedSpec) else ServedSpec(m.name, m) for m in models]
+    loaded = kv_models(specs)
+    kv_dtype = next(loaded[0].model.parameters()).dtype
+    num_blocks = blocks_for(loaded, pool, kv_dtype)
     cfg = engine_config or EngineConfig()
     cfg = EngineConfig(num_blocks=num_blocks, block_size=pool.block_size, max_num_seqs=cfg.max_num_seqs,
                        max_batched_tokens=cfg.max_batched_tokens, max_waiting=cfg.max_waiting,
                        enable_prefix_caching=cfg.enable_prefix_caching)
     engine = Engine(cfg)
-    dep = Deployment(engine=engine, models={m.name: m for m in models})
-    for m in models:
-        runner = ModelRunner(m.model, num_blocks, pool.block_size, device=device)
-        dep.runners[m.name] = runner
-        if not m.config.is_diffusion:
-            engine.add_decoder(m.name, ARDecoder(runner, engine.pool), m.tokenizer)
+    dep = Deployment(engine=engine, models={s.name: s.base for s in specs})
+    for spec in specs:
+        register(engine, spec, num_blocks, pool.block_size, device, dep.runners)
     return dep

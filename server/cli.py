@@ -28,8 +28,15 @@ def pick_dtype(name: str, device: str) -> torch.dtype:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF directory, .gguf file, or a known name (default: the "
-                   "embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", "--ar", dest="model", default=None,
+                   help="the AR model: HF directory, .gguf file, or a known name (default: the embedded "
+                   "SmolLM2-135M-Instruct)")
+    p.add_argument("--eagle", default="auto", help="EAGLE draft head directory for the AR model; 'auto' uses "
+                   "the bundled head for the default model; 'none' disables")
+    p.add_argument("--twin", default="auto", help="diffusion twin (adapter directory) of the AR model, served as "
+                   "its 'diffusion' decoder; 'auto' uses the bundled twin for the default model; 'none' disables")
+    p.add_argument("--diffusion", default=None, help="a diffusion model (LLaDA, Dream, block diffusion, "
+                   "DiffusionGemma) to serve beside the AR model, under its own name")
     p.add_argument("--cache-dir", default=None, help="model cache (default: $DUALSERVE_CACHE or ~/.cache/dualserve)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -42,20 +49,46 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
 
 
+def bundled(choice: str, model_name: str, finder) -> Path | None:
+    """Resolve --eagle / --twin: a path, 'none', or 'auto' (the bundled artifact for this model, if any)."""
+    if choice == "none":
+        return None
+    if choice == "auto":
+        return finder(model_name)
+    path = Path(choice).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    return path
+
+
 def load_deployment(args: argparse.Namespace):
-    from dualserve.decoders.deployment import PoolSpec, build_deployment
+    from dualserve.decoders.deployment import PoolSpec, ServedSpec, build_deployment
     from dualserve.decoders.engine import EngineConfig
+    from dualserve.models.assets import default_eagle_head, default_twin
     from dualserve.models.loader import load_model
 
+    log = logging.getLogger("dualserve")
     cache = default_cache_dir(args.cache_dir)
-    name, path = resolve_model(args.model, cache)
     dtype = pick_dtype(args.dtype, args.device)
+    name, path = resolve_model(args.model, cache)
     loaded = load_model(path, name=name, dtype=dtype, device=args.device, cache_dir=cache)
-    logging.getLogger("dualserve").info("loaded %s in %.2fs", name, loaded.load_seconds)
+    log.info("loaded %s in %.2fs", name, loaded.load_seconds)
+    specs = [ServedSpec(name, loaded)]
+    if not loaded.config.is_diffusion:
+        specs[0].eagle_head = bundled(args.eagle, name, default_eagle_head)
+        twin_path = bundled(args.twin, name, default_twin)
+        if twin_path is not None:
+            specs[0].twin = load_model(twin_path, name=name, dtype=dtype, device=args.device, cache_dir=cache)
+            log.info("loaded diffusion twin %s in %.2fs", twin_path, specs[0].twin.load_seconds)
+    if args.diffusion:
+        dname, dpath = resolve_model(args.diffusion, cache)
+        diff = load_model(dpath, name=dname, dtype=dtype, device=args.device, cache_dir=cache)
+        log.info("loaded %s in %.2fs", dname, diff.load_seconds)
+        specs.append(ServedSpec(dname, diff))
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching)
     pool = PoolSpec(block_size=args.block_size, num_blocks=args.num_blocks, memory_gb=args.kv_memory_gb)
-    return build_deployment([loaded], cfg, pool, device=args.device)
+    return build_deployment(specs, cfg, pool, device=args.device)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -63,15 +96,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .app import AppState, create_app
     from .metrics import Metrics
-    from .router import Router
+    from .router import Router, load_policy
     from .service import ServedModel, Service, ServiceLimits
 
     dep = load_deployment(args)
     served = {name: ServedModel(name=name, tokenizer=m.tokenizer,
-                                max_model_len=min(m.config.max_position_embeddings, args.max_model_len),
+                                max_model_len=min(getattr(m.config, "max_position_embeddings", args.max_model_len),
+                                                  args.max_model_len),
                                 decoders=dep.engine.decoders_for(name)) for name, m in dep.models.items()}
     metrics = Metrics(node_cost_per_hour=args.node_cost_per_hour)
-    service = Service(dep.engine, served, Router(), ServiceLimits(request_timeout=args.request_timeout), metrics)
+    router = Router(load_policy(args.router_policy))
+    service = Service(dep.engine, served, router, ServiceLimits(request_timeout=args.request_timeout), metrics)
     dep.engine.start()
     app = create_app(AppState(service=service, metrics=metrics, api_key=args.api_key,
                               on_shutdown=[dep.engine.shutdown], body_limit=int(args.max_body_mb * 2**20)))
@@ -130,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--node-cost-per-hour", type=float, default=0.0,
                        help="node cost (any currency) per hour, for cost-per-token metrics")
     serve.add_argument("--max-body-mb", type=float, default=8.0, help="request body size limit")
+    serve.add_argument("--router-policy", default=None, help="JSON file with routing policy overrides "
+                       "(see README: Routing)")
     serve.set_defaults(func=cmd_serve)
 
     pull = sub.add_parser("pull", help="download the embedded default model into the cache")

@@ -11,7 +11,10 @@ back to the client in response headers.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from .errors import bad_request
@@ -38,6 +41,22 @@ class RoutingPolicy:
     batch: str = "ar"                    # continuous batching
     latency_budget_ms: float = 1000.0    # at or below this, prefer the fastest single-stream decoder
     default_priority: Priority = "high_value"
+
+
+def load_policy(path: str | Path | None) -> RoutingPolicy:
+    """Read a JSON policy file whose keys are RoutingPolicy fields; unknown keys are an error."""
+    if path is None:
+        return RoutingPolicy()
+    raw = json.loads(Path(path).read_text())
+    known = {f.name for f in dataclasses.fields(RoutingPolicy)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"unknown routing policy keys {sorted(unknown)}; known: {sorted(known)}")
+    policy = RoutingPolicy(**raw)
+    for value in (policy.interactive, policy.high_value, policy.batch):
+        if value not in DECODERS:
+            raise ValueError(f"routing policy decoders must be one of {DECODERS}, got {value!r}")
+    return policy
 
 
 class Router:

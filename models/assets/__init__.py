@@ -1,0 +1,25 @@
+"""Small artifacts shipped with the package: the default model's EAGLE head and diffusion twin.
+
+Both are trained by commands in the README (``dualserve train-eagle``,
+``dualserve train-diffusion``) and committed because they are small.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dualserve.models.hub import DEFAULT_MODEL_NAME
+
+ASSETS = Path(__file__).parent
+BUNDLED_EAGLE = {DEFAULT_MODEL_NAME: ASSETS / "eagle-smollm2"}
+BUNDLED_TWIN = {DEFAULT_MODEL_NAME: ASSETS / "twin-smollm2"}
+
+
+def default_eagle_head(model_name: str) -> Path | None:
+    path = BUNDLED_EAGLE.get(model_name)
+    return path if path is not None and (path / "config.json").exists() else None
+
+
+def default_twin(model_name: str) -> Path | None:
+    path = BUNDLED_TWIN.get(model_name)
+    return path if path is not None and (path / "config.json").exists() else None
