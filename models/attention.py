@@ -46,14 +46,43 @@ def mask_for(mode: MaskMode, length: int, block_size: int | None = None, device=
     return None
 
 
+# Below this many query tokens, two batched matmuls beat SDPA's kernels on CPU: decode
+# steps and draft trees are tiny, and SDPA's grouped-query path has a high fixed cost there.
+SMALL_QUERY = 16
+
+
+def small_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor | None) -> torch.Tensor:
+    """Grouped-query attention as explicit matmuls, for a handful of queries.
+
+    The ``heads // kv_heads`` query heads that share a kv head are stacked along the
+    query axis, so each kv head is read once: (kv_heads, group * q_len, d) @ (kv_heads, d, kv_len).
+    """
+    q_len, heads, d = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    qg = q.view(q_len, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, d)
+    scores = torch.bmm(qg, k.permute(1, 2, 0)) * (d ** -0.5)  # (kv_heads, group * q_len, kv_len)
+    if mask is not None:
+        scores = scores.view(kv_heads, group, q_len, -1).masked_fill(~mask, float("-inf")).view_as(scores)
+    out = torch.bmm(torch.softmax(scores.float(), dim=-1).to(v.dtype), v.transpose(0, 1))
+    return out.view(kv_heads, group, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads, d)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
          causal: bool = False) -> torch.Tensor:
     """Grouped-query attention for one sequence.
 
     q: (q_len, heads, d); k, v: (kv_len, kv_heads, d); mask: (q_len, kv_len) bool.
     Returns (q_len, heads, d). Keys and values are shared across ``heads // kv_heads``
-    query heads without materialising copies (``enable_gqa``).
+    query heads without materialising copies.
     """
+    q_len = q.shape[0]
+    if q_len <= SMALL_QUERY and q.device.type == "cpu":
+        if causal and mask is None and q_len > 1:
+            kv_len = k.shape[0]
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+        return small_query_attention(q, k, v, mask)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
         attn_mask=mask, is_causal=causal and mask is None and q.shape[0] > 1,

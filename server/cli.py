@@ -47,6 +47,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=512)
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores); "
+                   "use 1 when the machine is shared with other busy processes")
 
 
 def bundled(choice: str, model_name: str, finder) -> Path | None:
@@ -68,6 +70,8 @@ def load_deployment(args: argparse.Namespace):
     from dualserve.models.loader import load_model
 
     log = logging.getLogger("dualserve")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cache = default_cache_dir(args.cache_dir)
     dtype = pick_dtype(args.dtype, args.device)
     name, path = resolve_model(args.model, cache)
