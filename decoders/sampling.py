@@ -151,7 +151,7 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     if seed is None:
         g.seed()
     else:
-        g.manual_seed(seed)
+        g.manual_seed(seed % 2**64)  # negative and 64-bit seeds map onto the generator's range
     return g
 
 

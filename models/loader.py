@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,12 +192,13 @@ def load_gguf_state(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
         name = rename(t.name, GGUF_NAMES)
         if name is None:
             continue  # e.g. rope_freqs: recomputed from the config
-        w = quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        if config.family == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        w = np.require(quants.dequantize(t.data, t.tensor_type), np.float32, ["C", "W"])
+        # llama.cpp permutes q/k rows for the llama architecture (Mistral GGUFs use it too).
+        if config.family in ("llama", "mistral") and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rope(w, config.num_heads)
-        elif config.family == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif config.family in ("llama", "mistral") and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_rope(w, config.num_kv_heads)
-        canonical[name] = torch.from_numpy(np.ascontiguousarray(w))
+        canonical[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
     return canonical
 
 
@@ -215,6 +218,11 @@ def hf_config_dict(config: ModelConfig) -> dict:
         "rope_theta": config.rope_theta,
         "max_position_embeddings": config.max_position_embeddings,
         "attention_bias": config.attention_bias,
+        "rope_scaling": None if config.rope_scaling.kind == "default" else {
+            "rope_type": config.rope_scaling.kind, "factor": config.rope_scaling.factor,
+            "low_freq_factor": config.rope_scaling.low_freq_factor,
+            "high_freq_factor": config.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": config.rope_scaling.original_max_position_embeddings},
         "tie_word_embeddings": config.tie_word_embeddings,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": list(config.eos_token_ids),
@@ -233,12 +241,17 @@ def convert_gguf(path: Path, out_dir: Path) -> Path:
     if "lm_head.weight" not in canonical:
         config = config.replace(tie_word_embeddings=True)
     tokenizer = Tokenizer.from_gguf(reader)
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".partial-", dir=out_dir.parent))
     save_file(canonical, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": path.name})
     (tmp / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2))
     save_tokenizer(tokenizer, tmp)
-    tmp.rename(out_dir)
+    try:
+        tmp.rename(out_dir)
+    except OSError:  # another process converted the same file first
+        if not (out_dir / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

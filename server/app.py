@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import msgspec
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, get, post, route
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
@@ -52,6 +52,8 @@ def decode(raw: bytes, decoder: msgspec.json.Decoder) -> Any:
         raise bad_request(msg, param, "invalid_type") from None
     except msgspec.DecodeError as e:
         raise bad_request(f"could not parse the JSON body: {e}", None, "invalid_json") from None
+    except RecursionError:
+        raise bad_request("the JSON body is nested too deeply", None, "invalid_json") from None
 
 
 def route_headers(route) -> dict[str, str]:
@@ -101,7 +103,7 @@ def check_api_key(request: Request) -> Response | None:
                                    "invalid_request_error", None, "invalid_api_key"))
 
 
-@get("/health", sync_to_thread=False)
+@route("/health", http_method=["GET", "HEAD"], sync_to_thread=False)
 def health() -> dict[str, str]:
     return {"status": "ok"}
 

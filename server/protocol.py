@@ -12,12 +12,13 @@ OpenAI SDK sends through ``extra_body``: ``decoder``, ``priority``,
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Struct, field
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -42,7 +43,7 @@ class Hints(Struct, kw_only=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     user: str | None = None
     ignore_eos: bool = False
     decoder: str | None = None
@@ -109,7 +110,7 @@ class InfillRequest(Struct, kw_only=True):
     top_p: float | None = None
     stream: bool = False
     stop: list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     model: str | None = None
     decoder: str | None = None
 

@@ -184,6 +184,9 @@ class Service:
 
     def start(self, model: ServedModel, route: Route, prompts: list[list[int]], params: SamplingParams,
               n: int, suffix_ids: list[int] | None = None) -> Job:
+        if len(prompts) * n > self.engine.config.max_waiting:
+            raise bad_request(f"this request asks for {len(prompts) * n} completions (prompts x n); at most "
+                              f"{self.engine.config.max_waiting} can be queued", "n", "invalid_value")
         loop = asyncio.get_running_loop()
         job = Job(id=uuid.uuid4().hex[:24], model=model, route=route, prompts=prompts, n=n, params=params,
                   queue=asyncio.Queue())
@@ -203,6 +206,9 @@ class Service:
                 self.cancel(job)
                 raise APIError(429, "The server is overloaded; retry shortly.", "rate_limit_error", None,
                                "server_overloaded", headers={"Retry-After": "1"}) from None
+            except Exception:
+                self.cancel(job)
+                raise
         return job
 
     def cancel(self, job: Job) -> None:
