@@ -5,6 +5,12 @@ Each step every scheduled request computes a span of tokens: a prompt chunk
 single forward; requests whose span reaches their last known token sample the
 next one. This is continuous batching (Orca, Yu et al., OSDI 2022): requests join
 and leave between steps, and the batch shape never changes a request's tokens.
+
+Sampling stays per request where it must (bias, penalties, grammar masks and a
+seeded generator of its own) and batched where it can: plain greedy rows share
+one argmax. A request that wants prompt logprobs (echo with logprobs) gets
+logits over its prompt positions during prefill; it skips the prefix cache
+until they are all computed, since cached positions would have none.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ def pending_tokens(req: Request, pool: BlockPool) -> int:
     """Tokens whose KV is not yet computed, counting a prefix-cache hit for a fresh table."""
     computed = req.num_computed
     if not req.table.blocks and req.uses_prefix_cache:
-        computed = pool.match_prefix(req.all_ids)[1]
+        computed = pool.match_prefix(req.all_ids, req.table.namespace)[1]
     return req.num_tokens - computed
 
 

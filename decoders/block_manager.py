@@ -45,6 +45,9 @@ class BlockTable:
     num_cached_tokens: int = 0
     # Chained hashes of the committed full blocks, in order (kept by BlockPool).
     block_hashes: list[int] = field(default_factory=list, repr=False)
+    # Root of the hash chain: whose KV tensors the blocks hold. Models that share the pool
+    # keep separate KV tensors, so the same tokens must never hit another model's blocks.
+    namespace: str | None = None
 
 
 @dataclass
@@ -102,10 +105,10 @@ class BlockPool:
 
     # ---- prefix cache ---------------------------------------------------------------
 
-    def _block_key(self, parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+    def _block_key(self, parent_hash: int | str | None, tokens: tuple[int, ...]) -> int:
         return hash((parent_hash, tokens))
 
-    def _match(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    def _match(self, token_ids: Sequence[int], namespace: str | None = None) -> tuple[list[int], list[int]]:
         """Cached blocks (and their hashes) for the longest cached full-block prefix."""
         if not self.enable_prefix_caching:
             return [], []
@@ -115,7 +118,7 @@ class BlockPool:
         max_blocks = (len(token_ids) - 1) // bs
         blocks: list[int] = []
         hashes: list[int] = []
-        parent = None
+        parent: int | str | None = namespace
         for i in range(max_blocks):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = self._block_key(parent, tokens)
@@ -127,9 +130,9 @@ class BlockPool:
             parent = h
         return blocks, hashes
 
-    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+    def match_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> tuple[list[int], int]:
         """(block ids, tokens covered) of the longest cached prefix; no side effects."""
-        blocks, _ = self._match(token_ids)
+        blocks, _ = self._match(token_ids, namespace)
         return blocks, len(blocks) * self.block_size
 
     def reset_prefix_cache(self) -> None:
@@ -172,10 +175,11 @@ class BlockPool:
     # ---- tables ---------------------------------------------------------------------
 
     def _plan(
-        self, table: BlockTable, token_ids: Sequence[int], num_new_tokens: int, num_lookahead: int
+        self, table: BlockTable, token_ids: Sequence[int], num_new_tokens: int, num_lookahead: int,
+        use_prefix_cache: bool = True,
     ) -> tuple[list[int], list[int], int, int]:
         """(hit blocks, hit hashes, new blocks needed, blocks available for them)."""
-        hit_blocks, hit_hashes = self._match(token_ids) if not table.blocks else ([], [])
+        hit_blocks, hit_hashes = self._match(token_ids, table.namespace) if not table.blocks and use_prefix_cache else ([], [])
         num_tokens = table.num_tokens if table.blocks else len(hit_blocks) * self.block_size
         have = len(table.blocks) + len(hit_blocks)
         need = max(0, _cdiv(num_tokens + num_new_tokens + num_lookahead, self.block_size) - have)
@@ -184,23 +188,28 @@ class BlockPool:
         return hit_blocks, hit_hashes, need, available
 
     def can_allocate(
-        self, table: BlockTable, token_ids: Sequence[int], num_new_tokens: int, num_lookahead: int = 0
+        self, table: BlockTable, token_ids: Sequence[int], num_new_tokens: int, num_lookahead: int = 0,
+        *, use_prefix_cache: bool = True,
     ) -> bool:
-        _, _, need, available = self._plan(table, token_ids, num_new_tokens, num_lookahead)
+        _, _, need, available = self._plan(table, token_ids, num_new_tokens, num_lookahead, use_prefix_cache)
         return need <= available
 
     def allocate(
-        self, table: BlockTable, token_ids: Sequence[int], num_new_tokens: int, num_lookahead: int = 0
+        self, table: BlockTable, token_ids: Sequence[int], num_new_tokens: int, num_lookahead: int = 0,
+        *, use_prefix_cache: bool = True,
     ) -> None:
         """Reserve slots for `num_new_tokens` (+ `num_lookahead`) after table.num_tokens.
 
         An empty table (new or preempted request) first takes its prefix-cache
         hit, which sets num_cached_tokens and num_tokens; callers size
-        `num_new_tokens` with `match_prefix` beforehand. `token_ids` are all
+        `num_new_tokens` with `match_prefix` beforehand. `use_prefix_cache=False`
+        skips that lookup (a request that needs logits over its whole prompt);
+        its full blocks are still published by `commit`. `token_ids` are all
         known tokens of the sequence. All or nothing: raises NoFreeBlocks and
         changes nothing when the blocks are not there.
         """
-        hit_blocks, hit_hashes, need, available = self._plan(table, token_ids, num_new_tokens, num_lookahead)
+        hit_blocks, hit_hashes, need, available = self._plan(
+            table, token_ids, num_new_tokens, num_lookahead, use_prefix_cache)
         if need > available:
             raise NoFreeBlocks(f"need {need} blocks, {available} available")
         if not table.blocks:
@@ -211,7 +220,7 @@ class BlockPool:
             table.blocks = list(hit_blocks)
             table.block_hashes = list(hit_hashes)
             table.num_tokens = table.num_cached_tokens = len(hit_blocks) * self.block_size
-            if self.enable_prefix_caching:
+            if self.enable_prefix_caching and use_prefix_cache:
                 self.stats.queries += len(token_ids)
                 self.stats.hits += table.num_cached_tokens
         table.blocks.extend(self._take_block() for _ in range(need))
@@ -233,10 +242,14 @@ class BlockPool:
         bs = self.block_size
         for i in range(len(table.block_hashes), num_tokens // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = table.block_hashes[-1] if table.block_hashes else None
+            parent = table.block_hashes[-1] if table.block_hashes else table.namespace
             h = self._block_key(parent, tokens)
             table.block_hashes.append(h)
             block = table.blocks[i]
+            # A block re-opened by truncate while shared kept its old entry; once it is
+            # written again under new content, that entry is stale.
+            if self._block_hash[block] not in (None, h):
+                self._uncache(block)
             # First writer wins: a duplicate block stays uncached and is freed normally.
             if h not in self._cached and self._block_hash[block] is None:
                 self._cached[h] = block
@@ -269,6 +282,7 @@ class BlockPool:
             num_tokens=table.num_tokens,
             num_cached_tokens=table.num_cached_tokens,
             block_hashes=list(table.block_hashes),
+            namespace=table.namespace,
         )
 
     def copy_on_write(self, table: BlockTable) -> list[tuple[int, int]]:

@@ -71,7 +71,9 @@ def blocks_for(models: list[LoadedModel], spec: PoolSpec, kv_dtype: torch.dtype)
     per_block = 0
     for m in models:
         c = m.config
-        if hasattr(c, "num_kv_heads"):
+        if hasattr(c, "kv_bytes_per_block"):  # models with their own KV layout (DiffusionGemma)
+            per_block += c.kv_bytes_per_block(spec.block_size, kv_dtype)
+        elif hasattr(c, "num_kv_heads"):
             per_block += KVCache.bytes_per_block(c.num_layers, spec.block_size, c.num_kv_heads, c.head_dim, kv_dtype)
     return max(16, int(spec.memory_gb * 2**30 // max(per_block, 1)))
 

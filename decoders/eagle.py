@@ -82,7 +82,7 @@ class EagleDecoder:
 
     def plan(self, req: Request, budget: int) -> tuple[int, int]:
         """Prefill chunks stop before the last known token; then one root + a tree of lookahead slots."""
-        computed = req.num_computed if req.table.blocks else self.pool.match_prefix(req.all_ids)[1]
+        computed = req.num_computed if req.table.blocks else self.pool.match_prefix(req.all_ids, req.table.namespace)[1]
         pending = req.num_tokens - 1 - computed
         if budget <= 0:
             return 0, 0

@@ -9,6 +9,12 @@ The server submits requests from the event loop; the engine thread runs steps:
 Decoders are keyed by (model name, decoder name), so one process can serve an
 AR model with an EAGLE head and a diffusion model from the same block pool.
 An aborted request leaves at the start of the next step, blocks and all.
+
+Overload is refused at the door: ``submit`` raises ``QueueFull`` once the
+bounded waiting queue (``max_waiting`` choices not yet running) is full, and the
+server answers 429 with Retry-After. Per-request timeouts are the server's: it
+aborts what it stops waiting for. A step that raises fails the requests it
+touched (or, if the scheduler itself broke, every request) and the thread goes on.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ class Engine:
         self.decoders: dict[tuple[str, str], Decoder] = {}
         self.tokenizers: dict[str, object] = {}
         self.vocab_sizes: dict[str, int] = {}
+        self.kv_namespaces: dict[tuple[str, str], str] = {}
         self._grammars: dict[str, GrammarCompiler] = {}  # built on first structured request per model
         self.stats = EngineStats()
         self._inbox: deque[tuple[str, Request]] = deque()
@@ -77,14 +84,20 @@ class Engine:
         # n > 1: choices 1..n-1 wait until choice 0 has its prompt in the prefix cache,
         # then join and share those blocks instead of recomputing the prompt.
         self._held: dict[str, list[Request]] = {}
+        self._num_held = 0  # their count, read by submit on the server's thread
         self.on_step: Callable[["Engine", float], None] | None = None  # metrics hook, set by the server
 
     # ---- registration and lifecycle ------------------------------------------
 
     def add_decoder(self, model: str, decoder: Decoder, tokenizer, vocab_size: int | None = None) -> None:
         self.decoders[(model, decoder.name)] = decoder
+        # Prefix-cache namespace: decoders that read the same KV tensors (ar and eagle on one
+        # runner) share cached blocks; another model's blocks are never a hit.
+        kv_owner = getattr(decoder, "runner", None) or decoder
+        self.kv_namespaces[(model, decoder.name)] = f"{model}/{type(kv_owner).__name__}@{id(kv_owner):x}"
         self.tokenizers[model] = tokenizer
-        self.vocab_sizes[model] = vocab_size or tokenizer.vocab_size
+        # Only structured output needs it; a minimal tokenizer (tests, offline tools) may lack it.
+        self.vocab_sizes[model] = vocab_size or getattr(tokenizer, "vocab_size", 0)
 
     def grammar_compiler(self, model: str) -> GrammarCompiler:
         if model not in self._grammars:
@@ -110,10 +123,17 @@ class Engine:
     def submit(self, model: str, decoder: str, prompt_ids: list[int], params: SamplingParams,
                sink: Callable[[int, Delta], None], n: int = 1, suffix_ids: Sequence[int] = (),
                request_id: str | None = None) -> str:
-        """Queue a request (n choices); returns its id. Raises QueueFull when overloaded."""
+        """Queue a request (n choices); returns its id.
+
+        Raises QueueFull when overloaded (the bound counts every choice not yet
+        running: waiting, in the inbox, or held back for prefix sharing) and
+        ValueError for an empty prompt, max_tokens < 1 or n < 1.
+        """
         if (model, decoder) not in self.decoders:
             raise KeyError(f"model {model!r} has no decoder {decoder!r}")
-        if len(self.scheduler.waiting) + len(self._inbox) + n > self.config.max_waiting:
+        if not prompt_ids or params.max_tokens < 1 or n < 1:
+            raise ValueError("a request needs a non-empty prompt, max_tokens >= 1 and n >= 1")
+        if len(self.scheduler.waiting) + len(self._inbox) + self._num_held + n > self.config.max_waiting:
             raise QueueFull("the waiting queue is full")
         rid = request_id or f"req-{next(self._ids)}"
         tok = self.tokenizers[model]
@@ -125,6 +145,7 @@ class Engine:
             reqs.append(Request(request_id=rid, prompt_ids=list(prompt_ids), params=params, decoder=decoder,
                                 stream=stream, eos_token_ids=eos, sink=sink, model=model, index=i,
                                 suffix_ids=list(suffix_ids), constraint=constraint))
+            reqs[-1].table.namespace = self.kv_namespaces[(model, decoder)]
         with self._wake:
             self._requests[rid] = reqs
             for r in reqs:
@@ -147,21 +168,27 @@ class Engine:
         for kind, req in items:
             if kind == "add" and req.index > 0 and self.pool.enable_prefix_caching:
                 self._held.setdefault(req.request_id, []).append(req)
+                self._num_held += 1
             elif kind == "add":
-                try:
-                    self.scheduler.add(req)
-                except QueueFull as e:
-                    self._finish(req, "error", error=str(e))
+                self.scheduler.add(req, bounded=False)  # submit already checked the bound
             elif not req.finished:
                 held = self._held.get(req.request_id, [])
                 if req in held:
                     held.remove(req)
+                    self._num_held -= 1
                 self._finish(req, "abort")
+        self._release_held()
+
+    def _release_held(self) -> None:
+        """Let n > 1 choices join once choice 0 has computed (and so cached) its prompt."""
         for rid, held in list(self._held.items()):
             first = self._requests.get(rid, [None])[0]
             if first is None or first.finished or first.num_computed >= len(first.prompt_ids) or not held:
                 for r in held:
-                    self.scheduler.add(r)
+                    if first is not None and r.needs_prompt_logprobs and not first.needs_prompt_logprobs:
+                        r.prompt_logprobs = list(first.prompt_logprobs or [None])  # same prompt, same values
+                    self.scheduler.add(r, bounded=False)  # counted against the bound at submit
+                self._num_held -= len(held)
                 del self._held[rid]
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
@@ -203,9 +230,9 @@ class Engine:
             if req.finished:  # could never fit in the pool
                 self._finish(req, "error", error="the prompt does not fit in the KV block pool")
                 continue
-            if req.table.num_cached_tokens and not req.cached_prompt_tokens:
+            first_admission = not req.num_preemptions and req.num_computed == req.table.num_cached_tokens
+            if first_admission and s.num_new_tokens and not req.output_ids:
                 req.cached_prompt_tokens = req.table.num_cached_tokens
-            if req.num_computed == req.table.num_cached_tokens and s.num_new_tokens and not req.output_ids:
                 self.stats.prompt_tokens += len(req.prompt_ids)
             groups.setdefault((req.model, req.decoder), []).append(s)
         for key, batch in groups.items():
@@ -233,9 +260,22 @@ class Engine:
                     self._wake.wait()
                 if self._stop:
                     break
-            self.step()
-        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self._finish(req, "abort")
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - the server must keep answering
+                log.exception("engine step failed")
+                self._fail_all("error", f"internal error: {type(e).__name__}")
+        self._drain_inbox()  # submissions that raced the shutdown get their final delta too
+        self._fail_all("abort")
+
+    def _fail_all(self, reason: str, error: str | None = None) -> None:
+        """Finish every queued, running and held request (shutdown, or a step that broke)."""
+        held = [r for rs in self._held.values() for r in rs]
+        self._held.clear()
+        self._num_held = 0
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting) + held:
+            if not req.finished:
+                self._finish(req, reason, error=error)
 
     def run_until_idle(self) -> None:
         """Drive steps on the caller's thread until nothing is queued (tests and offline use)."""

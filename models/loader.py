@@ -280,6 +280,10 @@ def load_model(path: Path | str, *, name: str | None = None, dtype: torch.dtype 
     """Load a Hugging Face directory or a GGUF file (converted once into ``cache_dir``)."""
     start = time.perf_counter()
     path = Path(path)
+    if path.is_dir() and (path / "adapter.safetensors").exists():
+        from .adapter import load_twin  # a diffusion twin: base model + LoRA adapter
+
+        return load_twin(path, name=name, dtype=dtype, device=device, cache_dir=cache_dir)
     if path.is_file() and path.suffix == ".gguf":
         target = converted_dir(path, cache_dir or path.parent / ".dualserve")
         if not target.exists():
@@ -288,7 +292,12 @@ def load_model(path: Path | str, *, name: str | None = None, dtype: torch.dtype 
         source = target
     else:
         source = path
-    config = ModelConfig.from_hf(json.loads((source / "config.json").read_text()))
+    raw = json.loads((source / "config.json").read_text())
+    if raw.get("architectures") == ["DiffusionGemmaForBlockDiffusion"]:
+        from .diffusion_gemma import load_diffusion_gemma  # it imports LoadedModel from here
+
+        return load_diffusion_gemma(source, dtype, device, name=name)
+    config = ModelConfig.from_hf(raw)
     model = build(config, load_hf_state(source, config), dtype, device)
     tokenizer = Tokenizer.from_hf_dir(source)
     return LoadedModel(name=name or (path.stem if path.is_file() else path.name), path=path,

@@ -125,8 +125,10 @@ async def completions(request: Request, state: State) -> Response | Stream:
     suffix_ids = model.tokenizer.encode(body.suffix, add_special_tokens=False) if body.suffix else None
     route = service.route(model, body, request.headers.get("x-dualserve-decoder"), infill=bool(body.suffix))
     if suffix_ids and route.decoder != "diffusion":
-        raise bad_request(f"suffix (infilling) needs the diffusion decoder; this request was routed to "
-                          f"{route.decoder}", "suffix", "unsupported_parameter")
+        # AR decoders approximate infilling with fill-in-the-middle tokens, as llama.cpp does.
+        prompts = [build_infill(model.tokenizer, model.tokenizer.decode(p), body.suffix, [], native=False).prefix_ids
+                   for p in prompts]
+        suffix_ids = None
     params = service.sampling_params(body, body.max_tokens, body.logprobs, max(len(p) for p in prompts), model,
                                      default_max=16)
     job = service.start(model, route, prompts, params, body.n, suffix_ids)

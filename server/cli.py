@@ -107,7 +107,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     served = {name: ServedModel(name=name, tokenizer=m.tokenizer,
                                 max_model_len=min(getattr(m.config, "max_position_embeddings", args.max_model_len),
                                                   args.max_model_len),
-                                decoders=dep.engine.decoders_for(name)) for name, m in dep.models.items()}
+                                decoders=dep.engine.decoders_for(name),
+                                native_infill=bool(getattr(dep.engine.decoders.get((name, "diffusion")),
+                                                           "supports_infill", False)))
+              for name, m in dep.models.items()}
     metrics = Metrics(node_cost_per_hour=args.node_cost_per_hour)
     router = Router(load_policy(args.router_policy))
     service = Service(dep.engine, served, router, ServiceLimits(request_timeout=args.request_timeout), metrics)

@@ -32,6 +32,7 @@ class ServedModel:
     tokenizer: Any
     max_model_len: int
     decoders: list[str]
+    native_infill: bool = False    # its diffusion decoder can fill between a prefix and a suffix
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -221,6 +222,7 @@ class Service:
         started = time.monotonic()
         first: dict[int, float] = {}
         produced: dict[int, int] = {}
+        done: set[int] = set()
         deadline = None if self.limits.request_timeout is None else started + self.limits.request_timeout
         try:
             while remaining:
@@ -237,11 +239,17 @@ class Service:
                 produced[index] = produced.get(index, 0) + len(delta.token_ids)
                 if delta.finish_reason is not None:
                     remaining -= 1
+                    done.add(index)
                     self._observe(job, index, delta, first.get(index), produced[index], started)
                 yield index, delta
         finally:
             if remaining:
                 self.cancel(job)
+                if self.metrics is not None:
+                    for index in range(job.num_choices):
+                        if index not in done:
+                            self.metrics.observe_request(job.route.decoder, "abort", 0, produced.get(index, 0),
+                                                         first.get(index), time.monotonic() - started, None)
 
     def _observe(self, job: Job, index: int, delta: Delta, ttft: float | None, tokens: int,
                  started: float) -> None:
@@ -262,10 +270,16 @@ class Service:
             r.stats = delta.stats or r.stats
         return results
 
-    def route(self, model: ServedModel, body: Hints, header_decoder: str | None, **features: Any) -> Route:
-        return self.router.route(model.name, model.decoders, body.decoder or header_decoder,
-                                 priority=body.priority, latency_budget_ms=body.latency_budget_ms,
-                                 n=body.n, **features)
+    def route(self, model: ServedModel, body: Hints, header_decoder: str | None, *, infill: bool = False,
+              structured: bool = False) -> Route:
+        route = self.router.route(model.name, model.decoders, body.decoder or header_decoder,
+                                  priority=body.priority, latency_budget_ms=body.latency_budget_ms, n=body.n,
+                                  infill=infill and model.native_infill, structured=structured)
+        if infill and route.decoder == "diffusion" and not model.native_infill:
+            raise bad_request(f"model {model.name!r} cannot infill with its diffusion decoder (block-causal "
+                              "attention never sees the suffix); use decoder 'ar' or 'auto'", "suffix",
+                              "unsupported_parameter")
+        return route
 
     def infill_hints(self, body) -> Hints:
         """llama.cpp's /infill fields as OpenAI-style sampling hints."""

@@ -1,0 +1,360 @@
+"""The diffusion decoder: masked-diffusion LMs served over the shared paged KV pool.
+
+One algorithm serves LLaDA (bidirectional, no logit shift), Dream (bidirectional, shifted
+logits), block-diffusion models (block-causal attention: Fast-dLLM v2) and the AR twins
+(block-causal, shifted). A request is one sequence ``[prefix | canvas | suffix]``:
+
+- the **canvas** is ``max_tokens`` [MASK] positions after the prompt (the canvas budget);
+- it is denoised **unit by unit**, left to right: LLaDA's semi-autoregressive blocks
+  (``block_length``), or the sub-blocks of a block-causal model's attention blocks (Fast-dLLM
+  v2's ``small_block_size``); ``block_length=None`` makes the canvas one unit (Dream);
+- each step is ONE forward; for every masked position of the unit the decoder proposes a
+  token, scores it, and the unmasking policy commits some (``diffusion_policies.py``);
+- which positions the forward computes and which cached keys/values it reads is the cache
+  strategy's choice (``diffusion_cache.py``);
+- the **suffix** (``Request.suffix_ids``) is fixed right context: native infilling, for
+  bidirectional models only.
+
+Unmasked tokens are never remasked, so the left prefix of the canvas up to the first mask is
+final: it goes out through ``Request.commit`` as soon as it grows, which applies EOS, stop
+strings, max_tokens and logprobs exactly as for the AR decoder. A request stops the moment
+``commit`` says it is finished (e.g. the first committed EOS), however much canvas is left.
+
+Shifted logits (Dream ``generation_utils.py``; Fast-dLLM v2 ``generate``): the token at
+position p is read from the logits of row p - 1. In a block-causal model the first position of
+an attention block is then predicted from the last row of the previous, finished block, which
+sees only final tokens: an exact autoregressive prediction. Fast-dLLM v2's ``generate``
+commits it at once (the token it appends after each block), and so does this decoder.
+
+Batching: every scheduled request contributes its forward (ragged lengths, its own attention
+mask and context) to one ``ModelRunner.forward`` per engine step, whatever phase it is in. A
+request's samples come from its own generator, so the batch never changes its tokens.
+
+Pool: every position of the sequence has its slot in the request's block table. A bidirectional
+request reserves them all when it is admitted (each step may touch any); a block-causal one
+reserves block by block. Keys/values that are exact (finished blocks of a block-causal model)
+may be published to the pool's prefix cache with ``publish_blocks=True``; approximate ones
+(bidirectional prefix/dual caches) never are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from dualserve.models.attention import block_causal_mask
+from dualserve.models.config import ModelConfig
+from dualserve.models.loader import LoadedModel
+
+from .block_manager import BlockPool, BlockTable
+from .diffusion_cache import (CacheState, CacheStrategy, DualCache, ExactCache, Frame, NoCache, Work, advance,
+                              prefill_chunk)
+from .diffusion_policies import Confidence, LinearSchedule, Policy, Schedule, Threshold, confidence, propose
+from .request import Request
+from .runner import ForwardItem, ModelRunner
+from .sampling import TokenLogprob, process_logits, token_logprobs
+from .scheduler import Scheduled
+
+
+@dataclass(frozen=True)
+class DiffusionConfig:
+    """How a diffusion model is decoded: unit size x policy x schedule x cache strategy."""
+
+    block_length: int | None = 32        # denoising unit; None: the whole canvas is one unit
+    policy: Policy = Threshold(0.9)
+    schedule: Schedule = LinearSchedule()
+    cache: CacheStrategy = DualCache()
+    confidence: Confidence = "prob"
+    cfg_scale: float = 0.0               # classifier-free guidance (LLaDA generate.py); NoCache only
+
+    def __post_init__(self) -> None:
+        if self.block_length is not None and self.block_length <= 0:
+            raise ValueError("block_length must be positive")
+        if self.cfg_scale > 0 and not isinstance(self.cache, NoCache):
+            raise ValueError("classifier-free guidance runs an unconditional copy; it needs cache=NoCache()")
+
+
+def default_config(model: ModelConfig) -> DiffusionConfig:
+    """Fast-dLLM's recommended settings: threshold 0.9, dual cache / exact block cache."""
+    if model.diffusion_block_size:
+        return DiffusionConfig(block_length=min(8, model.diffusion_block_size), policy=Threshold(0.9),
+                               cache=ExactCache())
+    return DiffusionConfig(block_length=32, policy=Threshold(0.9), cache=DualCache())
+
+
+def unit_spans(start: int, end: int, block_length: int | None, attn_block: int | None) -> list[tuple[int, int]]:
+    """Denoising units covering canvas positions [start, end).
+
+    Bidirectional models: consecutive ``block_length`` spans from the canvas start (LLaDA).
+    Block-causal models: attention blocks sit at multiples of ``attn_block``; each is cut into
+    sub-blocks of ``block_length`` from its own start (Fast-dLLM v2), then clipped to the canvas.
+    """
+    if attn_block is None:
+        step = block_length or max(end - start, 1)
+        cuts = set(range(start, end, step))
+    else:
+        sub = min(block_length or attn_block, attn_block)
+        first = start // attn_block * attn_block
+        cuts = {p for b in range(first, end, attn_block) for p in range(b, b + attn_block, sub)}
+    cuts = sorted({start, end} | {p for p in cuts if start < p < end})
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+@dataclass
+class DiffusionState:
+    """One request's decoding state (``Request.decoder_state``; dropped on preemption)."""
+
+    start: int                      # first canvas position (= tokens known at admission)
+    canvas_end: int
+    tokens: torch.Tensor            # (prefix + canvas + suffix,) int64 on the CPU; masks where undecided
+    units: list[tuple[int, int]]
+    committed: int                  # positions before this went through Request.commit
+    cache: CacheState = field(default_factory=CacheState)
+    unit: int = 0                   # index of the unit being denoised
+    unit_step: int = 0              # forwards spent on it
+    counts: list[int] | None = None  # the schedule's per-step counts for it
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    work: Work | None = None        # planned by plan(), run by step()
+    error: str | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+class DiffusionDecoder:
+    name = "diffusion"
+
+    def __init__(self, runner: ModelRunner, pool: BlockPool, config: DiffusionConfig | None = None,
+                 max_batched_tokens: int = 512, publish_blocks: bool = False):
+        cfg = runner.config
+        if cfg.mask_token_id is None:
+            raise ValueError("a diffusion model needs a mask token id")
+        self.runner = runner
+        self.pool = pool
+        self.config = config or default_config(cfg)
+        self.max_batched_tokens = max_batched_tokens
+        self.mask_id = cfg.mask_token_id
+        self.shift = int(cfg.shift_logits)
+        self.attn_block = cfg.diffusion_block_size if cfg.family == "block_diffusion" else None
+        # Exact block keys/values may enter the prefix cache only if every pool block ends on an
+        # attention-block boundary: a pool block's keys/values then depend on its own tokens only.
+        self.publish = bool(publish_blocks and self.attn_block and pool.enable_prefix_caching
+                            and pool.block_size % self.attn_block == 0)
+
+    @property
+    def supports_infill(self) -> bool:
+        """A suffix is visible to the canvas only under bidirectional attention."""
+        return self.attn_block is None
+
+    # ---- scheduling ------------------------------------------------------------
+
+    def plan(self, req: Request, budget: int) -> tuple[int, int]:
+        """Tokens the next forward computes, and slots to reserve for the rest of the sequence."""
+        if req.decoder_state is None:
+            req.decoder_state = self._new_state(req)
+        st: DiffusionState = req.decoder_state
+        if budget <= 0:
+            return 0, 0
+        if st.error is not None or st.unit >= len(st.units):
+            return 1, 0
+        st.work = self._next_work(st, budget)
+        if st.work is None:
+            return 0, 0
+        n = st.work.num_tokens * (2 if self._cfg(st.work) else 1)
+        # The pool reserves table.num_tokens (a prefix hit for an empty table) + n + lookahead
+        # slots: ask for what the step touches. A bidirectional step touches the whole sequence;
+        # a block-causal one nothing past its attention block, so long canvases grow block by
+        # block. (Guidance over-reserves its copy.)
+        extent = st.length if self.attn_block is None else max(b for _, b in (st.work.query, *st.work.context))
+        base = req.table.num_tokens if req.table.blocks else self.pool.match_prefix(req.all_ids, req.table.namespace)[1]
+        return n, max(0, extent - base - n)
+
+    def _new_state(self, req: Request) -> DiffusionState:
+        prefix = req.all_ids
+        start, size = len(prefix), max(req.remaining, 0)
+        suffix = list(req.suffix_ids)
+        tokens = torch.tensor(prefix + [self.mask_id] * size + suffix, dtype=torch.long)
+        st = DiffusionState(start=start, canvas_end=start + size, tokens=tokens, committed=start,
+                            units=unit_spans(start, start + size, self.config.block_length, self.attn_block))
+        if suffix and not self.supports_infill:
+            st.error = "infilling (suffix) needs a bidirectional diffusion model; this one is block-causal"
+        elif req.constraint is not None or req.needs_prompt_logprobs:
+            # Both are defined token by token, left to right: an autoregressive decoder's job.
+            st.error = "structured output and prompt logprobs need an autoregressive decoder"
+        if self.publish:
+            # Prefix-cache hits hold exact keys/values of whole attention blocks (see __init__).
+            st.cache.exact_upto = self.pool.match_prefix(prefix, req.table.namespace)[1]
+        return st
+
+    def _frame(self, st: DiffusionState) -> Frame:
+        us, ue = st.units[st.unit]
+        # Row us - 1 is needed only while position us is masked (shifted logits).
+        first_row = max(us - self.shift, 0) if int(st.tokens[us]) == self.mask_id else us
+        if self.attn_block is None:
+            return Frame((us, ue), st.length, 0, first_row)
+        block_start = us // self.attn_block * self.attn_block
+        return Frame((us, ue), min(block_start + self.attn_block, st.canvas_end), block_start, first_row)
+
+    def _next_work(self, st: DiffusionState, budget: int) -> Work | None:
+        frame = self._frame(st)
+        work = self.config.cache.work(frame, st.cache, st.unit)
+        if work.num_tokens * (2 if self._cfg(work) else 1) <= budget:
+            return work
+        if self.attn_block:
+            chunk = prefill_chunk(work, frame, st.cache, budget, self.attn_block)
+            if chunk is not None:
+                return chunk
+        # A bidirectional span cannot be split: run it alone in a step with the whole budget.
+        return work if budget >= self.max_batched_tokens else None
+
+    def _cfg(self, work: Work) -> bool:
+        return self.config.cfg_scale > 0 and not work.prefill_only
+
+    # ---- the step --------------------------------------------------------------
+
+    def step(self, batch: Sequence[Scheduled], emit) -> None:
+        live: list[Request] = []
+        for s in batch:
+            req = s.request
+            st: DiffusionState | None = req.decoder_state
+            if s.num_new_tokens <= 0 or st is None:
+                continue
+            if st.error is not None or st.unit >= len(st.units):
+                delta = req.finish("error" if st.error else "length")
+                delta.error = st.error
+                emit(req, delta)
+                continue
+            live.append(req)
+        if not live:
+            return
+        items = [self._items(req) for req in live]
+        hidden, _ = self.runner.forward([it for group in items for it in group])
+        offset = 0
+        for req, group in zip(live, items):
+            rows = []
+            for it in group:
+                rows.append(hidden[offset: offset + len(it.token_ids)])
+                offset += len(it.token_ids)
+            self._after_forward(req, rows, emit)
+
+    def _items(self, req: Request) -> list[ForwardItem]:
+        """The request's forward: its query span, plus the unconditional copy under guidance."""
+        st: DiffusionState = req.decoder_state
+        item = work_item(st.work, st.tokens, req.table, self.pool, self.attn_block)
+        if not self._cfg(st.work):
+            return [item]
+        # LLaDA's unconditional input: every position that is not canvas becomes [MASK].
+        a, b = st.work.query
+        uncond = st.tokens[a:b].clone()
+        pos = torch.arange(a, b)
+        uncond[(pos < st.start) | (pos >= st.canvas_end)] = self.mask_id
+        return [item, ForwardItem(uncond, range(a, b), 0, item.block_table, None, item.mask)]
+
+    def _after_forward(self, req: Request, rows: list[torch.Tensor], emit) -> None:
+        st: DiffusionState = req.decoder_state
+        work = st.work
+        frame = self._frame(st)
+        req.num_forwards += 1
+        advance(st.cache, work, frame, st.unit)
+        if not work.prefill_only:
+            self._denoise(req, st, rows, work.query[0])
+            if self._commit(req, st, emit):
+                return
+        self._publish(req, st)
+
+    @torch.inference_mode()
+    def _denoise(self, req: Request, st: DiffusionState, rows: list[torch.Tensor], query_start: int) -> None:
+        """One unmasking step of the current unit from this forward's hidden states."""
+        us, ue = st.units[st.unit]
+        masked = us + torch.nonzero(st.tokens[us:ue] == self.mask_id)[:, 0]  # (m,) positions
+        if st.counts is None:
+            st.counts = self.config.schedule.counts(len(masked))
+        idx = (masked - self.shift).clamp(min=0) - query_start  # rows predicting those positions
+        raw = self.runner.logits(rows[0][idx.to(rows[0].device)])  # (m, vocab) fp32
+        if len(rows) > 1:  # guidance: uncond + (s + 1) * (cond - uncond), LLaDA generate.py
+            uncond = self.runner.logits(rows[1][idx.to(rows[1].device)])
+            raw = uncond + (self.config.cfg_scale + 1) * (raw - uncond)
+        chosen, tokens = self._choose(req, st, masked, raw)
+        st.tokens[masked[chosen.cpu()]] = tokens[chosen].cpu()
+        if req.params.logprobs is not None:
+            lps = token_logprobs(raw[chosen], tokens[chosen].tolist(), req.params.logprobs)
+            st.logprobs.update(zip(masked[chosen.cpu()].tolist(), lps))
+        st.unit_step += 1
+        if not bool((st.tokens[us:ue] == self.mask_id).any()):
+            req.steps_per_block.append(st.unit_step)
+            st.unit, st.unit_step, st.counts = st.unit + 1, 0, None
+
+    def _choose(self, req: Request, st: DiffusionState, masked: torch.Tensor,
+                raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices into ``masked`` to commit, proposed token per masked position)."""
+        params = req.params
+        logits = raw.clone()
+        logits[:, self.mask_id] = float("-inf")  # [MASK] is never an answer
+        if params.needs_processing:
+            # Penalties count committed tokens only: the canvas is not output yet.
+            penalties = req.penalty_state(logits.shape[-1], logits.device)
+            logits = torch.stack([process_logits(row, req.prompt_ids, req.output_ids, params, penalties)
+                                  for row in logits])
+        tokens = propose(logits, params, req.generator)
+        conf = confidence(self.config.confidence, torch.softmax(logits, -1), tokens, req.generator)
+        k = st.counts[st.unit_step] if st.unit_step < len(st.counts) else len(masked)
+        chosen = self.config.policy.select(conf, k)
+        if self._anchored(int(masked[0])):
+            chosen = torch.unique(torch.cat([chosen, chosen.new_zeros(1)]))
+        return chosen, tokens
+
+    def _anchored(self, pos: int) -> bool:
+        """Whether ``pos`` is predicted from a finished block's last row (an exact AR prediction)."""
+        return bool(self.shift and self.attn_block and pos % self.attn_block == 0 and pos > 0)
+
+    def _commit(self, req: Request, st: DiffusionState, emit) -> bool:
+        """Stream the newly final left prefix of the canvas; True when the request finished."""
+        canvas = st.tokens[st.committed:st.canvas_end]
+        holes = torch.nonzero(canvas == self.mask_id)
+        end = st.committed + (int(holes[0, 0]) if len(holes) else len(canvas))
+        if end == st.committed:
+            return False
+        tokens = st.tokens[st.committed:end].tolist()
+        lps = [st.logprobs.pop(p) for p in range(st.committed, end)] if req.params.logprobs is not None else None
+        st.committed = end
+        delta = req.commit(tokens, lps)
+        emit(req, delta)
+        return delta.finish_reason is not None
+
+    def _publish(self, req: Request, st: DiffusionState) -> None:
+        """Offer exact finished-block keys/values to the prefix cache (see ``__init__``)."""
+        if not self.publish:
+            return
+        n = min(st.cache.exact_upto, len(req.all_ids))
+        if n > req.table.num_tokens:
+            self.pool.commit(req.table, req.all_ids, n)
+
+
+def work_item(work: Work, tokens: torch.Tensor, table: BlockTable, pool: BlockPool,
+              attn_block: int | None) -> ForwardItem:
+    """The ``ForwardItem`` that carries out ``work`` for a sequence of ``tokens`` (all positions).
+
+    Queries attend to each other fully (bidirectional models) or block-causally, with blocks
+    aligned to absolute positions; every context position is visible to every query.
+    """
+    a, b = work.query
+    context_slots = None
+    if work.context and work.context != ((0, work.context_len),):
+        # Not a plain prefix (dual cache): name the slots; a prefix is read through the block table.
+        slots = [s for lo, hi in work.context for s in pool.slot_mapping(table, lo, hi)]
+        context_slots = torch.tensor(slots, dtype=torch.long)
+    mask = "full" if attn_block is None else block_causal_mask(b - a, attn_block, offset=a)
+    store = pool.slot_mapping(table, a, b) if work.store else None
+    return ForwardItem(tokens[a:b], range(a, b), work.context_len, table.blocks, store, mask, context_slots)
+
+
+def register_diffusion(engine, model_name: str, runner: ModelRunner, loaded: LoadedModel,
+                       config: DiffusionConfig | None = None, publish_blocks: bool = False) -> DiffusionDecoder:
+    """Add the ``diffusion`` decoder for ``model_name`` (a diffusion-family model or an AR twin)."""
+    decoder = DiffusionDecoder(runner, engine.pool, config or default_config(loaded.config),
+                               max_batched_tokens=engine.config.max_batched_tokens, publish_blocks=publish_blocks)
+    engine.add_decoder(model_name, decoder, loaded.tokenizer, loaded.config.vocab_size)
+    return decoder
