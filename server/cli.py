@@ -157,7 +157,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+TRAINERS = {
+    "train-eagle": ("dualserve.decoders.eagle_train", "train an EAGLE draft head for a model (self-distilled)"),
+    "train-diffusion": ("dualserve.decoders.diffusion_train", "adapt an AR model into a block-diffusion twin"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TRAINERS:  # the trainers own their flags
+        import importlib
+
+        return importlib.import_module(TRAINERS[argv[0]][0]).main(argv[1:])
     parser = argparse.ArgumentParser(prog="dualserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -189,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--decoder", default="ar")
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
     gen.set_defaults(func=cmd_generate)
+
+    for name, (_, help_text) in TRAINERS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
