@@ -5,7 +5,9 @@ generator and output sink. Every decoder reports "tokens committed this step"
 through ``Request.commit``; that single function applies EOS, stop token ids,
 stop strings (via the shared ``TextStream``), max_tokens and logprobs, so the
 three decoders cannot disagree on what a client sees. Tokens after a stop are
-dropped and never counted in usage.
+dropped and never counted in usage. Commit also keeps the per-token state that
+must not cost a pass over the sequence: the prompt-plus-output id list and the
+penalty counts. Prompt logprobs, when asked for, ride on the first delta.
 """
 
 from __future__ import annotations

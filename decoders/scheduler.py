@@ -3,10 +3,14 @@
 Each step it decides which requests run and how many tokens each computes,
 under two budgets: a token budget per step (so a long prompt is prefilled in
 chunks while decodes keep flowing) and the block pool. Running requests go
-first, oldest first; when the pool is exhausted the youngest running request is
-preempted: its blocks are freed and it goes back to the front of the waiting
-queue to be recomputed later (vLLM's "recompute" preemption). Its emitted
-tokens are kept, so nothing a client saw is lost or repeated.
+first (those already generating before those still prefilling, each group
+oldest first), then waiting ones in arrival order. When the pool is exhausted
+the youngest running request that has no work yet this step is preempted: its
+blocks are freed and it goes back to the front of the waiting queue to be
+recomputed later (vLLM's "recompute" preemption). Its emitted tokens are kept,
+so nothing a client saw is lost or repeated; full blocks it had written stay in
+the prefix cache, so the recompute often starts from a cache hit. No new request
+is admitted in a step that preempted.
 
 How many tokens a request wants is its decoder's business (``plan``): one for
 an AR decode, the tree size for an EAGLE step, a canvas for diffusion.
@@ -47,8 +51,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
 
-    def add(self, req: Request) -> None:
-        if len(self.waiting) >= self.max_waiting:
+    def add(self, req: Request, bounded: bool = True) -> None:
+        """Queue a request; ``bounded=False`` for one already counted against the bound (held n > 1 choices)."""
+        if bounded and len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting")
         self.waiting.append(req)
 
@@ -59,7 +64,8 @@ class Scheduler:
     def _try_allocate(self, item: Scheduled) -> bool:
         req = item.request
         try:
-            self.pool.allocate(req.table, req.all_ids, item.num_new_tokens, item.num_lookahead)
+            self.pool.allocate(req.table, req.all_ids, item.num_new_tokens, item.num_lookahead,
+                               use_prefix_cache=req.uses_prefix_cache)
             return True
         except NoFreeBlocks:
             return False
@@ -73,24 +79,48 @@ class Scheduler:
         self.running.remove(req)
         self.waiting.appendleft(req)
 
-    def schedule(self, plan: Planner) -> list[Scheduled]:
+    def _victim(self, scheduled: set[int]) -> Request | None:
+        """The youngest running request not yet given work this step."""
+        for req in reversed(self.running):
+            if id(req) not in scheduled:
+                return req
+        return None
+
+    def _schedule_running(self, plan: Planner, out: list[Scheduled]) -> tuple[int, bool]:
+        """Give running requests their work; returns (token budget left, whether any was preempted)."""
         budget = self.max_batched_tokens
-        out: list[Scheduled] = []
-        for req in list(self.running):
-            if req not in self.running:
-                continue  # preempted below by an older request
+        scheduled: set[int] = set()
+        preempted = False
+        # Requests already generating go first: their steps are small, and a long
+        # prompt's prefill chunk must not hold back every decode queued behind it.
+        order = [r for r in self.running if r.output_ids] + [r for r in self.running if not r.output_ids]
+        for req in order:
+            if req.status is not Status.RUNNING:
+                continue  # preempted for an older request earlier in this step
             n, lookahead = plan(req, budget)
             if n <= 0 and lookahead <= 0:
                 continue
             item = Scheduled(req, n, lookahead)
             while not self._try_allocate(item):
-                victim = self.running[-1]
+                # Only requests without work this step may lose their blocks; req itself is one.
+                victim = self._victim(scheduled)
                 self.preempt(victim)
+                preempted = True
                 if victim is req:
                     break
             else:
                 out.append(item)
+                scheduled.add(id(req))
                 budget -= n
+        return budget, preempted
+
+    def schedule(self, plan: Planner) -> list[Scheduled]:
+        out: list[Scheduled] = []
+        budget, preempted = self._schedule_running(plan, out)
+        if preempted:
+            # Memory is short: admitting now would only preempt again (as in vLLM
+            # v1, vllm/v1/core/sched/scheduler.py, which skips waiting requests after a preemption).
+            return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             n, lookahead = plan(req, budget)
