@@ -48,8 +48,9 @@ class ModelRunner:
         self.kv = KVCache(cfg.num_layers, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim,
                           kv_dtype or self.dtype, self.device)
         self.scratch_block = num_blocks
-        self.backend = FlashPagedAttention if (use_flash if use_flash is not None else flash_available()) \
-            else SdpaPagedAttention
+        # flash-attn's paged kernel needs blocks of a multiple of 256 tokens (flash_attn_with_kvcache).
+        flash = (use_flash if use_flash is not None else flash_available()) and block_size % 256 == 0
+        self.backend = FlashPagedAttention if flash else SdpaPagedAttention
         self.num_forwards = 0
 
     def _as_tensor(self, x, dtype=torch.long) -> torch.Tensor:

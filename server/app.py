@@ -10,6 +10,7 @@ disconnects aborts its engine requests, which frees their blocks within a step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -123,7 +124,11 @@ async def completions(request: Request, state: State) -> Response | Stream:
     model = service.model(body.model)
     prompts = service.completion_prompts(body, model)
     suffix_ids = model.tokenizer.encode(body.suffix, add_special_tokens=False) if body.suffix else None
+    if body.echo and body.logprobs is not None and (body.decoder or "auto") == "auto":
+        body.decoder = "ar"  # prompt logprobs come from the AR path's prefill
     route = service.route(model, body, request.headers.get("x-dualserve-decoder"), infill=bool(body.suffix))
+    if body.echo and body.logprobs is not None and route.decoder != "ar":
+        raise bad_request("echo with logprobs is served by the 'ar' decoder", "echo", "unsupported_parameter")
     if suffix_ids and route.decoder != "diffusion":
         # AR decoders approximate infilling with fill-in-the-middle tokens, as llama.cpp does.
         prompts = [build_infill(model.tokenizer, model.tokenizer.decode(p), body.suffix, [], native=False).prefix_ids
@@ -131,6 +136,8 @@ async def completions(request: Request, state: State) -> Response | Stream:
         suffix_ids = None
     params = service.sampling_params(body, body.max_tokens, body.logprobs, max(len(p) for p in prompts), model,
                                      default_max=16)
+    if body.echo and body.logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=True)
     job = service.start(model, route, prompts, params, body.n, suffix_ids)
     echo = [model.tokenizer.decode(p) for p in prompts] if body.echo else []
     headers = route_headers(route)

@@ -42,7 +42,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kv-memory-gb", type=float, default=1.0, help="memory for the shared KV block pool")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (overrides --kv-memory-gb)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default 16 on CPU, 256 on CUDA, as flash-attn's paged kernel needs)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=512)
     p.add_argument("--max-waiting", type=int, default=256)
@@ -91,7 +92,8 @@ def load_deployment(args: argparse.Namespace):
         specs.append(ServedSpec(dname, diff))
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching)
-    pool = PoolSpec(block_size=args.block_size, num_blocks=args.num_blocks, memory_gb=args.kv_memory_gb)
+    block_size = args.block_size or (256 if args.device.startswith("cuda") else 16)
+    pool = PoolSpec(block_size=block_size, num_blocks=args.num_blocks, memory_gb=args.kv_memory_gb)
     return build_deployment(specs, cfg, pool, device=args.device)
 
 

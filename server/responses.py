@@ -49,6 +49,27 @@ def chat_logprobs(service: Service, job: Job, lps: list[TokenLogprob]) -> ChatLo
     return ChatLogprobs(content=content)
 
 
+def prompt_logprobs(service: Service, job: Job, prompt: list[int],
+                    values: list[TokenLogprob | None] | None) -> CompletionLogprobs:
+    """Echoed prompt tokens in OpenAI's completion logprob format (the first token has none)."""
+    values = values or [None] * len(prompt)
+    tokens, logps, tops, offsets = [], [], [], []
+    offset = 0
+    for tid, lp in zip(prompt, values):
+        text = service.token_text(job.model, tid)
+        tokens.append(text)
+        logps.append(lp.logprob if lp is not None else None)
+        tops.append({service.token_text(job.model, t): v for t, v in lp.top} if lp is not None and lp.top else None)
+        offsets.append(offset)
+        offset += len(text)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=logps, top_logprobs=tops, text_offset=offsets)
+
+
+def join_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
+
+
 def completion_body(service: Service, job: Job, results: list[ChoiceResult], echo_texts: list[str],
                     stats: dict[str, Any] | None) -> Completion:
     choices = []
@@ -56,6 +77,8 @@ def completion_body(service: Service, job: Job, results: list[ChoiceResult], ech
         prefix = echo_texts[i // job.n] if echo_texts else ""
         lps = completion_logprobs(service, job, r.logprobs, len(prefix)) \
             if job.params.logprobs is not None else None
+        if lps is not None and echo_texts:
+            lps = join_logprobs(prompt_logprobs(service, job, job.prompt_of(i), r.prompt_logprobs), lps)
         choices.append(CompletionChoice(index=i, text=prefix + r.text, logprobs=lps,
                                         finish_reason=r.finish_reason))
     used = sum(len(r.token_ids) for r in results)
@@ -90,11 +113,15 @@ async def completion_stream(service: Service, job: Job, echo_texts: list[str],
     used = 0
     stats = None
     offsets = [len(echo_texts[i // job.n]) if echo_texts else 0 for i in range(job.num_choices)]
-    if echo_texts:
-        for i in range(job.num_choices):
-            chunk = CompletionChoice(index=i, text=echo_texts[i // job.n])
-            yield sse(Completion(id=f"cmpl-{job.id}", created=job.created, model=job.model.name, choices=[chunk]))
+    echoed: set[int] = set()
     async for index, delta in service.deltas(job):
+        if echo_texts and index not in echoed:
+            # The echo chunk waits for the first delta, which carries the prompt logprobs.
+            echoed.add(index)
+            lps = prompt_logprobs(service, job, job.prompt_of(index), delta.prompt_logprobs) \
+                if job.params.logprobs is not None else None
+            chunk = CompletionChoice(index=index, text=echo_texts[index // job.n], logprobs=lps)
+            yield sse(Completion(id=f"cmpl-{job.id}", created=job.created, model=job.model.name, choices=[chunk]))
         used += len(delta.token_ids)
         stats = stats or delta.stats
         if not delta.text and not delta.finish_reason and not delta.token_ids:

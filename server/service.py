@@ -74,6 +74,7 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stats: dict[str, Any] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs
 
 
 class Service:
@@ -268,6 +269,7 @@ class Service:
             r.logprobs += delta.logprobs or []
             r.finish_reason = delta.finish_reason or r.finish_reason
             r.stats = delta.stats or r.stats
+            r.prompt_logprobs = delta.prompt_logprobs or r.prompt_logprobs
         return results
 
     def route(self, model: ServedModel, body: Hints, header_decoder: str | None, *, infill: bool = False,
