@@ -76,7 +76,8 @@ class RequestResult:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and bool(self.chunk_times)
+        """Finished cleanly; a request may be ok yet stream no text (EOS as the first token)."""
+        return self.error is None
 
     @property
     def tokens(self) -> int:
@@ -139,6 +140,7 @@ class LevelSummary:
     tpot: Stats | None
     decode_tps: Stats | None
     usage_missing: int
+    n_empty: int  # ok requests that streamed no text
     errors: list[str]
 
 
@@ -172,6 +174,16 @@ def load_prompts(path: Path | str = DEFAULT_PROMPTS) -> list[Prompt]:
     return prompts
 
 
+def interleave_kinds(prompts: Sequence[Prompt]) -> list[Prompt]:
+    """Round-robin over kinds (first prompt of each kind, then the second...), keeping file order
+    within a kind, so that a short run still mixes chat, code, extraction and the rest."""
+    by_kind: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_kind.setdefault(p.kind, []).append(p)
+    rounds = max(len(group) for group in by_kind.values())
+    return [group[i] for i in range(rounds) for group in by_kind.values() if i < len(group)]
+
+
 def summarize_level(concurrency: int, results: Sequence[RequestResult], wall_s: float) -> LevelSummary:
     ok = [r for r in results if r.ok]
     tokens = sum(r.tokens for r in ok)
@@ -191,7 +203,8 @@ def summarize_level(concurrency: int, results: Sequence[RequestResult], wall_s: 
         tpot=Stats.of(collect("tpot")),
         decode_tps=Stats.of(collect("decode_tps")),
         usage_missing=sum(not r.usage_reported for r in ok),
-        errors=[r.error or "no text streamed" for r in results if not r.ok],
+        n_empty=sum(not r.chunk_times for r in ok),
+        errors=[r.error for r in results if r.error is not None],
     )
 
 
@@ -272,6 +285,9 @@ def print_report(rows: Sequence[Sequence[str]], ratio_text: Sequence[str], title
     for row in rows:
         table.add_row(*row)
     console = Console()
+    if not console.is_terminal:
+        # Piped or redirected output would otherwise be cut to 80 columns and squash the table.
+        console = Console(width=160)
     console.print(table)
     if ratio_text:
         console.print("ours / baseline, single stream:")
@@ -308,6 +324,10 @@ async def stream_one(client: AsyncOpenAI, spec: BenchSpec, prompt: Prompt) -> Re
                 res.finish_reason = choice.finish_reason or res.finish_reason
     except Exception as exc:  # a failed request is reported in the summary, not fatal to the run
         res.error = f"{type(exc).__name__}: {exc}"
+    if res.error is None and res.finish_reason is None:
+        # A stream cut short (e.g. llama-cpp-python's server, by default, aborts a running stream
+        # when the next request arrives) ends without a finish_reason.
+        res.error = "stream ended without a finish_reason"
     res.text = "".join(parts)
     return res
 
@@ -351,7 +371,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, help="requests per level (default: max(16, 2 x concurrency))")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="chat",
+                   help="chat sends each prompt as one user message (the prompts are instructions)")
     p.add_argument("--decoder", choices=["ar", "eagle", "diffusion"])
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests sent to each server first")
     p.add_argument("--baseline-url", help="second server for the single-stream comparison")
@@ -405,9 +426,12 @@ async def bench_server(
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    prompts = load_prompts(args.prompts)
-    spec, runs = await bench_server(args.base_url, args.model, args, prompts, args.levels, args.decoder)
-    rows = [level_row("ours", s) for s, _ in runs]
+    """Run every level against the server (and level 1 against the baseline), print, save JSON."""
+    prompts = interleave_kinds(load_prompts(args.prompts))
+    # Ratios compare single streams, so level 1 is always run when there is a baseline.
+    levels = args.levels if not args.baseline_url or 1 in args.levels else [1, *args.levels]
+    spec, runs = await bench_server(args.base_url, args.model, args, prompts, levels, args.decoder)
+    labelled = [("ours", s) for s, _ in runs]
     report: dict = {
         "server": {"url": args.base_url, **asdict(spec)},
         "prompts": str(args.prompts),
@@ -415,23 +439,20 @@ async def main_async(args: argparse.Namespace) -> dict:
     }
     ratio_text: list[str] = []
     if args.baseline_url:
-        # The baseline server is not told about decoders: it is compared as a plain AR server.
+        # The baseline is not told about decoders: it is compared as a plain AR server.
         bspec, bruns = await bench_server(args.baseline_url, args.baseline_model, args, prompts, [1], None)
         base = bruns[0][0]
-        rows.append(level_row("baseline", base))
+        labelled.append(("baseline", base))
         report["baseline"] = {"url": args.baseline_url, **asdict(bspec), "level": level_record(*bruns[0])}
-        ours_single = next((s for s, _ in runs if s.concurrency == 1), None)
-        if ours_single is None:
-            _, extra = await bench_server(args.base_url, args.model, args, prompts, [1], args.decoder)
-            ours_single = extra[0][0]
-            rows.insert(len(runs), level_row("ours", ours_single))
-        report["ratios"] = ratios(ours_single, base)
+        report["ratios"] = ratios(next(s for s, _ in runs if s.concurrency == 1), base)
         ratio_text = ratio_lines(report["ratios"])
     title = f"{spec.model} · {spec.endpoint} · max_tokens={spec.max_tokens} · decoder={spec.decoder or 'default'}"
-    print_report(rows, ratio_text, title)
-    for s, _ in runs:
+    print_report([level_row(label, s) for label, s in labelled], ratio_text, title)
+    for label, s in labelled:
         if s.errors:
-            print(f"concurrency {s.concurrency}: {len(s.errors)} failed, first: {s.errors[0]}")
+            print(f"{label}, concurrency {s.concurrency}: {len(s.errors)} failed, first: {s.errors[0]}")
+        if s.n_empty:
+            print(f"{label}, concurrency {s.concurrency}: {s.n_empty} requests finished without streaming text")
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=2), encoding="utf-8")
     return report

@@ -33,8 +33,9 @@ request's samples come from its own generator, so the batch never changes its to
 Pool: every position of the sequence has its slot in the request's block table. A bidirectional
 request reserves them all when it is admitted (each step may touch any); a block-causal one
 reserves block by block. Keys/values that are exact (finished blocks of a block-causal model)
-may be published to the pool's prefix cache with ``publish_blocks=True``; approximate ones
-(bidirectional prefix/dual caches) never are.
+are published to the pool's prefix cache (under the runner's namespace), so later requests with
+the same prefix start from them; they are never written again. Approximate ones (bidirectional
+prefix/dual caches) are never published, so a bidirectional request never has a cache hit.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class DiffusionDecoder:
     name = "diffusion"
 
     def __init__(self, runner: ModelRunner, pool: BlockPool, config: DiffusionConfig | None = None,
-                 max_batched_tokens: int = 512, publish_blocks: bool = False):
+                 max_batched_tokens: int = 512, publish_blocks: bool = True):
         cfg = runner.config
         if cfg.mask_token_id is None:
             raise ValueError("a diffusion model needs a mask token id")
@@ -143,6 +144,11 @@ class DiffusionDecoder:
         # attention-block boundary: a pool block's keys/values then depend on its own tokens only.
         self.publish = bool(publish_blocks and self.attn_block and pool.enable_prefix_caching
                             and pool.block_size % self.attn_block == 0)
+
+    @property
+    def shares_prompt_blocks(self) -> bool:
+        """Whether a request's prompt blocks reach the prefix cache (so n > 1 choices can share them)."""
+        return self.publish
 
     @property
     def supports_infill(self) -> bool:
@@ -169,8 +175,12 @@ class DiffusionDecoder:
         # a block-causal one nothing past its attention block, so long canvases grow block by
         # block. (Guidance over-reserves its copy.)
         extent = st.length if self.attn_block is None else max(b for _, b in (st.work.query, *st.work.context))
-        base = req.table.num_tokens if req.table.blocks else self.pool.match_prefix(req.all_ids, req.table.namespace)[1]
+        base = req.table.num_tokens if req.table.blocks else self._cached_prefix(req)
         return n, max(0, extent - base - n)
+
+    def _cached_prefix(self, req: Request) -> int:
+        """Tokens an empty table will take from the prefix cache at allocation."""
+        return self.pool.match_prefix(req.all_ids, req.table.namespace)[1] if req.uses_prefix_cache else 0
 
     def _new_state(self, req: Request) -> DiffusionState:
         prefix = req.all_ids
@@ -186,7 +196,7 @@ class DiffusionDecoder:
             st.error = "structured output and prompt logprobs need an autoregressive decoder"
         if self.publish:
             # Prefix-cache hits hold exact keys/values of whole attention blocks (see __init__).
-            st.cache.exact_upto = self.pool.match_prefix(prefix, req.table.namespace)[1]
+            st.cache.exact_upto = self._cached_prefix(req)
         return st
 
     def _frame(self, st: DiffusionState) -> Frame:
@@ -243,7 +253,8 @@ class DiffusionDecoder:
     def _items(self, req: Request) -> list[ForwardItem]:
         """The request's forward: its query span, plus the unconditional copy under guidance."""
         st: DiffusionState = req.decoder_state
-        item = work_item(st.work, st.tokens, req.table, self.pool, self.attn_block)
+        scratch = self.runner.scratch_block * self.runner.block_size
+        item = work_item(st.work, st.tokens, req.table, self.pool, self.attn_block, st.cache.exact_upto, scratch)
         if not self._cfg(st.work):
             return [item]
         # LLaDA's unconditional input: every position that is not canvas becomes [MASK].
@@ -333,12 +344,14 @@ class DiffusionDecoder:
             self.pool.commit(req.table, req.all_ids, n)
 
 
-def work_item(work: Work, tokens: torch.Tensor, table: BlockTable, pool: BlockPool,
-              attn_block: int | None) -> ForwardItem:
+def work_item(work: Work, tokens: torch.Tensor, table: BlockTable, pool: BlockPool, attn_block: int | None,
+              exact_upto: int = 0, scratch_slot: int = 0) -> ForwardItem:
     """The ``ForwardItem`` that carries out ``work`` for a sequence of ``tokens`` (all positions).
 
     Queries attend to each other fully (bidirectional models) or block-causally, with blocks
-    aligned to absolute positions; every context position is visible to every query.
+    aligned to absolute positions; every context position is visible to every query. Queries
+    before ``exact_upto`` (a shifted row recomputed for its logits) are not stored: those slots
+    hold exact keys/values already, possibly in blocks other requests share.
     """
     a, b = work.query
     context_slots = None
@@ -347,12 +360,15 @@ def work_item(work: Work, tokens: torch.Tensor, table: BlockTable, pool: BlockPo
         slots = [s for lo, hi in work.context for s in pool.slot_mapping(table, lo, hi)]
         context_slots = torch.tensor(slots, dtype=torch.long)
     mask = "full" if attn_block is None else block_causal_mask(b - a, attn_block, offset=a)
-    store = pool.slot_mapping(table, a, b) if work.store else None
+    store = None
+    if work.store:
+        keep = min(max(exact_upto - a, 0), b - a)
+        store = [scratch_slot] * keep + pool.slot_mapping(table, a + keep, b)
     return ForwardItem(tokens[a:b], range(a, b), work.context_len, table.blocks, store, mask, context_slots)
 
 
 def register_diffusion(engine, model_name: str, runner: ModelRunner, loaded: LoadedModel,
-                       config: DiffusionConfig | None = None, publish_blocks: bool = False) -> DiffusionDecoder:
+                       config: DiffusionConfig | None = None, publish_blocks: bool = True) -> DiffusionDecoder:
     """Add the ``diffusion`` decoder for ``model_name`` (a diffusion-family model or an AR twin)."""
     decoder = DiffusionDecoder(runner, engine.pool, config or default_config(loaded.config),
                                max_batched_tokens=engine.config.max_batched_tokens, publish_blocks=publish_blocks)

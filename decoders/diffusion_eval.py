@@ -13,8 +13,9 @@ the condition a block-diffusion decoder meets at the start of every block:
 
 The score is the share of filled tokens equal to the AR greedy tokens (block
 padding after EOS excluded), and tokens per forward for the iterative rules.
-No cache: each forward runs the whole prefix + canvas with block-causal
-attention, with logits shifted (row j-1 predicts token j).
+The clean blocks before the canvas are run once and their K/V kept
+(``PrefixKV``); each denoising forward runs only the canvas's block, with logits
+shifted (row j-1 predicts token j).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dualserve.models.attention import DenseAttention
+from dualserve.models.attention import block_causal_mask, sdpa
 from dualserve.models.transformer import Transformer
 
 from .diffusion_twin import Example
@@ -50,24 +51,53 @@ class FillScore:
                 "tokens_per_forward": round(self.tokens_per_forward, 3), "tokens": self.tokens}
 
 
-def canvas_probs(model: Transformer, seq: torch.Tensor, start: int, block_size: int) -> torch.Tensor:
-    """Probabilities (canvas, vocab) for positions start..len(seq)-1, each from the row before it."""
-    positions = torch.arange(len(seq), device=seq.device)
-    attn = DenseAttention([len(seq)], mode="block_causal", block_size=block_size)
-    hidden, _ = model(seq, positions, attn)  # (tokens, hidden)
-    return torch.softmax(model.logits(hidden[start - 1:len(seq) - 1]), -1)
+class PrefixKV:
+    """Attention that keeps the K/V of whole clean blocks and lets one canvas block attend to them.
+
+    Under block-causal attention the clean blocks before the canvas never see it, so
+    their K/V are computed once per block (``store`` pass); each denoising forward then
+    runs only the canvas block, which sees all of the prefix and all of its own block.
+    """
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.storing = True
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.storing:
+            self.k[layer_idx], self.v[layer_idx] = k, v
+            return sdpa(q, k, v, block_causal_mask(len(q), self.block_size, device=q.device))
+        if layer_idx in self.k:
+            k, v = torch.cat([self.k[layer_idx], k]), torch.cat([self.v[layer_idx], v])
+        return sdpa(q, k, v)
 
 
 def fill_block(model: Transformer, prefix: list[int], length: int, mask_id: int, block_size: int,
                tau: float | None) -> tuple[list[int], int]:
-    """Fill ``length`` masked tokens after ``prefix``; tau None = one-shot. Returns (tokens, forwards)."""
+    """Fill ``length`` masked tokens after ``prefix`` up to a block end; tau None = one-shot.
+
+    Returns (tokens, forwards). Logits are shifted: canvas position j is read from row
+    j-1, which for a canvas starting on a block boundary is the prefix's last row.
+    """
     device = model.embed_tokens.weight.device
-    seq = torch.tensor(prefix + [mask_id] * length, device=device)  # (prefix + canvas,)
     start = len(prefix)
+    cached = start // block_size * block_size  # whole clean blocks; the rest shares the canvas's block
+    attn = PrefixKV(block_size)
+    last = None
+    if cached:
+        hidden, _ = model(torch.tensor(prefix[:cached], device=device), torch.arange(cached, device=device), attn)
+        last = hidden[-1:]  # (1, hidden)
+    attn.storing = False
+    block = torch.tensor(prefix[cached:] + [mask_id] * length, device=device)  # (block,)
+    positions = torch.arange(cached, cached + len(block), device=device)
     masked = torch.ones(length, dtype=torch.bool, device=device)
     forwards = 0
     while bool(masked.any()):
-        probs = canvas_probs(model, seq, start, block_size)
+        hidden, _ = model(block, positions, attn)  # (block, hidden)
+        rows = hidden[start - cached - 1:-1] if start > cached else torch.cat([last, hidden[:-1]])
+        probs = torch.softmax(model.logits(rows), -1)  # (canvas, vocab)
         probs[:, mask_id] = 0.0  # the [MASK] id is never an answer
         conf, tok = probs.max(-1)  # (canvas,)
         forwards += 1
@@ -77,9 +107,9 @@ def fill_block(model: Transformer, prefix: list[int], length: int, mask_id: int,
             conf = torch.where(masked, conf, torch.full_like(conf, -1.0))
             commit = masked & (conf >= tau)
             commit[int(conf.argmax())] = True
-        seq[start:][commit] = tok[commit]
+        block[start - cached:][commit] = tok[commit]
         masked &= ~commit
-    return seq[start:].tolist(), forwards
+    return block[start - cached:].tolist(), forwards
 
 
 @torch.inference_mode()

@@ -28,6 +28,7 @@ than fp32, so ``--bf16 auto`` leaves them in fp32.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -40,10 +41,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from safetensors.torch import load_file, save_file
 
-from dualserve.models.adapter import TwinSpec, save_twin
+from dualserve.models.adapter import TwinSpec, apply_twin, save_twin
 from dualserve.models.loader import LoadedModel, hf_config_dict
 
-from .diffusion_data import generate_dataset, read_dataset, twin_prompts
+from .diffusion_data import generate_dataset, twin_prompts
 from .diffusion_twin import Example, LoRALinear, adapter_tensors, add_lora, make_example, pack, twin_loss
 
 console = Console(stderr=True)
@@ -153,8 +154,10 @@ def write_twin(loaded: LoadedModel, args: argparse.Namespace, spec: TwinSpec, lo
 
 
 def train(loaded: LoadedModel, args: argparse.Namespace, examples: list[Example], spec: TwinSpec) -> None:
-    """Train LoRA + [MASK] row on ``examples`` for ``args.steps`` optimizer steps (resumable)."""
-    model = loaded.model
+    """Train LoRA + [MASK] row on ``examples`` for ``args.steps`` optimizer steps (resumable).
+
+    Works on a copy of the model, so ``loaded`` stays the plain AR model."""
+    model = copy.deepcopy(loaded.model)
     loras = add_lora(model, args.rank, args.alpha, args.seed)
     emb = model.embed_tokens.weight
     mask_embedding = torch.nn.Parameter(emb.detach().float().mean(0).to(emb))
@@ -166,14 +169,14 @@ def train(loaded: LoadedModel, args: argparse.Namespace, examples: list[Example]
     step, history = progress["step"], work / "history.jsonl"
     autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16,
                               enabled=use_bf16(args.bf16, args.device))
-    model.train()
     window = {"loss": 0.0, "targets": 0, "correct": 0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
     bar = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                    console=console, disable=not console.is_terminal)
     with bar:
         task = bar.add_task("train", total=args.steps, completed=step, info="")
-        while step < args.steps:
+        deadline = time.monotonic() + args.max_minutes * 60 if args.max_minutes else math.inf
+        while step < args.steps and time.monotonic() < deadline:
             steps_per_epoch = len(schedule(examples, spec.block_size, args.tokens_per_step, args.seed))
             epoch, index = divmod(step, steps_per_epoch)
             chosen = schedule(examples, spec.block_size, args.tokens_per_step, args.seed + epoch)[index]
@@ -199,10 +202,9 @@ def train(loaded: LoadedModel, args: argparse.Namespace, examples: list[Example]
                 window = {k: 0 for k in window} | {"start": time.perf_counter()}
             else:
                 bar.update(task, completed=step)
-            if step % args.save_every == 0 or step == args.steps:
+            if step % args.save_every == 0 or step == args.steps or time.monotonic() >= deadline:
                 save_checkpoint(work, params, opt, {"step": step})
                 write_twin(loaded, args, spec, loras, mask_embedding, step)
-    model.eval()
 
 
 def log_window(step: int, total: int, epoch: int, w: dict, history: Path) -> str:
@@ -221,12 +223,21 @@ def log_window(step: int, total: int, epoch: int, w: dict, history: Path) -> str
 
 # ---- the command -------------------------------------------------------------------
 
-def run_eval(loaded: LoadedModel, examples: list[Example], spec: TwinSpec, args: argparse.Namespace,
+def untrained(loaded: LoadedModel, spec: TwinSpec) -> torch.nn.Module:
+    """The AR model as training step 0 sees it: [MASK] embedded as the mean embedding."""
+    model = copy.deepcopy(loaded.model)
+    with torch.no_grad():
+        model.embed_tokens.weight[spec.mask_token_id] = model.embed_tokens.weight.mean(0)
+    return model
+
+
+def run_eval(model: torch.nn.Module, examples: list[Example], spec: TwinSpec, args: argparse.Namespace,
              label: str) -> list[dict]:
     from .diffusion_eval import denoise_eval
 
-    rows = [s.row() for s in denoise_eval(loaded.model, examples[: args.eval_samples], spec.block_size,
-                                          spec.mask_token_id, args.eval_blocks)]
+    taus = (None, *args.eval_thresholds)
+    rows = [s.row() for s in denoise_eval(model, examples[: args.eval_samples], spec.block_size,
+                                          spec.mask_token_id, args.eval_blocks, taus)]
     for r in rows:
         console.log(f"eval ({label}): {r['rule']}: accuracy {r['accuracy']:.3f} vs AR greedy, "
                     f"{r['tokens_per_forward']:.2f} tokens/forward over {r['tokens']} tokens")
@@ -255,11 +266,15 @@ def run(loaded: LoadedModel, args: argparse.Namespace, base_model: str) -> Path:
     console.log(f"data: {len(examples)} training answers ({sum(len(e.ids) - e.prompt_len for e in examples)} "
                 f"answer tokens), {len(held)} held out")
     work = Path(args.work_dir)
-    if args.eval_samples and not (work / "checkpoint.json").exists():
-        run_eval(loaded, held, spec, args, "AR model, step 0")
-    train(loaded, args, examples, spec)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.eval_samples and (args.eval_only or not (work / "checkpoint.json").exists()):
+        run_eval(untrained(loaded, spec), held, spec, args, "AR model, step 0")
+    if not args.eval_only:
+        train(loaded, args, examples, spec)
     if args.eval_samples:
-        run_eval(loaded, held, spec, args, f"twin, step {args.steps}")
+        step = json.loads((work / "checkpoint.json").read_text())["step"]
+        # The twin as written and loaded back (bf16 adapter, merged), not the training copy.
+        run_eval(apply_twin(loaded, args.output).model, held, spec, args, f"twin, step {step}")
     console.log(f"twin written to {args.output}")
     return Path(args.output)
 
@@ -283,6 +298,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--max-minutes", type=float, default=0,
+                   help="stop training after this long, checkpointed (run again to resume; 0: no limit)")
     p.add_argument("--tokens-per-step", type=int, default=2048, help="packed tokens per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=20)
@@ -291,6 +308,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--holdout", type=int, default=20, help="keep one prompt in N out of training")
     p.add_argument("--eval-samples", type=int, default=24, help="held-out answers to evaluate (0: none)")
     p.add_argument("--eval-blocks", type=int, default=2, help="answer blocks evaluated per held-out answer")
+    p.add_argument("--eval-thresholds", type=float, nargs="*", default=[0.9, 1.01],
+                   help="confidence thresholds evaluated besides one-shot (above 1: one token per forward)")
+    p.add_argument("--eval-only", action="store_true", help="evaluate the AR model and the twin in --output")
     p.add_argument("--adapter-dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

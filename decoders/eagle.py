@@ -38,9 +38,11 @@ from typing import Sequence
 
 import torch
 
-from dualserve.models.eagle import EagleHead, default_head, load_eagle_head
+from dualserve.models.assets import default_eagle_head
+from dualserve.models.eagle import EagleHead, load_eagle_head
 from dualserve.models.loader import LoadedModel
 
+from .ar import fill_prompt_logprobs
 from .block_manager import BlockPool
 from .eagle_tree import DraftTree, DraftTreeAttention, TreeConfig, accept_greedy, accept_sampled, grow_tree
 from .paged_attention import AttentionMetadata, KVCache, SdpaPagedAttention, SeqAttention
@@ -49,10 +51,13 @@ from .runner import ForwardItem, ModelRunner
 from .sampling import process_logits, token_logprobs, truncated_probs
 from .scheduler import Scheduled
 
-# Measured on the default model (see clients/bench_eagle.py): CPU batch-1 verify
-# cost grows fast with tree size, a GPU's barely does.
-CPU_TREE = TreeConfig(depth=5, top_k=4, num_nodes=10)
-GPU_TREE = TreeConfig(depth=6, top_k=8, num_nodes=48)
+# CPU: measured with the bundled SmolLM2 head (clients/bench_eagle.py). On an AVX2
+# CPU a forward over 2..8 tokens costs about twice a 1-token forward (GEMM packs
+# the weights, GEMV streams them), so small trees win until acceptance is high.
+CPU_TREE = TreeConfig(depth=3, top_k=2, num_nodes=4)
+# GPU: verify cost is flat in tree size at batch 1; upstream EAGLE-2's evaluation
+# setting (depth 5, top-k 10, 60 tokens) scaled to a small target. Not yet measured.
+GPU_TREE = TreeConfig(depth=5, top_k=8, num_nodes=48)
 
 
 @dataclass
@@ -82,7 +87,9 @@ class EagleDecoder:
 
     def plan(self, req: Request, budget: int) -> tuple[int, int]:
         """Prefill chunks stop before the last known token; then one root + a tree of lookahead slots."""
-        computed = req.num_computed if req.table.blocks else self.pool.match_prefix(req.all_ids, req.table.namespace)[1]
+        computed = req.num_computed
+        if not req.table.blocks and req.uses_prefix_cache:
+            computed = self.pool.match_prefix(req.all_ids, req.table.namespace)[1]
         pending = req.num_tokens - 1 - computed
         if budget <= 0:
             return 0, 0
@@ -139,8 +146,12 @@ class EagleDecoder:
 
     def _prefilled(self, req: Request, n: int, final: torch.Tensor, aux: list[torch.Tensor]) -> None:
         state: EagleState = req.decoder_state
+        start = req.num_computed
+        if req.needs_prompt_logprobs:
+            fill_prompt_logprobs(self.runner, req, final, start)
+        req.num_prefill_tokens += max(0, min(start + n, len(req.prompt_ids)) - start)
         state.pending = torch.cat([state.pending, self.head.features(final, aux)])
-        self.pool.commit(req.table, req.all_ids, req.num_computed + n)
+        self.pool.commit(req.table, req.all_ids, start + n)
 
     # ---- draft -----------------------------------------------------------------
 
@@ -184,7 +195,9 @@ class EagleDecoder:
         st: EagleState = req.decoder_state
         root = req.all_ids[-1]
         # The head must have seen the pair ending at the root, and the slots must be reserved.
-        if st.last_hidden is None or st.head_len != req.num_tokens - 1 or s.num_lookahead == 0:
+        # A grammar constraint's state cannot branch, so constrained requests go token by token.
+        if (st.last_hidden is None or st.head_len != req.num_tokens - 1 or s.num_lookahead == 0
+                or req.constraint is not None):
             return DraftTree([root], [-1])
         attn = DraftTreeAttention(self.kv, self._head_context(req, st))
         depth_cap = min(req.remaining - 1, s.num_lookahead)
@@ -204,7 +217,10 @@ class EagleDecoder:
             return cache[node]
 
         def processed(node: int, accepted: list[int]) -> torch.Tensor:
-            return process_logits(raw(node), req.prompt_ids, req.output_ids + accepted, params)
+            # Stateless penalties over the path so far: the request's running counts only
+            # advance once tokens are committed.
+            logits = process_logits(raw(node), req.prompt_ids, req.output_ids + accepted, params)
+            return logits if req.constraint is None else req.constraint.mask_logits(logits)
 
         if params.greedy:
             path, bonus = accept_greedy(tree, processed)
@@ -212,12 +228,15 @@ class EagleDecoder:
             path, bonus = accept_sampled(tree, lambda n, acc: truncated_probs(processed(n, acc), params),
                                          req.generator)
         tokens = [tree.tokens[n] for n in path] + [bonus]
+        if req.constraint is not None:  # root-only tree: exactly one token
+            req.constraint.consume(bonus)
         req.accept_lengths.append(len(tokens))
         logprobs = None
         if params.logprobs is not None:
             parents = [0] + path  # each emitted token was predicted at its parent node
             logprobs = [token_logprobs(raw(p)[None], [t], params.logprobs)[0] for p, t in zip(parents, tokens)]
         start = req.num_computed  # the root's position
+        req.num_prefill_tokens += int(start < len(req.prompt_ids))  # the first root is the last prompt token
         delta = req.commit(tokens, logprobs)
         if delta.finish_reason is None:
             self._keep_path(req, path, start, final, aux)
@@ -246,7 +265,7 @@ class EagleDecoder:
 def eagle_decoder(loaded: LoadedModel, runner: ModelRunner, pool: BlockPool, head_path: Path | str | None = None,
                   tree: TreeConfig | None = None) -> EagleDecoder | None:
     """An EAGLE decoder for ``loaded``: from ``head_path``, else the bundled head for that model, else None."""
-    path = Path(head_path) if head_path else default_head(loaded.name)
+    path = Path(head_path) if head_path else default_eagle_head(loaded.name)
     if path is None:
         return None
     return EagleDecoder(runner, pool, load_eagle_head(path, loaded.model), tree)

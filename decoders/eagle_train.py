@@ -15,8 +15,9 @@ Three resumable stages, each writing under ``--work-dir``:
    head is written in the layout ``models/eagle.py`` loads.
 
 The EAGLE-3 head starts from the target where shapes allow: its lm_head rows
-and final norm are the target's, and the residual branches start at zero, so
-step 0 trains from a sensible output space rather than noise.
+and final norm are the target's, ``fc`` passes the highest fused feature
+through and the residual branches start at zero, so training starts from the
+target's own output space rather than from noise.
 """
 
 from __future__ import annotations
@@ -325,8 +326,8 @@ def run(loaded: LoadedModel, args: argparse.Namespace) -> Path:
     return Path(args.output)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dualserve train-eagle", description="Self-distil an EAGLE draft head.")
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``train-eagle`` flags, for this module's own parser or a subcommand of ``dualserve``."""
     p.add_argument("--model", default=None, help="target: HF directory, .gguf file or known name (default model)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--kind", choices=["eagle3", "eagle1"], default="eagle3")
@@ -355,13 +356,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def cmd_train_eagle(args: argparse.Namespace) -> int:
+    """Load the target named by ``args`` and run all stages."""
     from dualserve.models.hub import default_cache_dir, resolve_model
     from dualserve.models.loader import load_model
 
-    args = parser().parse_args(argv)
     cache = default_cache_dir(args.cache_dir)
     name, path = resolve_model(args.model, cache)
     loaded = load_model(path, name=name, dtype=torch.float32, device=args.device, cache_dir=cache)
     run(loaded, args)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dualserve train-eagle", description="Self-distil an EAGLE draft head.")
+    return cmd_train_eagle(add_arguments(parser).parse_args(argv))

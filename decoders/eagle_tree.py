@@ -159,7 +159,8 @@ def grow_tree(head, attn: DraftTreeAttention, root: int, last_hidden: torch.Tens
     for level in range(1, depth):
         tokens = torch.cat(pool_ids)[frontier]
         attn.visible = _visible_rows(frontier, torch.cat(pool_parent), ancestors_of, len(fed_rows), fed_rows)
-        out = head(head.to_target(tokens), frontier_hidden, torch.full((k,), position + level - 1), attn)
+        pos = torch.full((k,), position + level - 1, device=last_hidden.device)
+        out = head(head.to_target(tokens), frontier_hidden, pos, attn)
         for j, f in enumerate(frontier.tolist()):
             ancestors_of[f] = len(fed_rows) - k + j
         child_logp, child_ids = torch.log_softmax(head.logits(out), -1).topk(k, dim=-1)  # (k, k)

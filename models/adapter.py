@@ -39,6 +39,8 @@ from .loader import LoadedModel, build, load_model
 from .transformer import Transformer
 
 ADAPTER_FILE = "adapter.safetensors"
+# The committed twin of the default model (SmolLM2-135M-Instruct), made by ``dualserve train-diffusion``.
+DEFAULT_TWIN_DIR = Path(__file__).parent / "assets" / "twin-smollm2"
 # Our fused projections; a LoRA on qkv_proj is one low-rank update of the stacked q/k/v.
 LORA_TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 

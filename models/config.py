@@ -21,6 +21,10 @@ import torch
 
 Family = Literal["llama", "qwen2", "mistral", "llada", "dream", "block_diffusion"]
 
+# Fast-dLLM v2 (model_type "Fast_dLLM_Qwen") hard-codes its [MASK] id ("|<MASK>|") in generate;
+# its config.json has none.
+FAST_DLLM_V2_MASK_ID = 151665
+
 # Which decoders a family's checkpoint can serve on its own.
 AR_FAMILIES = frozenset({"llama", "qwen2", "mistral"})
 DIFFUSION_FAMILIES = frozenset({"llada", "dream", "block_diffusion"})
@@ -77,6 +81,9 @@ class ModelConfig:
         model_type = str(cfg.get("model_type", "llama")).lower()
         if model_type == "llada":
             return _llada_from_hf(cfg)
+        if model_type == "sdar":
+            raise ValueError("SDAR checkpoints need per-head q/k RMSNorm (Qwen3), which the transformer core lacks")
+        fast_dllm_v2 = model_type == "fast_dllm_qwen"  # Qwen2 layout + bd_size, shifted logits
         family: Family
         if model_type == "dream":
             family = "dream"
@@ -104,14 +111,16 @@ class ModelConfig:
             rope_scaling=_rope_scaling(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             # Qwen2 always has q/k/v biases; Llama/Mistral say so with attention_bias.
-            attention_bias=bool(cfg.get("attention_bias", family in ("qwen2", "dream") or model_type == "qwen2")),
+            attention_bias=bool(cfg.get("attention_bias", family in ("qwen2", "dream") or model_type == "qwen2"
+                                        or fast_dllm_v2)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
             pad_token_id=cfg.get("pad_token_id"),
-            mask_token_id=cfg.get("mask_token_id", twin.get("mask_token_id")),
+            mask_token_id=cfg.get("mask_token_id", twin.get("mask_token_id",
+                                                             FAST_DLLM_V2_MASK_ID if fast_dllm_v2 else None)),
             diffusion_block_size=twin.get("block_size") or cfg.get("bd_size") or cfg.get("block_size"),
-            shift_logits=bool(twin.get("shift_logits", family == "dream")),
+            shift_logits=bool(twin.get("shift_logits", family == "dream" or fast_dllm_v2)),
         )
 
     @classmethod

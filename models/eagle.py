@@ -53,16 +53,6 @@ from .transformer import Attention, DecoderLayer, RMSNorm, Rotary, SwiGLU, Trans
 
 HeadKind = Literal["eagle1", "eagle3"]
 
-ASSETS = Path(__file__).parent / "assets"
-# Heads that ship with the project, by served model name (``hub.DEFAULT_MODEL_NAME``).
-DEFAULT_HEADS: dict[str, Path] = {"SmolLM2-135M-Instruct": ASSETS / "eagle-smollm2"}
-
-
-def default_head(model_name: str) -> Path | None:
-    """The bundled head for a model name; a GGUF file stem's quantization suffix is ignored."""
-    path = DEFAULT_HEADS.get(model_name) or DEFAULT_HEADS.get(model_name.split(".")[0])
-    return path if path is not None and (path / "config.json").exists() else None
-
 
 @dataclass(frozen=True)
 class EagleConfig:

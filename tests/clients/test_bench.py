@@ -7,7 +7,9 @@ httpx.MockTransport; streaming against a live server is covered by end-to-end te
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import numpy as np
@@ -22,6 +24,8 @@ from dualserve.clients.bench import (
     RequestResult,
     Stats,
     format_plain,
+    interleave_kinds,
+    main_async,
     level_record,
     level_row,
     load_prompts,
@@ -128,6 +132,11 @@ def test_default_prompt_set_is_large_and_varied():
     assert DEFAULT_PROMPTS.name == "bench.jsonl"
 
 
+def test_interleave_kinds_round_robin():
+    prompts = [Prompt(f"{k}{i}", k, "x") for k, n in (("a", 3), ("b", 1), ("c", 2)) for i in range(n)]
+    assert [p.id for p in interleave_kinds(prompts)] == ["a0", "b0", "c0", "a1", "c1", "a2"]
+
+
 def test_load_prompts_validates(tmp_path):
     good = tmp_path / "ok.jsonl"
     good.write_text(json.dumps({"id": "a", "kind": "chat", "prompt": "hi"}) + "\n\n")
@@ -165,17 +174,16 @@ def completion_chunk(text: str, finish: str | None = None) -> dict:
     return {"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": [choice]}
 
 
-def fake_client(seen: list[dict]) -> AsyncOpenAI:
-    """A client whose server streams two text chunks, an empty final chunk, then usage (5 tokens)."""
+USAGE_5 = {**completion_chunk(""), "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}
+TWO_CHUNKS = (completion_chunk("Hello"), completion_chunk(" world, again"), completion_chunk("", "length"), USAGE_5)
+
+
+def fake_client(seen: list[dict], events: tuple[dict, ...] = TWO_CHUNKS) -> AsyncOpenAI:
+    """A client whose server streams `events` (default: two text chunks, a final chunk, usage of 5 tokens)."""
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(json.loads(request.content))
-        usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
-        body = sse(
-            completion_chunk("Hello"), completion_chunk(" world, again"), completion_chunk("", "length"),
-            {**completion_chunk(""), "choices": [], "usage": usage},
-        )
-        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, content=sse(*events), headers={"content-type": "text/event-stream"})
 
     http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     return AsyncOpenAI(base_url="http://fake/v1", api_key="x", http_client=http, max_retries=0)
@@ -188,7 +196,8 @@ async def test_run_level_streams_and_counts_usage_tokens():
     summary, results = await run_level(fake_client(seen), spec, prompts, concurrency=2, n_requests=3)
     assert sorted(body["prompt"] for body in seen) == ["def", "hi", "hi"]
     assert [r.prompt_id for r in results] == ["a", "b", "a"]
-    assert seen[0]["decoder"] == "eagle" and seen[0]["temperature"] == 0.0 and seen[0]["stream"]
+    assert all(body["decoder"] == "eagle" for body in seen)
+    assert seen[0]["temperature"] == 0.0 and seen[0]["stream"]
     assert seen[0]["stream_options"] == {"include_usage": True}
     assert summary.n_ok == 3 and summary.completion_tokens == 15 and summary.usage_missing == 0
     r = results[0]
@@ -208,3 +217,62 @@ async def test_failed_request_is_recorded_not_raised():
     summary, results = await run_level(client, spec, [Prompt("a", "chat", "hi")], concurrency=1, n_requests=1)
     assert summary.n_ok == 0 and "InternalServerError" in summary.errors[0]
     assert level_row("ours", summary)[3] == "-"
+
+
+async def test_truncated_and_empty_streams():
+    spec = BenchSpec(model="m", endpoint="completions", max_tokens=5, temperature=0.0, decoder=None)
+    prompts = [Prompt("a", "chat", "hi")]
+    cut = (completion_chunk("Hel"),)  # the server dropped the stream: no finish_reason, no usage
+    summary, _ = await run_level(fake_client([], cut), spec, prompts, concurrency=1, n_requests=1)
+    assert summary.n_ok == 0 and summary.errors == ["stream ended without a finish_reason"]
+    eos_first = (completion_chunk("", "stop"), {**USAGE_5, "usage": {**USAGE_5["usage"], "completion_tokens": 0}})
+    summary, results = await run_level(fake_client([], eos_first), spec, prompts, concurrency=1, n_requests=1)
+    assert summary.n_ok == 1 and summary.n_empty == 1 and summary.ttft is None
+    assert results[0].tokens == 0 and results[0].decode_tps is None
+
+
+class CannedServer(BaseHTTPRequestHandler):
+    """Minimal OpenAI-style server: lists one model, streams TWO_CHUNKS for any completion."""
+
+    def do_GET(self) -> None:
+        self._send(b"application/json", json.dumps({"object": "list", "data": [
+            {"id": "canned", "object": "model", "created": 0, "owned_by": "test"}]}).encode())
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._send(b"text/event-stream", sse(*TWO_CHUNKS))
+
+    def _send(self, ctype: bytes, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", ctype.decode())
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:  # keep test output clean
+        pass
+
+
+@pytest.fixture
+def canned_url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), CannedServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+async def test_cli_with_baseline_writes_json_and_table(canned_url, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = parse_args([
+        "--base-url", canned_url, "--baseline-url", canned_url, "--concurrency", "2",
+        "--requests", "3", "--endpoint", "completions", "--json", str(out),
+    ])
+    report = await main_async(args)
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 2]  # level 1 added for the ratios
+    assert report["server"]["model"] == "canned" and report["baseline"]["level"]["n_ok"] == 3
+    assert report["ratios"]["decode_tps"] is not None
+    assert json.loads(out.read_text())["levels"][1]["completion_tokens"] == 15
+    printed = capsys.readouterr().out
+    assert "baseline" in printed and "decode tok/s (higher is better)" in printed

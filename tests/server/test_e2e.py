@@ -141,7 +141,9 @@ def test_stream_without_usage_has_no_usage_chunk(client: openai.OpenAI, model: s
 def test_decoder_header(client: openai.OpenAI, model: str) -> None:
     raw = client.chat.completions.with_raw_response.create(
         model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0)
-    assert raw.headers["x-dualserve-decoder"] == "ar"
+    served = {m.id: m for m in client.models.list().data}[model].decoders
+    assert raw.headers["x-dualserve-decoder"] in served  # auto: whichever the policy picks
+    assert raw.headers["x-dualserve-route-reason"]
     assert raw.parse().choices[0].message.content is not None
     raw = client.completions.with_raw_response.create(model=model, prompt="Hi", max_tokens=2,
                                                       extra_body={"decoder": "ar"})
@@ -150,7 +152,8 @@ def test_decoder_header(client: openai.OpenAI, model: str) -> None:
                                                       extra_headers={"X-Dualserve-Decoder": "ar"})
     assert raw.headers["x-dualserve-decoder"] == "ar"
     with client.chat.completions.with_streaming_response.create(
-            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, stream=True) as resp:
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, stream=True,
+            extra_body={"decoder": "ar"}) as resp:
         assert resp.headers["x-dualserve-decoder"] == "ar"
         assert resp.headers["content-type"].startswith("text/event-stream")
 

@@ -1,0 +1,172 @@
+"""Serving semantics of the diffusion decoder through the engine: what a client sees.
+
+Streaming of the final left prefix, stop strings, EOS, max_tokens, seeds, logprobs, n,
+infilling, metrics, token budgets and mixed phases in one forward, and the block pool being
+whole again after every request (``run`` checks it). Tiny checkpoints, stand-in tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from dualserve.decoders.diffusion import DiffusionConfig
+from dualserve.decoders.diffusion_cache import DualCache, NoCache
+from dualserve.decoders.diffusion_policies import LinearSchedule, LowConfidence
+from dualserve.decoders.sampling import SamplingParams
+from dualserve.models.loader import LoadedModel
+from test_diffusion import (GREEDY, SMALL_MASK, SMALL_VOCAB, LetterTokenizer, Outcome, llada_reference, load_tiny,
+                            make_engine, one_thread, prompt, run, write_tiny_twin)
+from tiny_checkpoints import write_tiny_llada
+
+# Two tokens per step in units of four: several steps per unit, several commits per request.
+CONFIG = DiffusionConfig(block_length=4, policy=LowConfidence(), schedule=LinearSchedule(2), cache=DualCache())
+PARAMS = replace(GREEDY, max_tokens=12)
+
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
+
+
+@pytest.fixture(scope="module")
+def llada(tmp_path_factory) -> LoadedModel:
+    return load_tiny(write_tiny_llada(tmp_path_factory.mktemp("llada"), vocab_size=SMALL_VOCAB,
+                                      mask_token_id=SMALL_MASK))
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory) -> LoadedModel:
+    return load_tiny(write_tiny_twin(tmp_path_factory.mktemp("twin")))
+
+
+@pytest.fixture(scope="module")
+def full(llada: LoadedModel) -> Outcome:
+    """The uninterrupted greedy answer the stopping tests cut."""
+    return run(make_engine(llada, CONFIG), [prompt(5)], PARAMS)[0]
+
+
+def test_final_prefix_streams_with_metrics(full: Outcome) -> None:
+    assert full.finish_reason == "length" and len(full.tokens) == 12
+    assert full.deltas >= 3  # at least one delta per unit, not one at the end
+    assert full.text == LetterTokenizer().decode(full.tokens)
+    assert full.stats["forward_passes"] == 6 and full.stats["tokens_per_forward"] == 2.0
+    assert full.stats["steps_per_block"] == [2, 2, 2]
+
+
+def test_stop_string_trims_exactly(llada: LoadedModel, full: Outcome) -> None:
+    stop = full.text[7:10]  # starts inside the fourth token
+    cut = full.text.find(stop)
+    out = run(make_engine(llada, CONFIG), [prompt(5)], replace(PARAMS, stop=(stop,)))[0]
+    assert out.finish_reason == "stop" and out.text == full.text[:cut]
+    assert out.stats["forward_passes"] <= full.stats["forward_passes"]
+
+
+def test_eos_stops_generation_early(llada: LoadedModel, full: Outcome) -> None:
+    eos = full.tokens[5]
+    end = full.tokens.index(eos) + 1
+    out = run(make_engine(llada, CONFIG, tokenizer=LetterTokenizer([eos])), [prompt(5)], PARAMS)[0]
+    assert out.finish_reason == "stop" and out.tokens == full.tokens[:end]
+    assert out.stats["forward_passes"] < full.stats["forward_passes"]
+    ignored = run(make_engine(llada, CONFIG, tokenizer=LetterTokenizer([eos])), [prompt(5)],
+                  replace(PARAMS, ignore_eos=True))[0]
+    assert ignored.tokens == full.tokens
+
+
+@pytest.mark.parametrize("max_tokens", [1, 5, 11])
+def test_max_tokens_is_the_canvas_budget(llada: LoadedModel, twin: LoadedModel, max_tokens: int) -> None:
+    for loaded, config in ((llada, CONFIG), (twin, None)):
+        out = run(make_engine(loaded, config), [prompt(6)], replace(PARAMS, max_tokens=max_tokens))[0]
+        assert out.finish_reason == "length" and len(out.tokens) == max_tokens
+        assert SMALL_MASK not in out.tokens
+
+
+def test_seed_reproducibility(llada: LoadedModel, twin: LoadedModel) -> None:
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=7)
+    for loaded, config in ((llada, CONFIG), (twin, None)):
+        a = run(make_engine(loaded, config), [prompt(5)], sampled)[0].tokens
+        batched = run(make_engine(loaded, config), [prompt(5), prompt(9, seed=1)], sampled)[0].tokens
+        other = run(make_engine(loaded, config), [prompt(5)], replace(sampled, seed=8))[0].tokens
+        assert a == batched != other
+
+
+def test_random_remasking_follows_the_seed(llada: LoadedModel) -> None:
+    """LLaDA's "random" remasking: the order of unmasking is drawn from the request's generator."""
+    config = replace(CONFIG, confidence="random")
+    seeded = replace(PARAMS, seed=5)
+    a, b = (run(make_engine(llada, config), [prompt(5)], seeded)[0].tokens for _ in range(2))
+    others = {tuple(run(make_engine(llada, config), [prompt(5)], replace(seeded, seed=s))[0].tokens) for s in (6, 7)}
+    assert a == b and len(a) == 12
+    assert others != {tuple(a)}
+
+
+def test_logprobs_for_committed_tokens(llada: LoadedModel) -> None:
+    out = run(make_engine(llada, CONFIG), [prompt(5)], replace(PARAMS, logprobs=2))[0]
+    assert [lp.token_id for lp in out.logprobs] == out.tokens
+    for lp in out.logprobs:
+        assert len(lp.top) == 2 and lp.logprob <= 0.0
+        assert lp.top[0][1] >= lp.logprob - 1e-6
+
+
+def test_n_choices_are_separate_requests(llada: LoadedModel) -> None:
+    outs = run(make_engine(llada, CONFIG), [prompt(5)], SamplingParams(max_tokens=8, temperature=1.0, seed=3), n=2)
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert outs[0].tokens != outs[1].tokens
+
+
+def test_infill_sees_the_suffix(llada: LoadedModel) -> None:
+    config = DiffusionConfig(block_length=4, policy=LowConfidence(), schedule=LinearSchedule(4), cache=NoCache())
+    p, suffix = prompt(5), prompt(4, seed=20)
+    params = replace(GREEDY, max_tokens=8)
+    out = run(make_engine(llada, config), [p], params, suffixes=[suffix])[0]
+    assert out.tokens == llada_reference(llada.model, p, 8, 4, 8, SMALL_MASK, suffix=suffix)
+    assert out.tokens != llada_reference(llada.model, p, 8, 4, 8, SMALL_MASK)
+    dual = run(make_engine(llada, CONFIG), [p], params, suffixes=[suffix])[0]
+    assert dual.finish_reason == "length" and len(dual.tokens) == 8
+
+
+def test_infill_on_a_block_causal_model_is_an_error(twin: LoadedModel) -> None:
+    out = run(make_engine(twin), [prompt(5)], PARAMS, suffixes=[[1, 2, 3]])[0]
+    assert out.finish_reason == "error" and "bidirectional" in out.error and out.tokens == []
+
+
+def test_sequence_larger_than_the_pool_is_an_error(llada: LoadedModel) -> None:
+    out = run(make_engine(llada, CONFIG, num_blocks=2, block_size=4), [prompt(5)], PARAMS)[0]
+    assert out.finish_reason == "error"
+
+
+def test_spans_over_the_token_budget_run_alone(llada: LoadedModel) -> None:
+    """A bidirectional forward cannot be split: over-budget spans wait for a step of their own."""
+    prompts = [prompt(5), prompt(9, seed=1)]
+    tight = run(make_engine(llada, CONFIG, max_batched_tokens=16), prompts, PARAMS)
+    assert [o.tokens for o in tight] == [o.tokens for o in run(make_engine(llada, CONFIG), prompts, PARAMS)]
+
+
+def test_requests_in_different_phases_share_forwards(llada: LoadedModel, twin: LoadedModel) -> None:
+    for loaded, config in ((llada, CONFIG), (twin, None)):
+        engine = make_engine(loaded, config)
+        outs = {0: Outcome(), 1: Outcome()}
+
+        def sink_for(i):
+            def sink(_index, delta):
+                outs[i].tokens += delta.token_ids
+                if delta.finish_reason:
+                    outs[i].stats = delta.stats
+            return sink
+
+        engine.submit("m", "diffusion", prompt(5), PARAMS, sink_for(0))
+        engine.step()
+        engine.step()
+        engine.submit("m", "diffusion", prompt(9, seed=1), PARAMS, sink_for(1))
+        engine.run_until_idle()
+        forwards = outs[0].stats["forward_passes"] + outs[1].stats["forward_passes"]
+        assert engine.stats.steps < forwards  # some steps ran both requests in one forward
+        alone = run(make_engine(loaded, config), [prompt(5), prompt(9, seed=1)], PARAMS)
+        assert [outs[0].tokens, outs[1].tokens] == [o.tokens for o in alone]
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_block_causal_requests_grow_and_survive_preemption(twin: LoadedModel) -> None:
+    """Block-causal requests reserve block by block; a full pool preempts one, which resumes."""
+    params = replace(PARAMS, max_tokens=40)
+    outs = run(make_engine(twin, num_blocks=4), [prompt(5), prompt(6, seed=1)], params)
+    assert [(o.finish_reason, len(o.tokens)) for o in outs] == [("length", 40), ("length", 40)]
+    assert sum(o.stats["preemptions"] for o in outs) > 0

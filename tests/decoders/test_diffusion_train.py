@@ -1,0 +1,206 @@
+"""``dualserve train-diffusion``: the two-stream layout, complementary masks, checkpoints, resume, output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dualserve.decoders import diffusion_train
+from dualserve.decoders.diffusion_eval import denoise_eval, fill_block
+from dualserve.decoders.diffusion_twin import add_lora, make_example, pack, stream_mask, twin_loss
+from dualserve.models.adapter import ADAPTER_FILE, lora_names, load_twin
+from dualserve.models.attention import DenseAttention
+from dualserve.models.config import ModelConfig
+from dualserve.models.loader import load_model
+from dualserve.models.transformer import Transformer
+from tiny_twin import write_tiny_llama
+
+B, MASK = 4, 4
+
+
+def tiny_model(seed: int = 0) -> Transformer:
+    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, intermediate_size=48, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    return Transformer(cfg).eval()
+
+
+def example(prompt_len: int = 6, answer_len: int = 13):
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, 64, (prompt_len + answer_len,), generator=gen).tolist()
+    return make_example(ids[:prompt_len], ids[prompt_len:], True, B, pad_id=2)
+
+
+def test_example_padding_and_trimming() -> None:
+    done = make_example([9] * 6, [7] * 5, True, B, pad_id=2)
+    assert len(done.ids) == 12 and done.ids[-1] == 2 and done.answer_end == 11
+    cut = make_example([9] * 6, [7] * 5, False, B, pad_id=2)
+    assert cut.ids == [9] * 6 + [7] * 2
+    assert make_example([9] * 6, [7], False, B, pad_id=2) is None
+
+
+def test_stream_mask() -> None:
+    m = stream_mask(12, 4, B)  # clean 0..11, views over positions 4..11
+    assert m.shape == (28, 28)
+    assert m[3, 0] and m[1, 3] and not m[3, 4]           # clean: bidirectional in a block, causal across
+    a = lambda pos: 12 + pos - 4                          # row of position ``pos`` in view a
+    b = lambda pos: 20 + pos - 4
+    assert m[a(9), 7] and not m[a(9), 8]                  # noisy sees clean blocks before its own only
+    assert m[a(9), a(11)] and not m[a(9), a(7)]           # and its own block, both directions
+    assert not m[a(9), b(9)] and not m[b(9), a(9)]        # views never see each other
+    assert not m[:12, 12:].any()                          # clean never sees noisy
+
+
+def test_complementary_masks_and_shifted_sources() -> None:
+    ex = example()
+    p = pack(ex, B, MASK, torch.Generator().manual_seed(0))
+    length, n0 = len(ex.ids), ex.prompt_len // B * B
+    ln = length - n0
+    view_a, view_b = p.input_ids[length:length + ln], p.input_ids[length + ln:]
+    masked_a, masked_b = view_a == MASK, view_b == MASK
+    answer = torch.arange(n0, length) >= ex.prompt_len
+    assert torch.equal(masked_a ^ masked_b, answer) and not (masked_a & masked_b).any()
+    assert len(p.targets) == length - ex.prompt_len        # every answer token is a target exactly once
+    for row, target in zip(p.source_rows.tolist(), p.targets.tolist()):
+        j = int(p.positions[row]) + 1                      # row j-1 predicts token j
+        assert ex.ids[j] == target and j >= ex.prompt_len
+        assert (row < length) == (j % B == 0)              # a block's first token comes from clean context
+
+
+def test_each_view_sees_exactly_clean_prefix_plus_one_noisy_block() -> None:
+    model, ex = tiny_model(), example()
+    p = pack(ex, B, MASK, torch.Generator().manual_seed(1))
+    length, n0 = len(ex.ids), ex.prompt_len // B * B
+    ln = length - n0
+    with torch.inference_mode():
+        packed, _ = model(p.input_ids, p.positions, DenseAttention([p.length], masks=[p.attn_mask]))
+        for v in range(2):
+            view = p.input_ids[length + v * ln:length + (v + 1) * ln].tolist()
+            for start in range(n0, length, B):
+                seq = torch.tensor(ex.ids[:start] + view[start - n0:start - n0 + B])
+                alone, _ = model(seq, torch.arange(len(seq)), DenseAttention([len(seq)], "block_causal", B))
+                rows = slice(length + v * ln + start - n0, length + v * ln + start - n0 + B)
+                torch.testing.assert_close(packed[rows], alone[start:], rtol=0, atol=1e-5)
+        clean, _ = model(torch.tensor(ex.ids), torch.arange(length), DenseAttention([length], "block_causal", B))
+        torch.testing.assert_close(packed[:length], clean, rtol=0, atol=1e-5)
+
+
+def test_lora_starts_as_the_base_and_trains() -> None:
+    model = tiny_model()
+    ex = example()
+    mask_row = torch.nn.Parameter(model.embed_tokens.weight.mean(0).clone())
+    batch = [pack(ex, B, MASK, torch.Generator().manual_seed(0))]
+    with torch.no_grad():
+        before, _, _ = twin_loss(model, mask_row, MASK, batch)
+    loras = add_lora(model, rank=4, alpha=8, seed=0)
+    assert [f"layers.{i}.{t}" for i in range(2) for t in ("self_attn.qkv_proj", "self_attn.o_proj",
+                                                          "mlp.gate_up_proj", "mlp.down_proj")] == list(loras)
+    loss, n, _ = twin_loss(model, mask_row, MASK, batch)
+    torch.testing.assert_close(loss.detach(), before, rtol=0, atol=1e-6)
+    loss.backward()
+    assert all(m.lora_B.grad is not None and m.lora_B.grad.abs().sum() > 0 for m in loras.values())
+    assert mask_row.grad.abs().sum() > 0 and n == len(batch[0].targets)
+
+
+def reference_fill(model: Transformer, prefix: list[int], length: int, tau: float | None) -> list[int]:
+    """The same rules with no cache: every forward runs prefix + canvas under block-causal attention."""
+    seq, start = torch.tensor(prefix + [MASK] * length), len(prefix)
+    masked = torch.ones(length, dtype=torch.bool)
+    while masked.any():
+        hidden, _ = model(seq, torch.arange(len(seq)), DenseAttention([len(seq)], "block_causal", B))
+        probs = torch.softmax(model.logits(hidden[start - 1:-1]), -1)
+        probs[:, MASK] = 0
+        conf, tok = probs.max(-1)
+        conf = torch.where(masked, conf, torch.full_like(conf, -1.0))
+        commit = masked.clone() if tau is None else masked & (conf >= tau)
+        commit[int(conf.argmax())] = True
+        seq[start:][commit] = tok[commit]
+        masked &= ~commit
+    return seq[start:].tolist()
+
+
+@pytest.mark.parametrize("prefix_len", [8, 10, 3])
+@pytest.mark.parametrize("tau", [None, 0.5, 1.01])
+def test_fill_block_with_prefix_kv_equals_no_cache(prefix_len: int, tau: float | None) -> None:
+    model, ex = tiny_model(), example(prompt_len=6, answer_len=20)
+    length = -prefix_len % B or B
+    with torch.inference_mode():
+        got, _ = fill_block(model, ex.ids[:prefix_len], length, MASK, B, tau)
+        assert got == reference_fill(model, ex.ids[:prefix_len], length, tau)
+
+
+def test_fill_block_rules() -> None:
+    model, ex = tiny_model(), example()
+    prefix, n = ex.ids[:8], 4
+    one_shot, f1 = fill_block(model, prefix, n, MASK, B, None)
+    serial, f2 = fill_block(model, prefix, n, MASK, B, 1.01)
+    assert f1 == 1 and f2 == n and MASK not in one_shot + serial
+    scores = denoise_eval(model, [ex], B, MASK, max_blocks=2)
+    assert [s.rule for s in scores] == ["one-shot", "threshold 0.9", "threshold 1.01"]
+    # Prompt of 6: block 1 has 2 canvas positions, block 2 has 4.
+    assert (scores[0].forwards, scores[0].filled, scores[2].forwards) == (2, 6, 6)
+
+
+def train_args(base: Path, work: Path, data: Path, steps: int = 4) -> list[str]:
+    return ["--from", str(base), "--output", str(work / "twin"), "--work-dir", str(work), "--data", str(data),
+            "--num-prompts", "6", "--max-new-tokens", "10", "--gen-concurrency", "4", "--block-size", str(B),
+            "--rank", "4", "--alpha", "8", "--steps", str(steps), "--save-every", "2", "--log-every", "1",
+            "--tokens-per-step", "160", "--warmup", "1", "--holdout", "3", "--eval-samples", "1",
+            "--eval-blocks", "1", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("base") / "tiny-llama")
+
+
+def test_train_checkpoint_resume_and_load(base_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    data = tmp_path / "data.jsonl"
+    straight = tmp_path / "straight"
+    assert diffusion_train.main(train_args(base_dir, straight, data)) == 0
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    assert len(records) == 6 and all(r["answer_ids"] for r in records)
+    assert json.loads((straight / "checkpoint.json").read_text()) == {"step": 4}
+    history = [json.loads(line) for line in (straight / "history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [1, 2, 3, 4] and all(h["tokens_per_s"] > 0 for h in history)
+
+    # Interrupted right after the step-2 checkpoint, then run again: the same twin comes out.
+    resumed = tmp_path / "resumed"
+    real_save = diffusion_train.save_checkpoint
+
+    def crash_after_save(*a, **k):
+        real_save(*a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(diffusion_train, "save_checkpoint", crash_after_save)
+    with pytest.raises(KeyboardInterrupt):
+        diffusion_train.main(train_args(base_dir, resumed, data))
+    assert json.loads((resumed / "checkpoint.json").read_text()) == {"step": 2}
+    monkeypatch.setattr(diffusion_train, "save_checkpoint", real_save)
+    assert diffusion_train.main(train_args(base_dir, resumed, data)) == 0
+    a = load_file(str(straight / "twin" / ADAPTER_FILE))
+    b = load_file(str(resumed / "twin" / ADAPTER_FILE))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+    # The written twin loads, and its weights are base + scale * B @ A of the stored adapter.
+    twin, base = load_twin(straight / "twin"), load_model(base_dir)
+    cfg = json.loads((straight / "twin" / "config.json").read_text())
+    assert cfg["dualserve_diffusion"] == {"block_size": B, "mask_token_id": MASK, "shift_logits": True,
+                                          "base_model": str(base_dir.resolve())}
+    assert twin.config.family == "block_diffusion" and twin.config.diffusion_block_size == B
+    ours, theirs = twin.model.state_dict(), base.model.state_dict()
+    for name in lora_names(base.model):
+        delta = a[f"{name}.lora_B"].float() @ a[f"{name}.lora_A"].float() * 2.0
+        torch.testing.assert_close(ours[f"{name}.weight"], theirs[f"{name}.weight"] + delta, rtol=0, atol=1e-6)
+        assert delta.abs().max() > 0, "training moved every adapter off zero"
+    assert torch.equal(ours["embed_tokens.weight"][MASK], a["mask_embedding"].float())
+    assert diffusion_train.main(train_args(base_dir, straight, data) + ["--eval-only"]) == 0
+    evals = [json.loads(line) for line in (straight / "eval.jsonl").read_text().splitlines()]
+    assert [e["label"] for e in evals] == ["AR model, step 0", "twin, step 4"] * 2
+    assert evals[1] == evals[3], "evaluation of the written twin is deterministic"

@@ -1,0 +1,335 @@
+"""The EAGLE decoder: tree rules alone, then the whole decoder inside the engine on tiny models.
+
+Tiny targets are random Llama stacks. A "bigram" target has its attention and MLP outputs
+zeroed, so its next token depends on the current token only; an EAGLE-1 head whose fc
+passes the embedding through and whose layer is a no-op then predicts it exactly, which
+makes long accepted paths (and their KV bookkeeping) happen on purpose. Noisy heads,
+EAGLE-3 heads in the published layout, chains and mixed AR/EAGLE batches cover the rest.
+Correctness is always the same check: output identical to the plain AR decoder (greedy),
+or distributed like it (sampling).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dualserve.decoders.ar import ARDecoder
+from dualserve.decoders.eagle import EagleDecoder
+from dualserve.decoders.eagle_tree import DraftTree, TreeConfig, accept_greedy, accept_sampled, select_nodes
+from dualserve.decoders.engine import Engine, EngineConfig
+from dualserve.decoders.runner import ModelRunner
+from dualserve.decoders.sampling import SamplingParams, truncated_probs
+from dualserve.models.attention import DenseAttention
+from dualserve.models.config import ModelConfig
+from dualserve.models.eagle import Eagle1Head, EagleConfig, load_eagle_head
+from dualserve.models.transformer import Transformer
+from tiny_eagle import write_tiny_eagle3
+
+V = 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny matmuls: thread hand-off costs more than it saves, badly so on a shared 2-core box.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Tok:
+    """Token i decodes to one letter, so stop strings are easy to place."""
+
+    eos_token_ids = [0]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def tiny_target(seed: int, bigram: float = 0.0, vocab: int = V) -> Transformer:
+    """A random 8-layer target; ``bigram`` scales the attention/MLP outputs (0 = pure bigram)."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(family="llama", vocab_size=vocab, hidden_size=32, num_layers=8, num_heads=4, num_kv_heads=2,
+                      head_dim=8, intermediate_size=48, tie_word_embeddings=False)
+    model = Transformer(cfg)
+    model.rotary.reset("cpu")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+        for layer in model.layers:
+            layer.self_attn.o_proj.weight.mul_(bigram)
+            layer.mlp.down_proj.weight.mul_(bigram)
+    return model.eval().requires_grad_(False)
+
+
+def oracle_head(target: Transformer, noise: float = 0.0, seed: int = 0) -> Eagle1Head:
+    """An EAGLE-1 head exact for a bigram target (fc = [I, 0], layer a no-op), plus noise."""
+    cfg = target.config
+    head = Eagle1Head(EagleConfig("eagle1", cfg.replace(num_layers=1), cfg.hidden_size, cfg.vocab_size))
+    head.rotary.reset("cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        h = cfg.hidden_size
+        head.fc.weight.zero_()
+        head.fc.weight[:, :h] = torch.eye(h)
+        head.layers[0].self_attn.o_proj.weight.zero_()
+        head.layers[0].mlp.down_proj.weight.zero_()
+        for p in head.parameters():
+            p.add_(noise * torch.randn_like(p))
+    return head.attach(target).eval().requires_grad_(False)
+
+
+def make_engine(target, head, tree: TreeConfig, num_blocks: int = 256, block_size: int = 4, **kw) -> Engine:
+    engine = Engine(EngineConfig(num_blocks=num_blocks, block_size=block_size, **kw))
+    runner = ModelRunner(target, num_blocks, block_size)
+    engine.add_decoder("m", ARDecoder(runner, engine.pool), Tok())
+    engine.add_decoder("m", EagleDecoder(runner, engine.pool, head, tree), Tok())
+    return engine
+
+
+def run(engine: Engine, jobs: list[tuple[str, list[int], SamplingParams]]) -> list[list]:
+    """Submit all jobs at once (one continuous batch); return each job's deltas."""
+    outs: list[list] = [[] for _ in jobs]
+    for i, (decoder, prompt, params) in enumerate(jobs):
+        engine.submit("m", decoder, prompt, params, lambda _, d, i=i: outs[i].append(d))
+    engine.run_until_idle()
+    return outs
+
+
+def tokens(deltas) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [40, 41]]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def assert_same_as_ar(engine: Engine, params: SamplingParams = GREEDY, prompts=PROMPTS) -> list[list]:
+    jobs = [(d, p, params) for p in prompts for d in ("ar", "eagle")]
+    outs = run(engine, jobs)
+    for i in range(0, len(jobs), 2):
+        ar, eagle = outs[i], outs[i + 1]
+        assert tokens(eagle) == tokens(ar)
+        assert "".join(d.text for d in eagle) == "".join(d.text for d in ar)
+        assert eagle[-1].finish_reason == ar[-1].finish_reason
+    engine.pool.check()
+    assert engine.pool.num_used_blocks == 0 or engine.pool.enable_prefix_caching
+    return outs[1::2]
+
+
+# ---- tree rules -------------------------------------------------------------------
+
+def test_tree_config_limits() -> None:
+    assert TreeConfig(depth=3, top_k=2, num_nodes=10).pool_size == 10
+    with pytest.raises(ValueError):
+        TreeConfig(depth=3, top_k=2, num_nodes=11)
+    chain = TreeConfig.chain(4)
+    assert (chain.top_k, chain.num_nodes) == (1, 4)
+
+
+def test_select_nodes_keeps_parents_first() -> None:
+    # Pool: 2 level-1 nodes (0, 1), then 4 children: 2, 3 of node 0 and 4, 5 of node 1.
+    scores = torch.tensor([-0.1, -0.5, -0.1, -0.3, -0.6, -0.9])  # child 2 ties its parent
+    assert select_nodes(scores, 3).tolist() == [0, 2, 3]
+    assert select_nodes(scores, 1).tolist() == [0]
+
+
+def test_tree_mask_and_children() -> None:
+    tree = DraftTree([9, 1, 2, 3, 4], [-1, 0, 0, 1, 3])
+    assert tree.depths == [0, 1, 1, 2, 3]
+    m = tree.mask()
+    assert m[4].tolist() == [True, True, False, True, True]
+    assert m[2].tolist() == [True, False, True, False, False]
+    assert tree.children() == [[1, 2], [3], [], [4], []]
+
+
+def test_accept_greedy_longest_match() -> None:
+    tree = DraftTree([9, 1, 2, 3, 4], [-1, 0, 0, 1, 3])
+    argmax = {0: 2, 2: 7}  # target picks node 2 (token 2), then token 7, which is not drafted
+
+    def logits_at(node, accepted):
+        return torch.nn.functional.one_hot(torch.tensor(argmax[node]), 10).float()
+
+    assert accept_greedy(tree, logits_at) == ([2], 7)
+
+
+def test_accept_sampled_is_lossless() -> None:
+    """Emitted tokens follow the target's own sequential distribution exactly."""
+    vocab = 4
+    gen = torch.Generator().manual_seed(0)
+    probs = {node: torch.softmax(torch.randn(vocab, generator=gen) * 1.5, -1) for node in range(6)}
+    # The root drafts tokens 0 and 1 (nodes 1, 2); node 1 drafts 2 and 0 (nodes 3, 4); node 3 drafts 1.
+    tree = DraftTree([3, 0, 1, 2, 0, 1], [-1, 0, 0, 1, 1, 3])
+    node_of_first = {0: 1, 1: 2}
+    n = 8000
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(n):
+        path, bonus = accept_sampled(tree, lambda node, acc: probs[node], gen)
+        seq = (tuple(tree.tokens[i] for i in path) + (bonus,))[:2]
+        counts[seq] = counts.get(seq, 0) + 1
+    expected: dict[tuple[int, ...], float] = {}
+    for a in range(vocab):
+        if a in node_of_first:  # drafted: the second token comes from that node's distribution
+            for b in range(vocab):
+                expected[(a, b)] = float(probs[0][a] * probs[node_of_first[a]][b])
+        else:  # not drafted: the step ends with the bonus token a
+            expected[(a,)] = float(probs[0][a])
+    assert set(counts) <= set(expected)
+    for seq, p in expected.items():
+        sigma = (p * (1 - p) / n) ** 0.5
+        assert abs(counts.get(seq, 0) / n - p) < 5 * sigma + 1e-3, seq
+
+
+# ---- the decoder in the engine ----------------------------------------------------
+
+def test_oracle_head_accepts_long_paths() -> None:
+    target = tiny_target(1)
+    engine = make_engine(target, oracle_head(target), TreeConfig(depth=4, top_k=2, num_nodes=8))
+    outs = assert_same_as_ar(engine)
+    stats = outs[0][-1].stats
+    assert stats["decoder"] == "eagle"
+    assert stats["mean_accept_length"] > 2.5  # several drafted tokens per target forward
+    assert stats["forward_passes"] < 24
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(depth=4, top_k=3, num_nodes=10), TreeConfig.chain(3),
+                                  TreeConfig(depth=1, top_k=1, num_nodes=1)])
+@pytest.mark.parametrize("bigram", [0.0, 0.3])
+def test_greedy_identical_noisy_heads(tree: TreeConfig, bigram: float) -> None:
+    target = tiny_target(2, bigram)
+    engine = make_engine(target, oracle_head(target, noise=0.05, seed=3), tree)
+    assert_same_as_ar(engine)
+
+
+def test_greedy_identical_eagle3_published_layout(tmp_path: Path) -> None:
+    target = tiny_target(4, 0.5)
+    write_tiny_eagle3(tmp_path, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=48, vocab_size=V,
+                      draft_vocab_size=40, dtype=torch.float32)
+    head = load_eagle_head(tmp_path, target)
+    engine = make_engine(target, head, TreeConfig(depth=3, top_k=3, num_nodes=8))
+    assert_same_as_ar(engine)
+
+
+def test_stops_max_tokens_and_logprobs_exact() -> None:
+    target = tiny_target(1)
+    engine = make_engine(target, oracle_head(target), TreeConfig(depth=5, top_k=2, num_nodes=8))
+    ar_text = "".join(d.text for d in run(engine, [("ar", PROMPTS[0], GREEDY)])[0])
+    stop = ar_text[7:9]  # a stop string in the middle of a long accepted path
+    cases = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,)),
+             SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2),
+             SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True,
+                            stop_token_ids=(tokens(run(engine, [("ar", PROMPTS[0], GREEDY)])[0])[10],))]
+    for params in cases:
+        ar, eagle = run(engine, [("ar", PROMPTS[0], params), ("eagle", PROMPTS[0], params)])
+        assert tokens(eagle) == tokens(ar)
+        assert "".join(d.text for d in eagle) == "".join(d.text for d in ar)
+        assert eagle[-1].finish_reason == ar[-1].finish_reason
+        if params.logprobs is not None:
+            lp_ar = [lp for d in ar for lp in d.logprobs]
+            lp_eagle = [lp for d in eagle for lp in d.logprobs]
+            assert len(lp_eagle) == len(tokens(eagle))
+            for a, e in zip(lp_ar, lp_eagle):
+                assert a.token_id == e.token_id and abs(a.logprob - e.logprob) < 1e-4
+                assert [t for t, _ in a.top] == [t for t, _ in e.top]
+    assert stop not in "".join(d.text for d in run(engine, [("eagle", PROMPTS[0], cases[0])])[0])
+
+
+def test_prompt_logprobs_match_ar() -> None:
+    target = tiny_target(1, 0.3)
+    engine = make_engine(target, oracle_head(target), TreeConfig(depth=3, top_k=2, num_nodes=4))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=True)
+    ar, eagle = run(engine, [("ar", PROMPTS[2], params), ("eagle", PROMPTS[2], params)])
+    got = [d.prompt_logprobs for d in eagle if d.prompt_logprobs is not None][0]
+    want = [d.prompt_logprobs for d in ar if d.prompt_logprobs is not None][0]
+    assert len(got) == len(want) == len(PROMPTS[2])
+    for a, e in zip(want[1:], got[1:]):
+        assert a.token_id == e.token_id and abs(a.logprob - e.logprob) < 1e-4
+
+
+def test_mixed_batch_prefix_cache_and_preemption() -> None:
+    target = tiny_target(5, 0.2)
+    head = oracle_head(target, noise=0.02)
+    # A pool this small forces preemptions while eight requests run side by side.
+    engine = make_engine(target, head, TreeConfig(depth=3, top_k=2, num_nodes=6), num_blocks=40,
+                         max_batched_tokens=24)
+    long = list(range(1, 30))
+    jobs = [(d, p, GREEDY) for p in [long, long[:17], PROMPTS[0], long] for d in ("ar", "eagle")]
+    outs = run(engine, jobs)
+    for i in range(0, len(jobs), 2):
+        assert tokens(outs[i + 1]) == tokens(outs[i])
+    assert engine.scheduler.num_preemptions > 0
+    engine.pool.check()
+
+
+def test_sampling_matches_plain_sampling() -> None:
+    """Joint distribution of the first two sampled tokens equals the target's (temperature, top-k, top-p)."""
+    vocab = 8
+    target = tiny_target(6, 0.3, vocab=vocab)
+    head = oracle_head(target, noise=0.3, seed=1)
+    engine = make_engine(target, head, TreeConfig(depth=2, top_k=2, num_nodes=4), num_blocks=1024,
+                         max_num_seqs=256, max_waiting=4096, max_batched_tokens=4096)
+    params = SamplingParams(max_tokens=2, temperature=0.9, top_k=6, top_p=0.95, ignore_eos=True, seed=0)
+    prompt = [3, 1, 4]
+    n = 800
+    jobs = [("eagle", prompt, SamplingParams(**{**params.__dict__, "seed": i})) for i in range(n)]
+    outs = run(engine, jobs)
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        seq = tuple(tokens(o))
+        counts[seq] = counts.get(seq, 0) + 1
+    # Exact joint probabilities from the target itself.
+    first = truncated_probs(target.logits(target(torch.tensor(prompt), torch.arange(3), DenseAttention([3]))[0])[-1],
+                            params)
+    chi2, cells = 0.0, 0
+    for a in range(vocab):
+        if first[a] == 0:
+            continue
+        ids = torch.tensor(prompt + [a])
+        second = truncated_probs(target.logits(target(ids, torch.arange(4), DenseAttention([4]))[0])[-1], params)
+        for b in range(vocab):
+            expected = n * float(first[a] * second[b])
+            got = counts.pop((a, b), 0)
+            if expected > 0:
+                chi2 += (got - expected) ** 2 / expected
+                cells += 1
+            else:
+                assert got == 0
+    assert not counts  # nothing outside the support
+    # chi-square with `cells - 1` degrees of freedom: mean cells - 1, sd sqrt(2 (cells - 1)).
+    assert chi2 < cells - 1 + 5 * (2 * (cells - 1)) ** 0.5, (chi2, cells)
+
+
+# ---- the real default model with its bundled head -------------------------------------
+
+def test_default_model_greedy_identical(default_gguf: Path, cache_dir: Path) -> None:
+    """The bundled SmolLM2 head: same greedy tokens as plain AR on a few benchmark prompts."""
+    from dualserve.decoders.deployment import PoolSpec, build_deployment
+    from dualserve.decoders.eagle import eagle_decoder
+    from dualserve.models.loader import load_model
+
+    loaded = load_model(default_gguf, name="SmolLM2-135M-Instruct", cache_dir=cache_dir)
+    dep = build_deployment([loaded], pool=PoolSpec(num_blocks=256))
+    decoder = eagle_decoder(loaded, dep.runners[loaded.name], dep.engine.pool)
+    assert decoder is not None, "the bundled head for the default model is missing"
+    if "eagle" not in dep.engine.decoders_for(loaded.name):
+        dep.engine.add_decoder(loaded.name, decoder, loaded.tokenizer)
+    bench = Path(__file__).parents[2] / "clients" / "prompts" / "bench.jsonl"
+    prompts = [json.loads(line)["prompt"] for line in bench.read_text().splitlines()[::17][:3]]
+    tok = loaded.tokenizer
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    accept = []
+    for prompt in prompts:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True),
+                         add_special_tokens=False)
+        outs = {}
+        for d in ("ar", "eagle"):
+            deltas: list = []
+            dep.engine.submit(loaded.name, d, ids, params, lambda _, x: deltas.append(x))
+            dep.engine.run_until_idle()
+            outs[d] = deltas
+        assert tokens(outs["eagle"]) == tokens(outs["ar"])
+        accept.append(outs["eagle"][-1].stats["mean_accept_length"])
+    assert sum(accept) / len(accept) > 1.2  # trained: drafts get accepted (a random head stays at 1.0)

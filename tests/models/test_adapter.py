@@ -1,0 +1,139 @@
+"""Twin loading: the merged weights are exactly base + scale * B @ A, and the config is block diffusion."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dualserve.models.adapter import (ADAPTER_FILE, DEFAULT_TWIN_DIR, TwinSpec, apply_twin, is_twin_dir, lora_names, load_twin,
+                                      save_twin)
+from dualserve.models.attention import DenseAttention
+from dualserve.models.config import ModelConfig
+from dualserve.models.loader import hf_config_dict, load_model
+from tiny_twin import write_tiny_llama
+
+MASK_ID = 4
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("base") / "tiny-llama")
+
+
+def random_adapter(model, rank: int, seed: int = 0, zero_b: bool = False) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {"mask_embedding": torch.randn(model.config.hidden_size, generator=gen)}
+    state = model.state_dict()
+    for name in lora_names(model):
+        out_f, in_f = state[f"{name}.weight"].shape
+        out[f"{name}.lora_A"] = torch.randn(rank, in_f, generator=gen) * 0.1
+        b = torch.randn(out_f, rank, generator=gen) * 0.1
+        out[f"{name}.lora_B"] = torch.zeros_like(b) if zero_b else b
+    return out
+
+
+def write_twin(base_dir: Path, out: Path, *, rank: int = 4, alpha: float = 8.0, zero_b: bool = False) -> Path:
+    base = load_model(base_dir)
+    spec = TwinSpec(block_size=4, mask_token_id=MASK_ID, base_model=str(base_dir), rank=rank, alpha=alpha)
+    save_twin(out, hf_config_dict(base.config), spec, random_adapter(base.model, rank, zero_b=zero_b))
+    return out
+
+
+def test_merged_weights_are_base_plus_scaled_lora(base_dir: Path, tmp_path: Path) -> None:
+    twin_dir = write_twin(base_dir, tmp_path / "twin")
+    base = load_model(base_dir)
+    twin = load_twin(twin_dir)
+    adapter = {k: v.float() for k, v in load_file(str(twin_dir / ADAPTER_FILE)).items()}  # as stored (bf16)
+    ours, theirs = twin.model.state_dict(), base.model.state_dict()
+    scale = 8.0 / 4
+    for name in lora_names(base.model):
+        expected = theirs[f"{name}.weight"] + scale * adapter[f"{name}.lora_B"] @ adapter[f"{name}.lora_A"]
+        torch.testing.assert_close(ours[f"{name}.weight"], expected, rtol=0, atol=1e-6)
+    emb, base_emb = ours["embed_tokens.weight"], theirs["embed_tokens.weight"]
+    assert torch.equal(emb[MASK_ID], adapter["mask_embedding"])
+    others = torch.arange(emb.shape[0]) != MASK_ID
+    assert torch.equal(emb[others], base_emb[others])
+    for name in theirs:
+        if "norm" in name:
+            assert torch.equal(ours[name], theirs[name])
+
+
+def test_twin_config_is_block_diffusion(base_dir: Path, tmp_path: Path) -> None:
+    twin = load_twin(write_twin(base_dir, tmp_path / "twin"))
+    cfg = twin.config
+    assert (cfg.family, cfg.diffusion_block_size, cfg.mask_token_id, cfg.shift_logits) == (
+        "block_diffusion", 4, MASK_ID, True)
+    assert cfg.is_diffusion and twin.model.config == cfg
+    # The same keys read from config.json alone, as any loader of the directory would.
+    from_json = ModelConfig.from_hf(json.loads((tmp_path / "twin" / "config.json").read_text()))
+    assert (from_json.family, from_json.diffusion_block_size, from_json.mask_token_id, from_json.shift_logits) == (
+        "block_diffusion", 4, MASK_ID, True)
+
+
+def test_zero_adapter_computes_the_base_model(base_dir: Path, tmp_path: Path) -> None:
+    base = load_model(base_dir)
+    twin = apply_twin(base, write_twin(base_dir, tmp_path / "twin", zero_b=True))
+    ids = torch.tensor([1, 7, 9, 11, 2, 12, 13])  # no [MASK]
+    pos = torch.arange(len(ids))
+    with torch.inference_mode():
+        a = base.model.logits(base.model(ids, pos, DenseAttention([len(ids)]))[0])
+        b = twin.model.logits(twin.model(ids, pos, DenseAttention([len(ids)]))[0])
+    keep = torch.arange(a.shape[1]) != MASK_ID  # tied head: the [MASK] column follows the new row
+    torch.testing.assert_close(a[:, keep], b[:, keep], rtol=0, atol=1e-5)
+
+
+def test_apply_twin_leaves_the_base_alone_and_shares_norms(base_dir: Path, tmp_path: Path) -> None:
+    base = load_model(base_dir)
+    before = {k: v.clone() for k, v in base.model.state_dict().items()}
+    twin = apply_twin(base, write_twin(base_dir, tmp_path / "twin"))
+    for k, v in base.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert twin.model.norm.weight.data_ptr() == base.model.norm.weight.data_ptr()
+    assert twin.tokenizer is base.tokenizer
+
+
+def test_relative_base_path_and_detection(base_dir: Path, tmp_path: Path) -> None:
+    twin_dir = write_twin(base_dir, tmp_path / "twin")
+    cfg = json.loads((twin_dir / "config.json").read_text())
+    (tmp_path / "base").symlink_to(base_dir)
+    cfg["dualserve_diffusion"]["base_model"] = "../base"
+    (twin_dir / "config.json").write_text(json.dumps(cfg))
+    assert is_twin_dir(twin_dir) and not is_twin_dir(base_dir)
+    assert load_twin(twin_dir).config.family == "block_diffusion"
+    assert load_model(twin_dir).config.family == "block_diffusion"  # the loader's hook for twin directories
+
+
+def test_default_twin_is_committed() -> None:
+    cfg = json.loads((DEFAULT_TWIN_DIR / "config.json").read_text())
+    assert cfg["dualserve_diffusion"]["base_model"] == "SmolLM2-135M-Instruct"
+    assert ModelConfig.from_hf(cfg).family == "block_diffusion"
+    assert (DEFAULT_TWIN_DIR / ADAPTER_FILE).stat().st_size < 64 * 2**20
+
+
+def test_shape_mismatch_is_an_error(base_dir: Path, tmp_path: Path) -> None:
+    twin_dir = write_twin(base_dir, tmp_path / "twin")
+    cfg = json.loads((twin_dir / "config.json").read_text())
+    cfg["hidden_size"] += 1
+    (twin_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="trained for"):
+        load_twin(twin_dir)
+
+
+@pytest.mark.slow
+def test_default_twin_on_the_default_model(default_gguf: Path, cache_dir: Path) -> None:
+    base = load_model(default_gguf, cache_dir=cache_dir)
+    twin = apply_twin(base, DEFAULT_TWIN_DIR, name=base.name)
+    cfg = twin.config
+    assert (cfg.family, cfg.shift_logits, cfg.num_layers) == ("block_diffusion", True, base.config.num_layers)
+    tok = base.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}]))
+    seq = torch.tensor(prompt + [cfg.mask_token_id] * (-len(prompt) % cfg.diffusion_block_size or 8))
+    attn = DenseAttention([len(seq)], "block_causal", cfg.diffusion_block_size)
+    with torch.inference_mode():
+        logits = twin.model.logits(twin.model(seq, torch.arange(len(seq)), attn)[0])
+    assert torch.isfinite(logits).all()
+    assert (logits[len(prompt) - 1:-1].argmax(-1) != cfg.mask_token_id).all()
