@@ -183,7 +183,11 @@ class Engine:
         """Let n > 1 choices join once choice 0 has computed (and so cached) its prompt."""
         for rid, held in list(self._held.items()):
             first = self._requests.get(rid, [None])[0]
-            if first is None or first.finished or first.num_computed >= len(first.prompt_ids) or not held:
+            # Decoders that never publish prompt blocks (bidirectional diffusion) gain nothing by waiting.
+            shares = first is not None and getattr(self.decoders.get((first.model, first.decoder)),
+                                                   "shares_prompt_blocks", True)
+            if (first is None or first.finished or not shares or first.num_computed >= len(first.prompt_ids)
+                    or not held):
                 for r in held:
                     if first is not None and r.needs_prompt_logprobs and not first.needs_prompt_logprobs:
                         r.prompt_logprobs = list(first.prompt_logprobs or [None])  # same prompt, same values
@@ -230,8 +234,8 @@ class Engine:
             if req.finished:  # could never fit in the pool
                 self._finish(req, "error", error="the prompt does not fit in the KV block pool")
                 continue
-            first_admission = not req.num_preemptions and req.num_computed == req.table.num_cached_tokens
-            if first_admission and s.num_new_tokens and not req.output_ids:
+            if not req.admitted and s.num_new_tokens:
+                req.admitted = True
                 req.cached_prompt_tokens = req.table.num_cached_tokens
                 self.stats.prompt_tokens += len(req.prompt_ids)
             groups.setdefault((req.model, req.decoder), []).append(s)

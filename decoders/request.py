@@ -72,6 +72,7 @@ class Request:
     verify_seconds: float = 0.0
     num_preemptions: int = 0
     cached_prompt_tokens: int = 0        # prefix-cache hit at first admission
+    admitted: bool = False               # set by the engine at first admission
     steps_per_block: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     decoder_state: object = None         # private to the request's decoder

@@ -20,6 +20,9 @@ from .service import Job, Service
 from .tools import ToolStream, family_for, inject_tools, template_renders_tools
 
 
+DIFFUSION_DEFAULT_MAX_TOKENS = 256
+
+
 def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     if not body.messages:
         raise bad_request("messages must be a non-empty list", "messages", "missing_required_parameter")
@@ -120,7 +123,10 @@ class ChatHandler:
         route = self.service.route(self.model, body, self.header_decoder, structured=grammar is not None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self.service.sampling_params(body, max_tokens, logprobs, len(ids), self.model, default_max=None)
+        # A diffusion canvas is sized by max_tokens: do not default it to the whole context.
+        default_max = DIFFUSION_DEFAULT_MAX_TOKENS if route.decoder == "diffusion" else None
+        params = self.service.sampling_params(body, max_tokens, logprobs, len(ids), self.model,
+                                              default_max=default_max)
         params = dataclasses.replace(params, grammar=grammar)
         return self.service.start(self.model, route, [ids], params, body.n)
 
