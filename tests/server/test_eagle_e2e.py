@@ -1,0 +1,49 @@
+"""The EAGLE decoder through the real server and the real openai SDK: lossless greedy, exact stops, metrics."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def client(server_url: str) -> openai.OpenAI:
+    c = openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", timeout=300, max_retries=0)
+    decoders = {m.id: m for m in c.models.list().data}[MODEL].decoders
+    if "eagle" not in decoders:
+        pytest.fail(f"the default model should offer its bundled EAGLE head; it serves {decoders}")
+    return c
+
+
+@pytest.mark.parametrize("prompt", ["What is the capital of France?", "Write a Python function that adds two numbers."])
+def test_greedy_chat_identical_to_plain_ar(client, prompt):
+    messages = [{"role": "user", "content": prompt}]
+    outs = {}
+    for decoder in ("ar", "eagle"):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=32, temperature=0, logprobs=True,
+            extra_body={"decoder": decoder})
+        assert raw.headers["x-dualserve-decoder"] == decoder
+        outs[decoder] = raw.parse()
+    ar, eagle = outs["ar"], outs["eagle"]
+    assert eagle.choices[0].message.content == ar.choices[0].message.content
+    assert eagle.usage.completion_tokens == ar.usage.completion_tokens
+    assert len(eagle.choices[0].logprobs.content) == eagle.usage.completion_tokens
+    stats = eagle.usage.model_extra["dualserve"]
+    assert stats["mean_accept_length"] >= 1 and "draft_seconds" in stats and "verify_seconds" in stats
+
+
+def test_streamed_stop_is_exact(client):
+    kw = dict(model=MODEL, prompt="List: apples, pears, plums, cherries,", max_tokens=24, temperature=0)
+    full = client.completions.create(**kw, extra_body={"decoder": "ar"}).choices[0].text
+    if len(full) < 6:
+        pytest.skip("too little text to cut")
+    stop = full[3:6]
+    chunks = list(client.completions.create(**kw, stop=[stop], stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"decoder": "eagle"}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full[: full.index(stop)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
