@@ -17,8 +17,10 @@ falls back to its chunk count and is flagged in the JSON output.
 
 With ``--baseline-url`` the same single-stream requests are also sent to a second server and
 the ratios ours / baseline are printed. Prompts come from ``prompts/bench.jsonl`` next to this
-file: one ``{"id", "kind", "prompt"}`` object per line, sent as the raw prompt (completions) or
-as a single user message (chat).
+file: one ``{"id", "kind", "prompt"}`` object per line, sent as a single user message (chat, the
+default: the prompts are instructions for an instruct model) or as the raw prompt (completions).
+Requests take the prompts round-robin over kinds, so every level mixes chat, code, extraction,
+summaries, facts and arithmetic, and every server sees the same sequence.
 """
 
 from __future__ import annotations

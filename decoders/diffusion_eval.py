@@ -74,22 +74,31 @@ class PrefixKV:
         return sdpa(q, k, v)
 
 
-def fill_block(model: Transformer, prefix: list[int], length: int, mask_id: int, block_size: int,
-               tau: float | None) -> tuple[list[int], int]:
-    """Fill ``length`` masked tokens after ``prefix`` up to a block end; tau None = one-shot.
-
-    Returns (tokens, forwards). Logits are shifted: canvas position j is read from row
-    j-1, which for a canvas starting on a block boundary is the prefix's last row.
-    """
+def encode_prefix(model: Transformer, prefix: list[int], block_size: int) -> tuple[PrefixKV, torch.Tensor | None]:
+    """Run the whole clean blocks of ``prefix`` once; returns their K/V and the last row's hidden state."""
     device = model.embed_tokens.weight.device
-    start = len(prefix)
-    cached = start // block_size * block_size  # whole clean blocks; the rest shares the canvas's block
+    cached = len(prefix) // block_size * block_size  # the rest shares the canvas's block
     attn = PrefixKV(block_size)
     last = None
     if cached:
         hidden, _ = model(torch.tensor(prefix[:cached], device=device), torch.arange(cached, device=device), attn)
         last = hidden[-1:]  # (1, hidden)
     attn.storing = False
+    return attn, last
+
+
+def fill_block(model: Transformer, prefix: list[int], length: int, mask_id: int, block_size: int,
+               tau: float | None, encoded: tuple[PrefixKV, torch.Tensor | None] | None = None) -> tuple[list[int], int]:
+    """Fill ``length`` masked tokens after ``prefix`` up to a block end; tau None = one-shot.
+
+    Returns (tokens, forwards). Logits are shifted: canvas position j is read from row
+    j-1, which for a canvas starting on a block boundary is the prefix's last row.
+    ``encoded`` (from ``encode_prefix``) lets several rules share one prefix pass.
+    """
+    device = model.embed_tokens.weight.device
+    start = len(prefix)
+    cached = start // block_size * block_size
+    attn, last = encoded or encode_prefix(model, prefix, block_size)
     block = torch.tensor(prefix[cached:] + [mask_id] * length, device=device)  # (block,)
     positions = torch.arange(cached, cached + len(block), device=device)
     masked = torch.ones(length, dtype=torch.bool, device=device)
@@ -125,9 +134,10 @@ def denoise_eval(model: Transformer, examples: list[Example], block_size: int, m
             if start >= end:
                 break
             truth = ex.ids[start:end]
+            encoded = encode_prefix(model, ex.ids[:start], block_size)
             for tau, score in scores.items():
                 got, forwards = fill_block(model, ex.ids[:start], (k + 1) * block_size - start, mask_id,
-                                           block_size, tau)
+                                           block_size, tau, encoded)
                 score.tokens += len(truth)
                 score.correct += sum(int(a == b) for a, b in zip(got, truth))
                 score.forwards += forwards

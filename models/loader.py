@@ -126,7 +126,9 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtyp
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary.reset(device)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    model.prepare_for_inference()
+    return model
 
 
 # ---- Hugging Face directories -------------------------------------------------

@@ -16,10 +16,11 @@ BUNDLED_TWIN = {DEFAULT_MODEL_NAME: ASSETS / "twin-smollm2"}
 
 
 def default_eagle_head(model_name: str) -> Path | None:
-    path = BUNDLED_EAGLE.get(model_name)
+    # A GGUF served by path is named after its file, e.g. "SmolLM2-135M-Instruct.Q4_1".
+    path = BUNDLED_EAGLE.get(model_name) or BUNDLED_EAGLE.get(model_name.split(".")[0])
     return path if path is not None and (path / "config.json").exists() else None
 
 
 def default_twin(model_name: str) -> Path | None:
-    path = BUNDLED_TWIN.get(model_name)
+    path = BUNDLED_TWIN.get(model_name) or BUNDLED_TWIN.get(model_name.split(".")[0])
     return path if path is not None and (path / "config.json").exists() else None
