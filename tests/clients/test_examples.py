@@ -8,7 +8,7 @@ import pytest
 
 
 def test_langchain_with_structured_output(server_url):
-    pytest.importorskip("langchain_openai", reason="pip install -e '.[examples]'")
+    pytest.importorskip("langchain_openai", reason="installed by the dev extra")
     from dualserve.clients.example_langchain import Location, run
 
     loc = run(f"{server_url}/v1")
@@ -16,7 +16,7 @@ def test_langchain_with_structured_output(server_url):
 
 
 def test_agents_sdk_calls_the_tool(server_url):
-    pytest.importorskip("agents", reason="pip install -e '.[examples]'")
+    pytest.importorskip("agents", reason="installed by the dev extra")
     from dualserve.clients.example_agents import run
 
     result = asyncio.run(run(f"{server_url}/v1"))
