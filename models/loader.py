@@ -126,9 +126,7 @@ def build(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtyp
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary.reset(device)
-    model.eval().requires_grad_(False)
-    model.prepare_for_inference()
-    return model
+    return model.eval().requires_grad_(False)
 
 
 # ---- Hugging Face directories -------------------------------------------------

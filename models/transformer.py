@@ -155,19 +155,6 @@ class Transformer(nn.Module):
                 aux.append(x)
         return self.norm(x), aux
 
-    def prepare_for_inference(self) -> None:
-        """Keep a transposed copy of the output head on CPU.
-
-        The vocabulary projection is the largest matrix (49152 x 576 for SmolLM2) and, at
-        batch 1, ``x @ W^T`` with W^T stored contiguously runs about 1.6x faster on CPU than
-        ``F.linear`` with W (measured 5.6 ms vs 9.0 ms here). Costs one extra copy of the head.
-        """
-        if self.lm_head_weight.device.type == "cpu":
-            self.lm_head_t = self.lm_head_weight.detach().t().contiguous()
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(tokens, hidden) -> (tokens, vocab) in fp32."""
-        head_t = getattr(self, "lm_head_t", None)
-        if head_t is not None and hidden.dtype == head_t.dtype:
-            return (hidden @ head_t).float()
         return F.linear(hidden, self.lm_head_weight).float()
