@@ -18,3 +18,7 @@ def cache_dir() -> Path:
 def default_gguf(cache_dir: Path) -> Path:
     """Path to SmolLM2-135M-Instruct.Q4_1.gguf (downloaded on first use)."""
     return pull_default_model(cache_dir, quiet=True)
+
+
+# A real server in a subprocess, shared by every test module that needs one (server/, clients/).
+from server_fixture import server_url  # noqa: E402,F401
