@@ -1,0 +1,85 @@
+"""Structured output and tool calls through the real server, validated with jsonschema."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+MODEL = "SmolLM2-135M-Instruct"
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"},
+                                           "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+          "required": ["city", "population"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+                                               "required": ["city", "unit"]}}}]
+
+
+@pytest.fixture(scope="module")
+def client(server_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_output_validates(client, temperature):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe Paris as JSON."}], max_tokens=80,
+        temperature=temperature, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+def test_json_object_output_parses(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Ada is 36. Reply with her name and age in JSON."}],
+        max_tokens=200, temperature=0, response_format={"type": "json_object"},
+        extra_body={"repetition_penalty": 1.3})  # a 135M model otherwise nests objects forever
+    text = r.choices[0].message.content
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+        return
+    # Cut by max_tokens: the text must be a truncated object, never a malformed one.
+    assert text.lstrip().startswith("{")
+    with pytest.raises(json.JSONDecodeError) as err:
+        json.loads(text)
+    truncated = err.value.msg.startswith("Unterminated string") or err.value.pos >= len(text.rstrip()) - 1
+    assert truncated, f"malformed before the cut: {text!r}"
+
+
+def test_invalid_schema_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nope"}}})
+    assert err.value.body["param"] == "response_format"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_call_arguments_validate(client, choice):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                       max_tokens=60, temperature=0, tools=TOOLS, tool_choice=choice)
+    assert r.choices[0].finish_reason == "tool_calls"
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id and call.type == "function"
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
+
+
+def test_streamed_tool_call_deltas(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}], max_tokens=60, temperature=0,
+        tools=TOOLS, tool_choice="required", stream=True))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert calls and calls[0].function.name == "get_weather" and calls[0].index == 0
+    jsonschema.validate(json.loads("".join(tc.function.arguments or "" for tc in calls)),
+                        TOOLS[0]["function"]["parameters"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_tool_choice_naming_an_unknown_function_is_a_400(client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
