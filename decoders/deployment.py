@@ -23,7 +23,6 @@ import torch
 from dualserve.models.loader import LoadedModel
 
 from .ar import ARDecoder
-from .block_manager import BlockPool
 from .engine import Engine, EngineConfig
 from .paged_attention import KVCache
 from .runner import ModelRunner

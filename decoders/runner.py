@@ -64,8 +64,7 @@ class ModelRunner:
             n = len(it.token_ids)
             if it.slots is None:
                 scratch = self.scratch_block * self.block_size
-                slots.append(torch.arange(scratch, scratch + n, device=self.device) if n <= self.block_size
-                             else torch.full((n,), scratch, device=self.device))
+                slots.append(scratch + torch.arange(n, device=self.device) % self.block_size)
             else:
                 slots.append(self._as_tensor(it.slots))
             seqs.append(SeqAttention(it.context_len, n, it.block_table, it.mask, it.context_slots))

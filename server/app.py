@@ -122,7 +122,7 @@ async def completions(request: Request, state: State) -> Response | Stream:
     service: Service = state.app_state.service
     body = decode(await request.body(), completion_decoder)
     model = service.model(body.model)
-    prompts = service.completion_prompts(body, model)
+    prompts = service.prompt_ids(model, body.prompt)
     suffix_ids = model.tokenizer.encode(body.suffix, add_special_tokens=False) if body.suffix else None
     if body.echo and body.logprobs is not None and (body.decoder or "auto") == "auto":
         body.decoder = "ar"  # prompt logprobs come from the AR path's prefill

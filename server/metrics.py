@@ -65,6 +65,7 @@ class Metrics:
         self.cost = Gauge("dualserve_cost_per_million_tokens", "Effective cost per 1M generated tokens",
                           ["decoder"], registry=r)
         self._busy_mark = (time.monotonic(), 0.0)
+        self._util = 0.0  # last computed utilisation, reused between close scrapes
 
     def observe_request(self, decoder: str, status: str, prompt_tokens: int, output_tokens: int,
                         ttft: float | None, duration: float, stats: dict | None) -> None:
@@ -94,9 +95,10 @@ class Metrics:
         self.waiting.set(len(engine.scheduler.waiting))
         last_at, last_busy = self._busy_mark
         busy = engine.stats.busy_seconds
-        util = min(1.0, (busy - last_busy) / (now - last_at)) if now - last_at > 0.5 else self.utilisation._value.get()
+        util = min(1.0, (busy - last_busy) / (now - last_at)) if now - last_at > 0.5 else self._util
         if now - last_at > 0.5:
             self._busy_mark = (now, busy)
+        self._util = util
         self.utilisation.set(util)
         while self._recent and now - self._recent[0].at > self.window_seconds:
             self._recent.popleft()

@@ -36,16 +36,15 @@ def completion_logprobs(service: Service, job: Job, lps: list[TokenLogprob], off
 
 
 def chat_logprobs(service: Service, job: Job, lps: list[TokenLogprob]) -> ChatLogprobs:
-    def entry(token_id: int, value: float) -> tuple[str, list[int]]:
+    def top(token_id: int, value: float) -> TopLogprob:
         text = service.token_text(job.model, token_id)
-        return text, list(text.encode("utf-8"))
+        return TopLogprob(token=text, logprob=value, bytes=list(text.encode("utf-8")))
 
     content = []
     for lp in lps:
-        text, raw = entry(lp.token_id, lp.logprob)
-        top = [TopLogprob(token=t, logprob=v, bytes=b) for t, b, v in
-               ((*entry(tid, val), val) for tid, val in lp.top)]
-        content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=raw, top_logprobs=top))
+        chosen = top(lp.token_id, lp.logprob)
+        content.append(ChatTokenLogprob(token=chosen.token, logprob=lp.logprob, bytes=chosen.bytes,
+                                        top_logprobs=[top(t, v) for t, v in lp.top]))
     return ChatLogprobs(content=content)
 
 

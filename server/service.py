@@ -22,7 +22,7 @@ from dualserve.decoders.sampling import SamplingParams, TokenLogprob
 from dualserve.decoders.scheduler import QueueFull
 
 from .errors import APIError, bad_request
-from .protocol import CompletionRequest, Hints
+from .protocol import Hints
 from .router import Route, Router
 
 
@@ -287,9 +287,6 @@ class Service:
         """llama.cpp's /infill fields as OpenAI-style sampling hints."""
         return Hints(model=body.model, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                      stop=body.stop, seed=body.seed, decoder=body.decoder)
-
-    def completion_prompts(self, body: CompletionRequest, model: ServedModel) -> list[list[int]]:
-        return self.prompt_ids(model, body.prompt)
 
     def token_text(self, model: ServedModel, token_id: int) -> str:
         return model.tokenizer.decode([token_id], skip_special_tokens=False)
