@@ -125,12 +125,29 @@ def full_mask(seq: SeqAttention, device) -> torch.Tensor | None:
 
 
 class SdpaPagedAttention:
-    """Gather cached keys/values per sequence and run SDPA (the CPU path)."""
+    """Gather cached keys/values and run attention (the CPU path).
+
+    Sequences with one new token (decode steps) run together as one padded,
+    batched grouped-query attention; the rest (prefill chunks, draft trees,
+    diffusion canvases) run one SDPA call each.
+    """
 
     def __init__(self, cache: KVCache, meta: AttentionMetadata):
         self.cache = cache
         self.meta = meta
         self._masks: list[torch.Tensor | None] | None = None
+        self._decode: DecodeBatch | None = None
+        self._rest: list[int] = []
+
+    def _plan(self, device) -> None:
+        seqs = self.meta.seqs
+        singles = [i for i, s in enumerate(seqs) if s.query_len == 1]
+        if len(singles) < 2:
+            singles = []
+        self._decode = DecodeBatch.build(self.meta, singles, device) if singles else None
+        single_set = set(singles)
+        self._rest = [i for i in range(len(seqs)) if i not in single_set]
+        self._masks = [full_mask(s, device) if i not in single_set else None for i, s in enumerate(seqs)]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
@@ -139,12 +156,16 @@ class SdpaPagedAttention:
             k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
             v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
         if self._masks is None:
-            self._masks = [full_mask(s, q.device) for s in meta.seqs]
-        outs = []
-        start = 0
-        for i, seq in enumerate(meta.seqs):
-            sl = slice(start, start + seq.query_len)
-            start += seq.query_len
+            self._plan(q.device)
+        if self._decode is not None and not self._rest:
+            return self._decode(q, k, v, k_flat, v_flat)
+        out = q.new_empty(q.shape) if len(meta.seqs) > 1 else None
+        if self._decode is not None:
+            out[self._decode.rows] = self._decode(q, k, v, k_flat, v_flat)
+        starts = self._starts()
+        for i in self._rest:
+            seq = meta.seqs[i]
+            sl = slice(starts[i], starts[i] + seq.query_len)
             idx = meta.context_index(i, q.device)
             if idx is None:
                 kk, vv = k[sl], v[sl]
@@ -153,8 +174,66 @@ class SdpaPagedAttention:
                 vv = torch.cat([v_flat.index_select(0, idx).to(v.dtype), v[sl]], 0)
             mask = self._masks[i]
             causal = mask is None and seq.mask == "causal" and seq.context_len == 0
-            outs.append(sdpa(q[sl], kk, vv, mask, causal))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+            res = sdpa(q[sl], kk, vv, mask, causal)
+            if out is None:
+                return res
+            out[sl] = res
+        return out
+
+    def _starts(self) -> list[int]:
+        starts, pos = [], 0
+        for s in self.meta.seqs:
+            starts.append(pos)
+            pos += s.query_len
+        return starts
+
+
+class DecodeBatch:
+    """Sequences with one new token each, attended in one batched call.
+
+    Each row's cached slots are padded to the longest context; padding is masked
+    out. Built once per step and shared by every layer."""
+
+    def __init__(self, rows: torch.Tensor, index: torch.Tensor, valid: torch.Tensor):
+        self.rows = rows      # (n,) rows of the flattened batch
+        self.index = index    # (n, width) flat slot ids, 0 where padded
+        self.valid = valid    # (n, width + 1) bool: real cached slots, then the new token
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, seq_ids: list[int], device) -> "DecodeBatch":
+        starts, pos = {}, 0
+        for i, s in enumerate(meta.seqs):
+            starts[i] = pos
+            pos += s.query_len
+        slots = [meta.context_index(i, device) for i in seq_ids]
+        lens = [0 if x is None else int(x.numel()) for x in slots]
+        width = max(lens)
+        index = torch.zeros(len(seq_ids), width, dtype=torch.long, device=device)
+        for r, x in enumerate(slots):
+            if x is not None:
+                index[r, : x.numel()] = x
+        valid = torch.arange(width + 1, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+        valid[:, width] = True
+        rows = torch.tensor([starts[i] for i in seq_ids], dtype=torch.long, device=device)
+        return cls(rows, index, valid)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor,
+                 v_flat: torch.Tensor) -> torch.Tensor:
+        n, width = self.index.shape
+        _, heads, d = q.shape
+        kv_heads = k.shape[1]
+        group = heads // kv_heads
+        flat = self.index.view(-1)
+        kk = torch.cat([k_flat.index_select(0, flat).view(n, width, kv_heads, d).to(k.dtype),
+                        k.index_select(0, self.rows)[:, None]], 1)          # (n, width + 1, kv_heads, d)
+        vv = torch.cat([v_flat.index_select(0, flat).view(n, width, kv_heads, d).to(v.dtype),
+                        v.index_select(0, self.rows)[:, None]], 1)
+        qg = q.index_select(0, self.rows).view(n, kv_heads, group, d)       # (n, kv_heads, group, d)
+        scores = torch.matmul(qg, kk.permute(0, 2, 3, 1)) * (d ** -0.5)     # (n, kv_heads, group, width + 1)
+        scores = scores.masked_fill(~self.valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(vv.dtype)
+        out = torch.matmul(probs, vv.permute(0, 2, 1, 3))                   # (n, kv_heads, group, d)
+        return out.reshape(n, heads, d)
 
 
 class FlashPagedAttention(SdpaPagedAttention):

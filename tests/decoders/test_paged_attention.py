@@ -95,6 +95,14 @@ def test_mixed_causal_and_full_batch_matches_dense(seed):
     assert torch.equal(cache.flat(0)[0][slots], k_new), "new keys are stored at their slots"
 
 
+@pytest.mark.parametrize("store", [True, False])
+def test_all_decode_batch_runs_as_one_padded_call(store):
+    """Only single-token steps: one batched call, padded to the longest context (incl. an empty one)."""
+    seqs = [Seq(20, 1), Seq(3, 1), Seq(0, 1), Seq(31, 1), Seq(8, 1, "full")]
+    out, ref, *_ = run_case(seqs, seed=4, store=store)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_explicit_tree_masks_match_dense():
     gen = torch.Generator().manual_seed(5)
     seqs = [Seq(11, 6, tree_mask(6, gen)), Seq(0, 5, tree_mask(5, gen)), Seq(16, 1), Seq(7, 3)]
