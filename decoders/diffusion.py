@@ -191,9 +191,11 @@ class DiffusionDecoder:
                             units=unit_spans(start, start + size, self.config.block_length, self.attn_block))
         if suffix and not self.supports_infill:
             st.error = "infilling (suffix) needs a bidirectional diffusion model; this one is block-causal"
-        elif req.constraint is not None or req.needs_prompt_logprobs:
-            # Both are defined token by token, left to right: an autoregressive decoder's job.
-            st.error = "structured output and prompt logprobs need an autoregressive decoder"
+        elif req.needs_prompt_logprobs:
+            st.error = "prompt logprobs need an autoregressive decoder"
+        elif req.constraint is not None:
+            self._place_forced(req, st)
+            self._skip_filled(st)
         if self.publish:
             # Prefix-cache hits hold exact keys/values of whole attention blocks (see __init__).
             st.cache.exact_upto = self._cached_prefix(req)
@@ -281,6 +283,9 @@ class DiffusionDecoder:
         """One unmasking step of the current unit from this forward's hidden states."""
         us, ue = st.units[st.unit]
         masked = us + torch.nonzero(st.tokens[us:ue] == self.mask_id)[:, 0]  # (m,) positions
+        if len(masked) == 0:  # filled by forced tokens since this forward was planned
+            self._next_unit(req, st)
+            return
         if st.counts is None:
             st.counts = self.config.schedule.counts(len(masked))
         idx = (masked - self.shift).clamp(min=0) - query_start  # rows predicting those positions
@@ -294,9 +299,57 @@ class DiffusionDecoder:
             lps = token_logprobs(raw[chosen], tokens[chosen].tolist(), req.params.logprobs)
             st.logprobs.update(zip(masked[chosen.cpu()].tolist(), lps))
         st.unit_step += 1
+        if req.constraint is not None:
+            self._place_forced(req, st)
         if not bool((st.tokens[us:ue] == self.mask_id).any()):
-            req.steps_per_block.append(st.unit_step)
+            self._next_unit(req, st)
+
+    def _next_unit(self, req: Request, st: DiffusionState) -> None:
+        req.steps_per_block.append(st.unit_step)
+        st.unit, st.unit_step, st.counts = st.unit + 1, 0, None
+        self._skip_filled(st)
+
+    def _skip_filled(self, st: DiffusionState) -> None:
+        """Units that forced tokens filled need no forward of their own: the next forward
+        computes their keys/values with its span (``diffusion_cache._exact_span``)."""
+        while st.unit < len(st.units):
+            us, ue = st.units[st.unit]
+            if bool((st.tokens[us:ue] == self.mask_id).any()):
+                return
             st.unit, st.unit_step, st.counts = st.unit + 1, 0, None
+
+    # ---- structured output: a grammar's skeleton, values denoised ---------------
+
+    def _place_forced(self, req: Request, st: DiffusionState) -> None:
+        """Write the tokens the grammar forces after the decided prefix straight into the canvas.
+
+        Under a grammar the canvas is decided left to right, so the decided prefix is exactly
+        what the grammar has consumed. For a JSON schema the forced tokens are the keys and
+        punctuation between values: the skeleton, placed with no forward; the model denoises
+        only the values (``_choose_constrained``), seeing the skeleton ahead of them within
+        its attention block."""
+        constraint = req.constraint
+        pos = self._first_hole(st)
+        while pos is not None:
+            forced = constraint.forced()
+            if not forced:
+                break
+            for tok in forced[: st.canvas_end - pos]:
+                constraint.consume(tok)
+                st.tokens[pos] = tok
+                pos += 1
+            pos = self._first_hole(st) if pos < st.canvas_end else None
+        if req.params.logprobs is not None:
+            # No forward saw these tokens; under the grammar they had probability 1.
+            for p in range(st.committed, st.canvas_end):
+                tok = int(st.tokens[p])
+                if tok == self.mask_id:
+                    break
+                st.logprobs.setdefault(p, TokenLogprob(tok, 0.0, [(tok, 0.0)]))
+
+    def _first_hole(self, st: DiffusionState) -> int | None:
+        holes = torch.nonzero(st.tokens[st.start:st.canvas_end] == self.mask_id)
+        return st.start + int(holes[0, 0]) if len(holes) else None
 
     def _choose(self, req: Request, st: DiffusionState, masked: torch.Tensor,
                 raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,13 +362,38 @@ class DiffusionDecoder:
             penalties = req.penalty_state(logits.shape[-1], logits.device)
             logits = torch.stack([process_logits(row, req.prompt_ids, req.output_ids, params, penalties)
                                   for row in logits])
+        if req.constraint is not None:
+            logits[0] = req.constraint.mask_logits(logits[0])
         tokens = propose(logits, params, req.generator)
         conf = confidence(self.config.confidence, torch.softmax(logits, -1), tokens, req.generator)
         k = st.counts[st.unit_step] if st.unit_step < len(st.counts) else len(masked)
         chosen = self.config.policy.select(conf, k)
+        if req.constraint is not None:
+            return self._choose_constrained(req, masked, chosen, tokens), tokens
         if self._anchored(int(masked[0])):
             chosen = torch.unique(torch.cat([chosen, chosen.new_zeros(1)]))
         return chosen, tokens
+
+    @staticmethod
+    def _choose_constrained(req: Request, masked: torch.Tensor, chosen: torch.Tensor,
+                            tokens: torch.Tensor) -> torch.Tensor:
+        """Under a grammar: the first hole always (its logits were masked by the grammar), then
+        each next adjacent hole while the policy chose it and the grammar accepts its token.
+
+        Committing a left-to-right run keeps the grammar's state a plain prefix, and every
+        committed token is one the grammar allows, so the output always parses."""
+        constraint = req.constraint
+        picked = set(chosen.tolist())
+        take = [0]
+        constraint.consume(int(tokens[0]))
+        for i in range(1, len(masked)):
+            if int(masked[i]) != int(masked[i - 1]) + 1 or i not in picked or constraint.done:
+                break
+            tok = int(tokens[i])
+            if not bool(constraint.allowed()[tok]) or not constraint.consume(tok):
+                break
+            take.append(i)
+        return torch.tensor(take, dtype=torch.long)
 
     def _anchored(self, pos: int) -> bool:
         """Whether ``pos`` is predicted from a finished block's last row (an exact AR prediction)."""

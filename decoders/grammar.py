@@ -21,6 +21,10 @@ import torch
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
 
+# One fixed JSON layout (``{"a": 1, "b": [2, 3]}``, as ``json.dumps`` writes it): with no free
+# whitespace between tokens, keys and punctuation become forced tokens (``Constraint.forced``).
+JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
 
 class GrammarError(ValueError):
     """The grammar or schema is invalid; the server answers 400."""
@@ -57,6 +61,20 @@ class Constraint:
     def consume(self, token_id: int) -> bool:
         return bool(self.matcher.consume_token(token_id))
 
+    def forced(self) -> list[int]:
+        """Tokens the grammar forces next, whatever the model says (not consumed).
+
+        A JSON schema's keys and punctuation between values are forced: the skeleton
+        a diffusion decoder places without denoising. A lone allowed token (the EOS
+        after a finished document) counts as forced too."""
+        if self.done:
+            return []
+        tokens = list(self.matcher.compute_ff_tokens())
+        if tokens:
+            return tokens
+        allowed = torch.nonzero(self.allowed())[:, 0]
+        return [int(allowed[0])] if allowed.numel() == 1 else []
+
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 
@@ -79,9 +97,12 @@ class GrammarCompiler:
     def grammar(self, spec: GrammarSpec) -> str:
         ll = self._ll
         if spec.kind == "json_object":
-            return ll.grammar_from("json_schema", json.dumps({"type": "object"}))
+            return ll.grammar_from("json_schema", json.dumps({"type": "object", "x-guidance": JSON_LAYOUT}))
         if spec.kind == "json_schema":
-            return ll.grammar_from("json_schema", spec.source)
+            schema = json.loads(spec.source)
+            if isinstance(schema, dict) and "x-guidance" not in schema:
+                schema = {**schema, "x-guidance": JSON_LAYOUT}
+            return ll.grammar_from("json_schema", json.dumps(schema))
         if spec.kind == "regex":
             return ll.grammar_from("regex", spec.source)
         return ll.grammar_from("lark", spec.source)

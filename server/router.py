@@ -98,10 +98,16 @@ class Router:
             return pick(p.batch, "n>1: batching AR path shares the prompt")
         if priority == "batch":
             return pick(p.batch, "priority=batch")
+        latency_bound = priority == "interactive" or (
+            latency_budget_ms is not None and latency_budget_ms <= p.latency_budget_ms and priority != "high_value")
         if structured:
+            # Every decoder enforces the grammar exactly. Diffusion places the forced skeleton
+            # (keys, punctuation) without forwards; EAGLE cannot branch a grammar's state and
+            # drafts nothing, so plain AR is the better lossless path.
+            if latency_bound:
+                return pick(p.interactive, "structured, latency-bound: skeleton forced, values decoded under the grammar")
             return pick("ar" if "ar" in available else p.high_value, "structured output: grammar-constrained AR")
-        if priority == "interactive" or (latency_budget_ms is not None and latency_budget_ms <= p.latency_budget_ms
-                                         and priority != "high_value"):
+        if latency_bound:
             return pick(p.interactive, "latency-bound interactive work")
         if priority == "high_value" or priority is None:
             return pick(p.high_value, f"priority={priority or p.default_priority}: lossless decoding")

@@ -28,7 +28,9 @@ ALL = ["ar", "eagle", "diffusion"]
     (ALL, "auto", {"n": 4, "priority": "interactive"}, "ar"),
     (ALL, "auto", {"infill": True}, "diffusion"),
     (ALL, "auto", {"infill": True, "priority": "high_value"}, "diffusion"),
-    (ALL, "auto", {"structured": True, "priority": "interactive"}, "ar"),
+    (ALL, "auto", {"structured": True, "priority": "interactive"}, "diffusion"),
+    (ALL, "auto", {"structured": True}, "ar"),
+    (ALL, "auto", {"structured": True, "priority": "high_value"}, "ar"),
     (ALL, None, {"priority": "interactive"}, "diffusion"),
     # what is loaded limits the choice
     (["ar"], "auto", {"priority": "interactive"}, "ar"),

@@ -1,4 +1,8 @@
-"""Structured output and tool calls through the real server, validated with jsonschema."""
+"""Structured output and tool calls through the real server, validated with jsonschema.
+
+Every check runs on the AR path (llguidance masks each step's logits) and on the diffusion
+twin (the grammar's forced tokens are placed as a skeleton, values are denoised under the
+grammar's mask)."""
 
 from __future__ import annotations
 
@@ -10,12 +14,12 @@ import pytest
 
 MODEL = "SmolLM2-135M-Instruct"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"},
-                                           "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+                                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 3}},
           "required": ["city", "population"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                            "parameters": {"type": "object", "properties": {
                                                "city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
-                                               "required": ["city", "unit"]}}}]
+                                               "required": ["city", "unit"], "additionalProperties": False}}}]
 
 
 @pytest.fixture(scope="module")
@@ -23,14 +27,38 @@ def client(server_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", timeout=300, max_retries=0)
 
 
+DECODERS = ["ar", "diffusion"]
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_json_schema_output_validates(client, temperature):
-    r = client.chat.completions.create(
+def test_json_schema_output_validates(client, temperature, decoder):
+    r = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "Describe Paris as JSON."}], max_tokens=80,
-        temperature=temperature, seed=3,
+        temperature=temperature, seed=3, extra_body={"decoder": decoder},
         response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})
-    assert r.choices[0].finish_reason == "stop"
-    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    assert r.headers["x-dualserve-decoder"] == decoder
+    body = r.parse()
+    assert body.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(body.choices[0].message.content), SCHEMA)
+
+
+def test_diffusion_places_the_schema_skeleton_without_forwards(client):
+    """Keys and punctuation are forced tokens: fewer forwards than output tokens, streamed or not."""
+    schema = {"type": "object", "properties": {k: {"type": "integer"} for k in ("alpha", "beta", "gamma", "delta")},
+              "required": ["alpha", "beta", "gamma", "delta"], "additionalProperties": False}
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Give four small numbers as JSON."}],
+                  max_tokens=60, temperature=0, extra_body={"decoder": "diffusion"},
+                  response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    r = client.chat.completions.create(**kwargs)
+    doc = json.loads(r.choices[0].message.content)
+    jsonschema.validate(doc, schema)
+    assert list(doc) == ["alpha", "beta", "gamma", "delta"]
+    stats = r.usage.model_extra["dualserve"]
+    assert stats["forward_passes"] < r.usage.completion_tokens, stats
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
+                       if c.choices)
+    assert streamed == r.choices[0].message.content
 
 
 def test_json_object_output_parses(client):
@@ -58,20 +86,23 @@ def test_invalid_schema_is_a_400(client):
     assert err.value.body["param"] == "response_format"
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_forced_tool_call_arguments_validate(client, choice):
+def test_forced_tool_call_arguments_validate(client, choice, decoder):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
-                                       max_tokens=60, temperature=0, tools=TOOLS, tool_choice=choice)
+                                       max_tokens=60, temperature=0, tools=TOOLS, tool_choice=choice,
+                                       extra_body={"decoder": decoder})
     assert r.choices[0].finish_reason == "tool_calls"
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather" and call.id and call.type == "function"
     jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
 
 
-def test_streamed_tool_call_deltas(client):
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_streamed_tool_call_deltas(client, decoder):
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}], max_tokens=60, temperature=0,
-        tools=TOOLS, tool_choice="required", stream=True))
+        tools=TOOLS, tool_choice="required", stream=True, extra_body={"decoder": decoder}))
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert calls and calls[0].function.name == "get_weather" and calls[0].index == 0
     jsonschema.validate(json.loads("".join(tc.function.arguments or "" for tc in calls)),
