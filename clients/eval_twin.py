@@ -1,0 +1,207 @@
+"""Quality and speed of a diffusion twin against its AR parent (and EAGLE), in one run.
+
+Run as ``python -m dualserve.clients.eval_twin``. Every prompt of ``prompts/exact.jsonl``
+(short factual questions, copying, JSON extraction from a given sentence, arithmetic; none of
+their entities or templates appear in the twin's training prompts) is answered one at a time,
+greedy, through one deployment of the default model (``ar``, ``eagle`` with the bundled head,
+``diffusion`` with the twin), by every decoder and by the twin at every threshold. The order
+of decoders rotates from prompt to prompt, so load drift hits all alike.
+
+Reported per decoder (and per threshold for the twin):
+
+- **exact match**: the answer is right (the capital named, the words copied, the JSON fields
+  equal, the number stated). Arithmetic counts only where AR is right, as the prompt set's
+  contract says, so AR's rate there is 1 by construction;
+- **agreement**: the output equals AR's greedy output token for token (and the mean share of
+  AR's tokens matched position by position before the first difference);
+- **tokens per forward** and **single-stream tokens/s**, with ratios to AR.
+
+Quality ratio = the twin's exact-match rate / AR's. ``--taus`` gives the speed/quality curve
+over the unmasking threshold; a threshold above 1 commits one token per forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+PROMPTS = Path(__file__).resolve().parent / "prompts" / "exact.jsonl"
+
+
+def load_exact(path: Path | str = PROMPTS) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def first_json_object(text: str) -> dict | None:
+    start = text.find("{")
+    while start != -1:
+        try:
+            obj, _ = json.JSONDecoder().raw_decode(text[start:])
+            return obj if isinstance(obj, dict) else None
+        except json.JSONDecodeError:
+            start = text.find("{", start + 1)
+    return None
+
+
+def correct(item: dict, text: str) -> bool:
+    """Whether ``text`` answers ``item`` (see the module docstring)."""
+    check, answer = item["check"], item["answer"]
+    if check == "contains":
+        return answer.lower() in " ".join(text.lower().split())
+    if check == "number":
+        return any(float(n) == float(answer) for n in re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", "")))
+    obj = first_json_object(text)
+    if obj is None:
+        return False
+    norm = {str(k).lower(): str(v).strip().lower() for k, v in obj.items()}
+    return all(norm.get(k) == str(v).lower() for k, v in answer.items())
+
+
+def prefix_agreement(ref: list[int], got: list[int]) -> float:
+    """Share of ``ref``'s tokens that ``got`` matches position by position before the first difference."""
+    n = 0
+    for a, b in zip(ref, got):
+        if a != b:
+            break
+        n += 1
+    return n / max(len(ref), 1)
+
+
+@dataclass
+class Run:
+    label: str
+    decoder: str
+    tau: float | None = None
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
+    tokens: int = 0
+    forwards: int = 0
+    seconds: float = 0.0
+
+
+def generate(engine, model: str, decoder: str, ids: list[int], max_tokens: int) -> tuple[list[int], int, float]:
+    from dualserve.decoders.sampling import SamplingParams
+
+    got: list[int] = []
+    stats: dict = {}
+
+    def sink(_index, delta) -> None:
+        got.extend(delta.token_ids)
+        if delta.finish_reason is not None:
+            stats.update(delta.stats or {})
+
+    start = time.perf_counter()
+    engine.submit(model, decoder, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), sink)
+    engine.run_until_idle()
+    return got, int(stats.get("forward_passes", 0)), time.perf_counter() - start
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    from dualserve.decoders.deployment import PoolSpec, ServedSpec, build_deployment
+    from dualserve.decoders.diffusion_data import chat_prompt_ids
+    from dualserve.decoders.diffusion_policies import Threshold
+    from dualserve.decoders.engine import EngineConfig
+    from dualserve.models.adapter import load_twin
+    from dualserve.models.assets import BUNDLED_EAGLE, BUNDLED_TWIN
+    from dualserve.models.hub import default_cache_dir, resolve_model
+    from dualserve.models.loader import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cache = default_cache_dir(None)
+    name, path = resolve_model(None, cache)
+    base = load_model(path, name=name, cache_dir=cache)
+    twin = load_twin(args.twin or BUNDLED_TWIN[name], base=base, name=f"{name}-twin")
+    head = Path(args.eagle or BUNDLED_EAGLE[name])
+    spec = ServedSpec(name, base, eagle_head=head if head.exists() else None, twin=twin)
+    dep = build_deployment([spec], EngineConfig(enable_prefix_caching=False), PoolSpec(num_blocks=256))
+    engine = dep.engine
+    diffusion = engine.decoders[(name, "diffusion")]
+    default_cfg = diffusion.config
+    runs = [Run("ar", "ar")] + ([Run("eagle", "eagle")] if spec.eagle_head else [])
+    runs += [Run(f"diffusion tau={t:g}", "diffusion", t) for t in args.taus]
+    items = load_exact(args.prompts)[: args.limit or None]
+    generate(engine, name, "ar", chat_prompt_ids(base, "Hello!"), 4)  # warm-up
+    for i, item in enumerate(items):
+        ids = chat_prompt_ids(base, item["prompt"])
+        k = i % len(runs)
+        for run in runs[k:] + runs[:k]:
+            if run.tau is not None:
+                diffusion.config = dataclasses.replace(default_cfg, policy=Threshold(run.tau))
+            out, forwards, secs = generate(engine, name, run.decoder, ids, args.max_tokens)
+            run.outputs[item["id"]], run.texts[item["id"]] = out, base.tokenizer.decode(out, skip_special_tokens=True)
+            run.tokens += len(out)
+            run.forwards += forwards
+            run.seconds += secs
+        print(f"{item['id']:<10} " + "  ".join(f"{r.label}: {int(correct(item, r.texts[item['id']]))}"
+                                                for r in runs), flush=True)
+    diffusion.config = default_cfg
+    return summarize(items, runs)
+
+
+def summarize(items: list[dict], runs: list[Run]) -> dict:
+    ar = runs[0]
+    # Arithmetic items count only where AR is right (the prompt set's contract).
+    scored = [it for it in items if it["check"] != "number" or correct(it, ar.texts[it["id"]])]
+    rows = []
+    for run in runs:
+        em = sum(correct(it, run.texts[it["id"]]) for it in scored) / max(len(scored), 1)
+        same = sum(run.outputs[it["id"]] == ar.outputs[it["id"]] for it in items) / len(items)
+        prefix = sum(prefix_agreement(ar.outputs[it["id"]], run.outputs[it["id"]]) for it in items) / len(items)
+        by_kind = {}
+        for kind in sorted({it["kind"] for it in scored}):
+            sub = [it for it in scored if it["kind"] == kind]
+            by_kind[kind] = round(sum(correct(it, run.texts[it["id"]]) for it in sub) / len(sub), 3)
+        rows.append({"run": run.label, "exact_match": round(em, 3), "by_kind": by_kind,
+                     "identical_to_ar": round(same, 3), "prefix_agreement": round(prefix, 3),
+                     "tokens": run.tokens, "tokens_per_forward": round(run.tokens / max(run.forwards, 1), 3),
+                     "tok_s": round(run.tokens / max(run.seconds, 1e-9), 2)})
+    base_em, base_tps = rows[0]["exact_match"], rows[0]["tok_s"]
+    for r in rows:
+        r["quality_vs_ar"] = round(r["exact_match"] / max(base_em, 1e-9), 3)
+        r["speed_vs_ar"] = round(r["tok_s"] / max(base_tps, 1e-9), 3)
+    return {"items": len(items), "scored": len(scored), "rows": rows,
+            "outputs": {r.label: r.texts for r in runs}}
+
+
+def print_table(summary: dict) -> None:
+    cols = ["run", "exact_match", "quality_vs_ar", "identical_to_ar", "prefix_agreement", "tokens_per_forward",
+            "tok_s", "speed_vs_ar"]
+    table = [[str(r[c]) for c in cols] for r in summary["rows"]]
+    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
+    print(f"{summary['items']} prompts, {summary['scored']} scored")
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for t in table:
+        print("  ".join(v.ljust(w) for v, w in zip(t, widths)))
+    for r in summary["rows"]:
+        print(f"{r['run']}: {r['by_kind']}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dualserve.clients.eval_twin", description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", default=str(PROMPTS))
+    p.add_argument("--limit", type=int, default=0, help="first N prompts (0: all)")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--taus", type=float, nargs="*", default=[0.5, 0.7, 0.9, 0.95, 1.01])
+    p.add_argument("--twin", default=None, help="twin directory (default: the bundled one)")
+    p.add_argument("--eagle", default=None, help="EAGLE head directory (default: the bundled one)")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the summary (with every output) here")
+    args = p.parse_args(argv)
+    summary = evaluate(args)
+    print_table(summary)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
