@@ -114,7 +114,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                            "supports_infill", False)))
               for name, m in dep.models.items()}
     metrics = Metrics(node_cost_per_hour=args.node_cost_per_hour)
-    router = Router(load_policy(args.router_policy))
+    policy = load_policy(args.router_policy)
+    if args.calibrate_router:
+        from .calibrate import calibrate
+
+        name = next(iter(dep.models))
+        policy, _ = calibrate(dep.engine, name, dep.models[name].tokenizer, policy)
+    router = Router(policy)
     service = Service(dep.engine, served, router, ServiceLimits(request_timeout=args.request_timeout), metrics)
     dep.engine.start()
     app = create_app(AppState(service=service, metrics=metrics, api_key=args.api_key,
@@ -187,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-body-mb", type=float, default=8.0, help="request body size limit")
     serve.add_argument("--router-policy", default=None, help="JSON file with routing policy overrides "
                        "(see README: Routing)")
+    serve.add_argument("--calibrate-router", action="store_true",
+                       help="measure every decoder once at start-up; auto then sends latency-bound work to the "
+                            "fastest and high-value work to the fastest lossless one")
     serve.set_defaults(func=cmd_serve)
 
     pull = sub.add_parser("pull", help="download the embedded default model into the cache")

@@ -69,3 +69,22 @@ def test_policy_file(tmp_path):
     path.write_text(json.dumps({"bogus": 1}))
     with pytest.raises(ValueError):
         load_policy(path)
+
+
+@pytest.mark.slow
+def test_calibration_routes_by_measured_speed(default_gguf, cache_dir):
+    from dualserve.decoders.deployment import PoolSpec, ServedSpec, build_deployment
+    from dualserve.models.assets import default_eagle_head, default_twin
+    from dualserve.models.loader import load_model
+    from dualserve.server.calibrate import calibrate
+
+    base = load_model(default_gguf, cache_dir=cache_dir)
+    twin = load_model(default_twin(base.name), name=base.name, cache_dir=cache_dir)
+    spec = ServedSpec(base.name, base, eagle_head=default_eagle_head(base.name), twin=twin)
+    dep = build_deployment([spec], pool=PoolSpec(num_blocks=64))
+    policy, speeds = calibrate(dep.engine, base.name, base.tokenizer, RoutingPolicy(), max_tokens=8)
+    assert set(speeds) == {"ar", "eagle", "diffusion"} and all(s > 0 for s in speeds.values())
+    assert policy.interactive == max(speeds, key=speeds.get)
+    assert policy.high_value == max(("ar", "eagle"), key=speeds.get)
+    assert policy.batch == "ar"
+    assert dep.engine.pool.num_used_blocks == 0, "calibration frees what it used"

@@ -1,0 +1,55 @@
+"""Fit the routing policy to the hardware: measure each decoder once at start-up.
+
+Which decoder is fastest for a single stream depends on the machine. On a GPU,
+batch-1 decoding is memory-bound, so EAGLE's verified drafts and diffusion's
+parallel unmasking beat plain AR. On a small CPU, where a forward over a few
+tokens costs several times a one-token forward, plain AR can win. With
+``--calibrate-router`` the server decodes one fixed chat prompt with every
+decoder of its first model before it starts serving, and ``auto`` then sends:
+
+- latency-bound work to the fastest decoder of all (lossy diffusion included);
+- high-value work to the fastest lossless decoder (``ar`` or ``eagle``);
+- batch work to ``ar`` (continuous batching).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from .router import RoutingPolicy
+
+PROMPT = "Write a short paragraph about why the sky is blue."
+LOSSLESS = ("ar", "eagle")
+
+
+def measure(engine, model: str, tokenizer, decoder: str, max_tokens: int) -> float:
+    """Single-stream tokens/s of ``decoder`` on the calibration prompt (after one warm-up run)."""
+    from dualserve.decoders.sampling import SamplingParams
+
+    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    speed = 0.0
+    for tokens in (8, max_tokens):  # the first run warms up
+        got: list[int] = []
+        start = time.perf_counter()
+        engine.submit(model, decoder, ids, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
+                      lambda _i, delta: got.extend(delta.token_ids))
+        engine.run_until_idle()
+        speed = len(got) / max(time.perf_counter() - start, 1e-9)
+    return speed
+
+
+def calibrate(engine, model: str, tokenizer, policy: RoutingPolicy,
+              max_tokens: int = 32) -> tuple[RoutingPolicy, dict[str, float]]:
+    """The policy with ``interactive`` and ``high_value`` set from measured speeds, and the speeds."""
+    speeds = {d: measure(engine, model, tokenizer, d, max_tokens) for d in engine.decoders_for(model)}
+    fastest = max(speeds, key=speeds.get)
+    lossless = [d for d in speeds if d in LOSSLESS]
+    tuned = dataclasses.replace(policy, interactive=fastest,
+                                high_value=max(lossless, key=speeds.get) if lossless else policy.high_value)
+    logging.getLogger("dualserve").info(
+        "router calibrated on %s: %s -> interactive=%s, high_value=%s", model,
+        ", ".join(f"{d} {s:.1f} tok/s" for d, s in speeds.items()), tuned.interactive, tuned.high_value)
+    return tuned, speeds
