@@ -38,14 +38,19 @@ def write_chat_tokenizer(directory: Path) -> None:
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2]}))
 
 
-def write_tiny_llama(directory: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama (tied embeddings, GQA) with transformers' own file layout, plus the tokenizer."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def write_tiny_llama(directory: Path, seed: int = 0, family: str = "llama") -> Path:
+    """A 2-layer Llama (tied embeddings, GQA) with transformers' own file layout, plus the tokenizer.
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0)
+    ``family="qwen2"`` writes a Qwen2 instead: q/k/v biases and untied output embeddings."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "qwen2":
+        config = Qwen2Config(**common, tie_word_embeddings=False)
+    else:
+        config = LlamaConfig(**common, tie_word_embeddings=True)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)

@@ -204,3 +204,25 @@ def test_train_checkpoint_resume_and_load(base_dir: Path, tmp_path: Path, monkey
     evals = [json.loads(line) for line in (straight / "eval.jsonl").read_text().splitlines()]
     assert [e["label"] for e in evals] == ["AR model, step 0", "twin, step 4"] * 2
     assert evals[1] == evals[3], "evaluation of the written twin is deterministic"
+
+
+def test_qwen2_layout_trains_and_serves(tmp_path: Path) -> None:
+    """The same command on a Qwen2 checkpoint (biases, untied head); the twin then decodes in an engine."""
+    from dualserve.decoders.deployment import PoolSpec, ServedSpec, build_deployment
+    from dualserve.decoders.sampling import SamplingParams
+
+    base_dir = write_tiny_llama(tmp_path / "tiny-qwen2", family="qwen2")
+    work = tmp_path / "run"
+    assert diffusion_train.main(train_args(base_dir, work, tmp_path / "data.jsonl", steps=2)) == 0
+    base = load_model(base_dir)
+    assert base.config.attention_bias and not base.config.tie_word_embeddings
+    twin = load_twin(work / "twin", base=base)
+    assert twin.config.family == "block_diffusion" and twin.config.attention_bias
+    dep = build_deployment([ServedSpec("m", base, twin=twin)], pool=PoolSpec(num_blocks=32))
+    assert dep.decoders("m") == ["ar", "diffusion"]
+    out: list[int] = []
+    dep.engine.submit("m", "diffusion", [1, 10, 11, 12], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                        ignore_eos=True),
+                      lambda _i, d: out.extend(d.token_ids))
+    dep.engine.run_until_idle()
+    assert len(out) == 8 and MASK not in out
