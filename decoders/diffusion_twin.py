@@ -70,7 +70,11 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=device))  # (out, rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+        low = F.linear(x, self.lora_A)  # (tokens, rank)
+        if x.dim() == 2:
+            # Accumulate inside the GEMM: no (tokens, out) temporaries for the scale and the sum.
+            return self.base(x).addmm_(low, self.lora_B.t(), alpha=self.scale)
+        return self.base(x) + F.linear(low, self.lora_B) * self.scale
 
 
 def add_lora(model: Transformer, rank: int, alpha: float, seed: int,
