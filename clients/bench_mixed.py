@@ -3,7 +3,7 @@
 Three traffic classes run at once, as a bank's GPUs would see them:
   * interactive: single requests with a latency budget (code completion, extraction);
   * high_value: reasoning-style chat where lossless output matters;
-  * batch: offline summaries sent n at a time.
+  * batch: offline summaries, throughput-bound.
 
 Each policy (``auto`` and each decoder forced) replays the same schedule of
 requests; the report gives per-class latency (TTFT, end-to-end p50/p90) and
@@ -152,6 +152,8 @@ async def main_async(args: argparse.Namespace) -> dict:
     card = next(m for m in models.data if args.model in (None, m.id))
     available = getattr(card, "decoders", None) or ["ar"]
     policies = ["auto"] + [d for d in ("ar", "eagle", "diffusion") if d in available]
+    if args.policies:
+        policies = [p for p in policies if p in args.policies.split(",")]
     prompts = load_prompts(args.prompts) if args.prompts else load_prompts()
     rates = {"interactive": args.interactive_rate, "high_value": args.high_value_rate, "batch": args.batch_rate}
     events = schedule(args.duration, rates, args.seed)
@@ -177,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--high-value-rate", type=float, default=0.2)
     p.add_argument("--batch-rate", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policies", default=None, help="comma-separated subset of auto,ar,eagle,diffusion")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     out = asyncio.run(main_async(args))

@@ -20,6 +20,13 @@ final: it goes out through ``Request.commit`` as soon as it grows, which applies
 strings, max_tokens and logprobs exactly as for the AR decoder. A request stops the moment
 ``commit`` says it is finished (e.g. the first committed EOS), however much canvas is left.
 
+Structured output (a grammar on the request): the canvas is decided left to right, so the
+grammar's state is always the decided prefix. Tokens the grammar forces (a JSON schema's keys
+and punctuation, the EOS after a finished document) are written into the canvas with no forward
+(``_place_forced``); the model, which sees that skeleton within its attention block, denoises
+the values: each step commits the first open position under the grammar's mask, then each next
+adjacent one the unmasking policy picks while the grammar accepts it.
+
 Shifted logits (Dream ``generation_utils.py``; Fast-dLLM v2 ``generate``): the token at
 position p is read from the logits of row p - 1. In a block-causal model the first position of
 an attention block is then predicted from the last row of the previous, finished block, which
