@@ -73,7 +73,8 @@ class Engine:
         self.tokenizers: dict[str, object] = {}
         self.vocab_sizes: dict[str, int] = {}
         self.kv_namespaces: dict[tuple[str, str], str] = {}
-        self._grammars: dict[str, GrammarCompiler] = {}  # built on first structured request per model
+        self._grammars: dict[str, GrammarCompiler] = {}  # per model; warmed off-thread by start()
+        self._grammar_lock = threading.Lock()
         self.stats = EngineStats()
         self._inbox: deque[tuple[str, Request]] = deque()
         self._wake = threading.Condition()
@@ -100,9 +101,19 @@ class Engine:
         self.vocab_sizes[model] = vocab_size or getattr(tokenizer, "vocab_size", 0)
 
     def grammar_compiler(self, model: str) -> GrammarCompiler:
-        if model not in self._grammars:
-            self._grammars[model] = GrammarCompiler(self.tokenizers[model], self.vocab_sizes[model])
-        return self._grammars[model]
+        with self._grammar_lock:
+            if model not in self._grammars:
+                self._grammars[model] = GrammarCompiler(self.tokenizers[model], self.vocab_sizes[model])
+            return self._grammars[model]
+
+    def _warm_grammars(self) -> None:
+        """Index every model's vocabulary for structured output (about a second each) before the
+        first structured request, off the server's event loop."""
+        for model in list(self.tokenizers):
+            try:
+                self.grammar_compiler(model)
+            except Exception:  # noqa: BLE001 - a tokenizer llguidance cannot index: built (and refused) on use
+                log.debug("no grammar index for %s", model, exc_info=True)
 
     def decoders_for(self, model: str) -> list[str]:
         return [d for (m, d) in self.decoders if m == model]
@@ -110,6 +121,7 @@ class Engine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="dualserve-engine", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._warm_grammars, name="dualserve-grammars", daemon=True).start()
 
     def shutdown(self) -> None:
         with self._wake:
