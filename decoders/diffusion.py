@@ -85,11 +85,12 @@ class DiffusionConfig:
 
 
 def default_config(model: ModelConfig) -> DiffusionConfig:
-    """Fast-dLLM's recommended settings: threshold 0.9, dual cache / exact block cache."""
+    """Fast-dLLM's recommended settings: threshold 0.9 (or the one measured best for this
+    checkpoint, when its config records one), dual cache / exact block cache."""
+    policy = Threshold(model.diffusion_threshold or 0.9)
     if model.diffusion_block_size:
-        return DiffusionConfig(block_length=min(8, model.diffusion_block_size), policy=Threshold(0.9),
-                               cache=ExactCache())
-    return DiffusionConfig(block_length=32, policy=Threshold(0.9), cache=DualCache())
+        return DiffusionConfig(block_length=min(8, model.diffusion_block_size), policy=policy, cache=ExactCache())
+    return DiffusionConfig(block_length=32, policy=policy, cache=DualCache())
 
 
 def unit_spans(start: int, end: int, block_length: int | None, attn_block: int | None) -> list[tuple[int, int]]:

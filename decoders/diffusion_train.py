@@ -205,6 +205,8 @@ def train(loaded: LoadedModel, args: argparse.Namespace, examples: list[Example]
             if step % args.save_every == 0 or step == args.steps or time.monotonic() >= deadline:
                 save_checkpoint(work, params, opt, {"step": step})
                 write_twin(loaded, args, spec, loras, mask_embedding, step)
+    if step >= args.steps:  # a finished run called again (e.g. with a new --threshold) rewrites the twin
+        write_twin(loaded, args, spec, loras, mask_embedding, step)
 
 
 def log_window(step: int, total: int, epoch: int, w: dict, history: Path) -> str:
@@ -251,7 +253,7 @@ def run(loaded: LoadedModel, args: argparse.Namespace, base_model: str) -> Path:
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = TwinSpec(block_size=args.block_size, mask_token_id=pick_mask_token(loaded, args.mask_token),
-                    base_model=base_model, rank=args.rank, alpha=args.alpha)
+                    base_model=base_model, rank=args.rank, alpha=args.alpha, threshold=args.threshold)
     console.log(f"twin of {loaded.name}: block {spec.block_size}, mask id {spec.mask_token_id} "
                 f"({loaded.tokenizer.convert_ids_to_tokens([spec.mask_token_id])[0]}), LoRA rank {spec.rank}, "
                 f"bf16 autocast {'on' if use_bf16(args.bf16, args.device) else 'off'}")
@@ -311,6 +313,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-thresholds", type=float, nargs="*", default=[0.9, 1.01],
                    help="confidence thresholds evaluated besides one-shot (above 1: one token per forward)")
     p.add_argument("--eval-only", action="store_true", help="evaluate the AR model and the twin in --output")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="unmasking threshold recorded in the twin as the decoder's default "
+                        "(choose it with python -m dualserve.clients.eval_twin; unset: 0.9)")
     p.add_argument("--adapter-dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

@@ -56,14 +56,18 @@ class TwinSpec:
     alpha: float
     targets: tuple[str, ...] = LORA_TARGETS
     shift_logits: bool = True
+    threshold: float | None = None  # the unmasking threshold the decoder uses by default
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
 
     def config_keys(self) -> dict:
-        return {"dualserve_diffusion": {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
-                                        "shift_logits": self.shift_logits, "base_model": self.base_model},
+        diffusion = {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
+                     "shift_logits": self.shift_logits, "base_model": self.base_model}
+        if self.threshold is not None:
+            diffusion["threshold"] = self.threshold
+        return {"dualserve_diffusion": diffusion,
                 "lora": {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}}
 
     @classmethod
@@ -71,13 +75,15 @@ class TwinSpec:
         d, lora = cfg["dualserve_diffusion"], cfg["lora"]
         return cls(block_size=int(d["block_size"]), mask_token_id=int(d["mask_token_id"]),
                    base_model=str(d["base_model"]), rank=int(lora["rank"]), alpha=float(lora["alpha"]),
-                   targets=tuple(lora.get("targets", LORA_TARGETS)), shift_logits=bool(d.get("shift_logits", True)))
+                   targets=tuple(lora.get("targets", LORA_TARGETS)), shift_logits=bool(d.get("shift_logits", True)),
+                   threshold=d.get("threshold"))
 
 
 def twin_config(base: ModelConfig, spec: TwinSpec) -> ModelConfig:
     """The block-diffusion config of a twin of ``base``."""
     return base.replace(family="block_diffusion", mask_token_id=spec.mask_token_id,
-                        diffusion_block_size=spec.block_size, shift_logits=spec.shift_logits)
+                        diffusion_block_size=spec.block_size, shift_logits=spec.shift_logits,
+                        diffusion_threshold=spec.threshold)
 
 
 def is_twin_dir(path: Path | str) -> bool:

@@ -65,6 +65,7 @@ class ModelConfig:
     mask_token_id: int | None = None
     diffusion_block_size: int | None = None
     shift_logits: bool = False
+    diffusion_threshold: float | None = None  # measured best unmasking threshold, when the checkpoint says
 
     @property
     def is_diffusion(self) -> bool:
@@ -121,6 +122,7 @@ class ModelConfig:
                                                              FAST_DLLM_V2_MASK_ID if fast_dllm_v2 else None)),
             diffusion_block_size=twin.get("block_size") or cfg.get("bd_size") or cfg.get("block_size"),
             shift_logits=bool(twin.get("shift_logits", family == "dream" or fast_dllm_v2)),
+            diffusion_threshold=twin.get("threshold"),
         )
 
     @classmethod

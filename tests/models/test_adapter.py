@@ -137,3 +137,17 @@ def test_default_twin_on_the_default_model(default_gguf: Path, cache_dir: Path) 
         logits = twin.model.logits(twin.model(seq, torch.arange(len(seq)), attn)[0])
     assert torch.isfinite(logits).all()
     assert (logits[len(prompt) - 1:-1].argmax(-1) != cfg.mask_token_id).all()
+
+
+def test_recorded_threshold_is_the_decoders_default() -> None:
+    from dualserve.decoders.diffusion import default_config
+
+    spec = TwinSpec(block_size=4, mask_token_id=4, base_model="m", rank=2, alpha=2.0, threshold=0.7)
+    base = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 48}
+    cfg = ModelConfig.from_hf(base | spec.config_keys())
+    assert TwinSpec.from_config(base | spec.config_keys()) == spec
+    assert cfg.diffusion_threshold == 0.7 and default_config(cfg).policy.tau == 0.7
+    plain = TwinSpec(block_size=4, mask_token_id=4, base_model="m", rank=2, alpha=2.0)
+    assert "threshold" not in plain.config_keys()["dualserve_diffusion"]
+    assert default_config(ModelConfig.from_hf(base | plain.config_keys())).policy.tau == 0.9
