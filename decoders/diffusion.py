@@ -202,6 +202,10 @@ class DiffusionDecoder:
         elif req.needs_prompt_logprobs:
             st.error = "prompt logprobs need an autoregressive decoder"
         elif req.constraint is not None:
+            # After preemption the grammar may have consumed canvas tokens never committed.
+            uncommitted = req.constraint.consumed - len(req.output_ids)
+            if uncommitted > 0:
+                req.constraint.rollback(uncommitted)
             self._place_forced(req, st)
             self._skip_filled(st)
         if self.publish:

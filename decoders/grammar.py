@@ -42,6 +42,7 @@ class Constraint:
     def __init__(self, matcher, vocab_size: int):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.consumed = 0  # tokens accepted so far
         self._bits = np.full(((vocab_size + 31) // 32,), -1, dtype=np.int32)
 
     def allowed(self) -> torch.Tensor:
@@ -59,7 +60,9 @@ class Constraint:
         return out
 
     def consume(self, token_id: int) -> bool:
-        return bool(self.matcher.consume_token(token_id))
+        ok = bool(self.matcher.consume_token(token_id))
+        self.consumed += ok
+        return ok
 
     def forced(self) -> list[int]:
         """Tokens the grammar forces next, whatever the model says (not consumed).
@@ -77,6 +80,7 @@ class Constraint:
 
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
+        self.consumed -= num_tokens
 
     @property
     def done(self) -> bool:

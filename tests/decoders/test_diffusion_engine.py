@@ -170,3 +170,28 @@ def test_block_causal_requests_grow_and_survive_preemption(twin: LoadedModel) ->
     outs = run(make_engine(twin, num_blocks=4), [prompt(5), prompt(6, seed=1)], params)
     assert [(o.finish_reason, len(o.tokens)) for o in outs] == [("length", 40), ("length", 40)]
     assert sum(o.stats["preemptions"] for o in outs) > 0
+
+
+@pytest.mark.slow
+def test_structured_output_survives_preemption(default_gguf, cache_dir) -> None:
+    """A grammar's state rolls back to the committed prefix when a preempted request restarts."""
+    import json
+
+    from dualserve.decoders.diffusion_data import chat_prompt_ids
+    from dualserve.decoders.grammar import GrammarSpec
+    from dualserve.models.assets import default_twin
+    from dualserve.models.loader import load_model
+
+    base = load_model(default_gguf, cache_dir=cache_dir)
+    twin = load_model(default_twin(base.name), name="m", cache_dir=cache_dir)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    params = replace(GREEDY, max_tokens=40, grammar=GrammarSpec("json_schema", json.dumps(schema)))
+    prompts = [chat_prompt_ids(base, f"Make up a person called {n} as JSON.") for n in ("Ada", "Bo")]
+    tight = run(make_engine(twin, num_blocks=6), prompts, params)
+    roomy = run(make_engine(twin, num_blocks=64), prompts, params)
+    assert sum(o.stats["preemptions"] for o in tight) > 0
+    assert [o.tokens for o in tight] == [o.tokens for o in roomy]
+    for o in tight:
+        assert o.finish_reason == "stop"
+        assert set(json.loads(o.text)) == {"name", "age"}
