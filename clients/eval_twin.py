@@ -26,12 +26,13 @@ import argparse
 import dataclasses
 import json
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from .bench_eagle import generate
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "exact.jsonl"
 
@@ -87,23 +88,6 @@ class Run:
     seconds: float = 0.0
 
 
-def generate(engine, model: str, decoder: str, ids: list[int], max_tokens: int) -> tuple[list[int], int, float]:
-    from dualserve.decoders.sampling import SamplingParams
-
-    got: list[int] = []
-    stats: dict = {}
-
-    def sink(_index, delta) -> None:
-        got.extend(delta.token_ids)
-        if delta.finish_reason is not None:
-            stats.update(delta.stats or {})
-
-    start = time.perf_counter()
-    engine.submit(model, decoder, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), sink)
-    engine.run_until_idle()
-    return got, int(stats.get("forward_passes", 0)), time.perf_counter() - start
-
-
 def evaluate(args: argparse.Namespace) -> dict:
     from dualserve.decoders.deployment import PoolSpec, ServedSpec, build_deployment
     from dualserve.decoders.diffusion_data import chat_prompt_ids
@@ -136,7 +120,8 @@ def evaluate(args: argparse.Namespace) -> dict:
         for run in runs[k:] + runs[:k]:
             if run.tau is not None:
                 diffusion.config = dataclasses.replace(default_cfg, policy=Threshold(run.tau))
-            out, forwards, secs = generate(engine, name, run.decoder, ids, args.max_tokens)
+            out, secs, stats = generate(engine, name, run.decoder, ids, args.max_tokens)
+            forwards = int(stats.get("forward_passes", 0))
             run.outputs[item["id"]], run.texts[item["id"]] = out, base.tokenizer.decode(out, skip_special_tokens=True)
             run.tokens += len(out)
             run.forwards += forwards
