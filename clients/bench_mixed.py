@@ -74,7 +74,7 @@ async def one(client: AsyncOpenAI, model: str, cls: str, prompt: str, decoder: s
             model=model, messages=[{"role": "user", "content": prompt}], max_tokens=spec["max_tokens"],
             temperature=0, stream=True, stream_options={"include_usage": True}, extra_body=body)
         routed = raw.headers.get("x-dualserve-decoder")
-        async for chunk in await raw.parse():
+        async for chunk in raw.parse():  # an AsyncStream, not awaitable
             if chunk.choices and chunk.choices[0].delta.content and first is None:
                 first = time.perf_counter() - start
             if chunk.usage:
