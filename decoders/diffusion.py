@@ -341,27 +341,17 @@ class DiffusionDecoder:
         only the values (``_choose_constrained``), seeing the skeleton ahead of them within
         its attention block."""
         constraint = req.constraint
-        pos = self._first_hole(st)
-        while pos is not None:
-            forced = constraint.forced()
-            if not forced:
-                break
-            for tok in forced[: st.canvas_end - pos]:
-                constraint.consume(tok)
-                st.tokens[pos] = tok
-                pos += 1
-            pos = self._first_hole(st) if pos < st.canvas_end else None
-        if req.params.logprobs is not None:
-            # No forward saw these tokens; under the grammar they had probability 1.
-            for p in range(st.committed, st.canvas_end):
-                tok = int(st.tokens[p])
-                if tok == self.mask_id:
-                    break
-                st.logprobs.setdefault(p, TokenLogprob(tok, 0.0, [(tok, 0.0)]))
-
-    def _first_hole(self, st: DiffusionState) -> int | None:
         holes = torch.nonzero(st.tokens[st.start:st.canvas_end] == self.mask_id)
-        return st.start + int(holes[0, 0]) if len(holes) else None
+        pos = st.start + int(holes[0, 0]) if len(holes) else st.canvas_end
+        # Every position from the first hole on is still masked (decisions go left to right).
+        while pos < st.canvas_end and (forced := constraint.forced()):
+            forced = forced[: st.canvas_end - pos]
+            constraint.consume_prefix(forced)
+            st.tokens[pos:pos + len(forced)] = torch.tensor(forced)
+            if req.params.logprobs is not None:
+                # No forward saw these tokens; under the grammar they had probability 1.
+                st.logprobs.update((pos + i, TokenLogprob(t, 0.0, [(t, 0.0)])) for i, t in enumerate(forced))
+            pos += len(forced)
 
     def _choose(self, req: Request, st: DiffusionState, masked: torch.Tensor,
                 raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -394,18 +384,12 @@ class DiffusionDecoder:
 
         Committing a left-to-right run keeps the grammar's state a plain prefix, and every
         committed token is one the grammar allows, so the output always parses."""
-        constraint = req.constraint
         picked = set(chosen.tolist())
-        take = [0]
-        constraint.consume(int(tokens[0]))
-        for i in range(1, len(masked)):
-            if int(masked[i]) != int(masked[i - 1]) + 1 or i not in picked or constraint.done:
-                break
-            tok = int(tokens[i])
-            if not bool(constraint.allowed()[tok]) or not constraint.consume(tok):
-                break
-            take.append(i)
-        return torch.tensor(take, dtype=torch.long)
+        run = 1
+        while run < len(masked) and int(masked[run]) == int(masked[run - 1]) + 1 and run in picked:
+            run += 1
+        taken = req.constraint.consume_prefix(tokens[:run].tolist())
+        return torch.arange(max(taken, 1))
 
     def _anchored(self, pos: int) -> bool:
         """Whether ``pos`` is predicted from a finished block's last row (an exact AR prediction)."""

@@ -205,7 +205,7 @@ def train(loaded: LoadedModel, args: argparse.Namespace, examples: list[Example]
             if step % args.save_every == 0 or step == args.steps or time.monotonic() >= deadline:
                 save_checkpoint(work, params, opt, {"step": step})
                 write_twin(loaded, args, spec, loras, mask_embedding, step)
-    if step >= args.steps:  # a finished run called again (e.g. with a new --threshold) rewrites the twin
+    if progress["step"] >= args.steps:  # no step ran: a finished run called again (a new --threshold)
         write_twin(loaded, args, spec, loras, mask_embedding, step)
 
 

@@ -64,6 +64,12 @@ class Constraint:
         self.consumed += ok
         return ok
 
+    def consume_prefix(self, token_ids: list[int]) -> int:
+        """Consume the longest allowed prefix of ``token_ids``; returns its length."""
+        n = int(self.matcher.try_consume_tokens(token_ids))
+        self.consumed += n
+        return n
+
     def forced(self) -> list[int]:
         """Tokens the grammar forces next, whatever the model says (not consumed).
 

@@ -138,13 +138,15 @@ class SdpaPagedAttention:
         self._masks: list[torch.Tensor | None] | None = None
         self._decode: DecodeBatch | None = None
         self._rest: list[int] = []
+        self._starts: list[int] = []
 
     def _plan(self, device) -> None:
         seqs = self.meta.seqs
         singles = [i for i, s in enumerate(seqs) if s.query_len == 1]
         if len(singles) < 2:
             singles = []
-        self._decode = DecodeBatch.build(self.meta, singles, device) if singles else None
+        self._starts = query_starts(self.meta)
+        self._decode = DecodeBatch.build(self.meta, singles, self._starts, device) if singles else None
         single_set = set(singles)
         self._rest = [i for i in range(len(seqs)) if i not in single_set]
         self._masks = [full_mask(s, device) if i not in single_set else None for i, s in enumerate(seqs)]
@@ -162,10 +164,9 @@ class SdpaPagedAttention:
         out = q.new_empty(q.shape) if len(meta.seqs) > 1 else None
         if self._decode is not None:
             out[self._decode.rows] = self._decode(q, k, v, k_flat, v_flat)
-        starts = self._starts()
         for i in self._rest:
             seq = meta.seqs[i]
-            sl = slice(starts[i], starts[i] + seq.query_len)
+            sl = slice(self._starts[i], self._starts[i] + seq.query_len)
             idx = meta.context_index(i, q.device)
             if idx is None:
                 kk, vv = k[sl], v[sl]
@@ -180,12 +181,14 @@ class SdpaPagedAttention:
             out[sl] = res
         return out
 
-    def _starts(self) -> list[int]:
-        starts, pos = [], 0
-        for s in self.meta.seqs:
-            starts.append(pos)
-            pos += s.query_len
-        return starts
+
+def query_starts(meta: AttentionMetadata) -> list[int]:
+    """Row of each sequence's first new token in the flattened batch."""
+    starts, pos = [], 0
+    for s in meta.seqs:
+        starts.append(pos)
+        pos += s.query_len
+    return starts
 
 
 class DecodeBatch:
@@ -200,11 +203,7 @@ class DecodeBatch:
         self.valid = valid    # (n, width + 1) bool: real cached slots, then the new token
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, seq_ids: list[int], device) -> "DecodeBatch":
-        starts, pos = {}, 0
-        for i, s in enumerate(meta.seqs):
-            starts[i] = pos
-            pos += s.query_len
+    def build(cls, meta: AttentionMetadata, seq_ids: list[int], starts: list[int], device) -> "DecodeBatch":
         slots = [meta.context_index(i, device) for i in seq_ids]
         lens = [0 if x is None else int(x.numel()) for x in slots]
         width = max(lens)

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import pytest
+import torch
 
 from dualserve.models.hub import default_cache_dir, pull_default_model
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models run faster on one thread: thread hand-off costs more than their matmuls save,
+    badly so on a busy 2-core machine. Modules opt in with ``pytestmark``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

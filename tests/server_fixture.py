@@ -74,3 +74,16 @@ def server_url(default_gguf: Path, cache_dir: Path, tmp_path_factory: pytest.Tem
         yield url
     finally:
         stop(proc)
+
+
+def sdk_client(server_url: str, needs: str | None = None):
+    """The real openai SDK pointed at the test server; fails the test if the default model
+    does not offer decoder ``needs`` (its bundled EAGLE head or diffusion twin went missing)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", timeout=300, max_retries=0)
+    if needs is not None:
+        decoders = {m.id: m for m in client.models.list().data}["SmolLM2-135M-Instruct"].decoders
+        if needs not in decoders:
+            pytest.fail(f"the default model should offer {needs!r}; it serves {decoders}")
+    return client

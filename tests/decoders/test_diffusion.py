@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import pytest
 import torch
@@ -74,14 +74,6 @@ def write_tiny_twin(path: Path, block_size: int = 4) -> Path:
                   dualserve_diffusion={"block_size": block_size, "mask_token_id": SMALL_MASK, "shift_logits": True})
     (path / "config.json").write_text(json.dumps(config))
     return path
-
-
-def one_thread() -> Iterator[None]:
-    """Tiny models run faster on one thread (and far faster on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @dataclass
@@ -141,7 +133,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, SMALL_MASK, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

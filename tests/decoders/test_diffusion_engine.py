@@ -17,14 +17,14 @@ from dualserve.decoders.diffusion_policies import LinearSchedule, LowConfidence
 from dualserve.decoders.sampling import SamplingParams
 from dualserve.models.loader import LoadedModel
 from test_diffusion import (GREEDY, SMALL_MASK, SMALL_VOCAB, LetterTokenizer, Outcome, llada_reference, load_tiny,
-                            make_engine, one_thread, prompt, run, write_tiny_twin)
+                            make_engine, prompt, run, write_tiny_twin)
 from tiny_checkpoints import write_tiny_llada
 
 # Two tokens per step in units of four: several steps per unit, several commits per request.
 CONFIG = DiffusionConfig(block_length=4, policy=LowConfidence(), schedule=LinearSchedule(2), cache=DualCache())
 PARAMS = replace(GREEDY, max_tokens=12)
 
-_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -53,13 +53,7 @@ def word_tokenizer() -> Tokenizer:
     return Tokenizer(backend, bos_token_id=2, eos_token_id=EOS, pad_token_id=0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls: thread hand-off costs more than it saves, badly so on a shared 2-core box.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -32,13 +32,7 @@ from tiny_eagle import write_tiny_eagle3
 V = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls: thread hand-off costs more than it saves, badly so on a shared 2-core box.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Tok:

@@ -37,13 +37,7 @@ class StubTokenizer:
     eos_token_ids = (1,)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls: thread hand-off costs more than it saves, badly so on a shared 2-core box.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+from server_fixture import sdk_client
 
 MODEL = "SmolLM2-135M-Instruct"
 DIFFUSION = {"decoder": "diffusion"}
@@ -11,11 +12,7 @@ DIFFUSION = {"decoder": "diffusion"}
 
 @pytest.fixture(scope="module")
 def client(server_url: str) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", timeout=300, max_retries=0)
-    decoders = {m.id: m for m in c.models.list().data}[MODEL].decoders
-    if "diffusion" not in decoders:
-        pytest.fail(f"the default model should offer the diffusion twin; it serves {decoders}")
-    return c
+    return sdk_client(server_url, needs="diffusion")
 
 
 def test_completion_reports_decoder_and_forwards(client):

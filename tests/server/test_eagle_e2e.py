@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import openai
 import pytest
+from server_fixture import sdk_client
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
 def client(server_url: str) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", timeout=300, max_retries=0)
-    decoders = {m.id: m for m in c.models.list().data}[MODEL].decoders
-    if "eagle" not in decoders:
-        pytest.fail(f"the default model should offer its bundled EAGLE head; it serves {decoders}")
-    return c
+    return sdk_client(server_url, needs="eagle")
 
 
 @pytest.mark.parametrize("prompt", ["What is the capital of France?", "Write a Python function that adds two numbers."])

@@ -11,6 +11,7 @@ import json
 import jsonschema
 import openai
 import pytest
+from server_fixture import sdk_client
 
 MODEL = "SmolLM2-135M-Instruct"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"},
@@ -24,7 +25,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.fixture(scope="module")
 def client(server_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", timeout=300, max_retries=0)
+    return sdk_client(server_url, needs="diffusion")
 
 
 DECODERS = ["ar", "diffusion"]
