@@ -73,7 +73,8 @@ class LoRALinear(nn.Module):
         low = F.linear(x, self.lora_A)  # (tokens, rank)
         if x.dim() == 2:
             # Accumulate inside the GEMM: no (tokens, out) temporaries for the scale and the sum.
-            return self.base(x).addmm_(low, self.lora_B.t(), alpha=self.scale)
+            # Out of place: autocast casts ``addmm``'s operands, it never casts an in-place ``addmm_``.
+            return torch.addmm(self.base(x), low, self.lora_B.t(), alpha=self.scale)
         return self.base(x) + F.linear(low, self.lora_B) * self.scale
 
 

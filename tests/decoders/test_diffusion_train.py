@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from dualserve.decoders import diffusion_train
 from dualserve.decoders.diffusion_eval import denoise_eval, fill_block
-from dualserve.decoders.diffusion_twin import add_lora, make_example, pack, stream_mask, twin_loss
+from dualserve.decoders.diffusion_twin import LoRALinear, add_lora, make_example, pack, stream_mask, twin_loss
 from dualserve.models.adapter import ADAPTER_FILE, lora_names, load_twin
 from dualserve.models.attention import DenseAttention
 from dualserve.models.config import ModelConfig
@@ -89,6 +89,23 @@ def test_each_view_sees_exactly_clean_prefix_plus_one_noisy_block() -> None:
         torch.testing.assert_close(packed[:length], clean, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_lora_forward_under_autocast(bf16: bool) -> None:
+    """The LoRA GEMM runs with bf16 autocast on (CUDA, AMX / AVX512-BF16 CPUs) and off, on any host."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(32, 64, bias=False)
+    lora = LoRALinear(base, 4, 4.0, torch.Generator().manual_seed(0))
+    torch.nn.init.normal_(lora.lora_B)
+    x = torch.randn(3, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        y = lora(x)
+        y.float().sum().backward()
+    assert y.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    want = base(x) + x @ lora.lora_A.t() @ lora.lora_B.t() * lora.scale
+    torch.testing.assert_close(y.float(), want.detach(), rtol=0.05 if bf16 else 1e-5, atol=0.05 if bf16 else 1e-5)
+    assert lora.lora_A.grad is not None and lora.lora_B.grad is not None
+
+
 def test_lora_starts_as_the_base_and_trains() -> None:
     model = tiny_model()
     ex = example()
@@ -145,8 +162,8 @@ def test_fill_block_rules() -> None:
     assert (scores[0].forwards, scores[0].filled, scores[2].forwards) == (2, 6, 6)
 
 
-def train_args(base: Path, work: Path, data: Path, steps: int = 4) -> list[str]:
-    return ["--from", str(base), "--output", str(work / "twin"), "--work-dir", str(work), "--data", str(data),
+def train_args(base: Path, work: Path, data: Path, steps: int = 4, bf16: str = "off") -> list[str]:
+    return ["--bf16", bf16, "--from", str(base), "--output", str(work / "twin"), "--work-dir", str(work), "--data", str(data),
             "--num-prompts", "6", "--max-new-tokens", "10", "--gen-concurrency", "4", "--block-size", str(B),
             "--rank", "4", "--alpha", "8", "--steps", str(steps), "--save-every", "2", "--log-every", "1",
             "--tokens-per-step", "160", "--warmup", "1", "--holdout", "3", "--eval-samples", "1",
@@ -158,10 +175,12 @@ def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("base") / "tiny-llama")
 
 
-def test_train_checkpoint_resume_and_load(base_dir: Path, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("bf16", ["off", "on"])
+def test_train_checkpoint_resume_and_load(base_dir: Path, tmp_path: Path, monkeypatch, bf16: str) -> None:
+    """Both branches of the host-dependent ``--bf16 auto`` run here, whatever this CPU has."""
     data = tmp_path / "data.jsonl"
     straight = tmp_path / "straight"
-    assert diffusion_train.main(train_args(base_dir, straight, data)) == 0
+    assert diffusion_train.main(train_args(base_dir, straight, data, bf16=bf16)) == 0
     records = [json.loads(line) for line in data.read_text().splitlines()]
     assert len(records) == 6 and all(r["answer_ids"] for r in records)
     assert json.loads((straight / "checkpoint.json").read_text()) == {"step": 4}
@@ -178,10 +197,10 @@ def test_train_checkpoint_resume_and_load(base_dir: Path, tmp_path: Path, monkey
 
     monkeypatch.setattr(diffusion_train, "save_checkpoint", crash_after_save)
     with pytest.raises(KeyboardInterrupt):
-        diffusion_train.main(train_args(base_dir, resumed, data))
+        diffusion_train.main(train_args(base_dir, resumed, data, bf16=bf16))
     assert json.loads((resumed / "checkpoint.json").read_text()) == {"step": 2}
     monkeypatch.setattr(diffusion_train, "save_checkpoint", real_save)
-    assert diffusion_train.main(train_args(base_dir, resumed, data)) == 0
+    assert diffusion_train.main(train_args(base_dir, resumed, data, bf16=bf16)) == 0
     a = load_file(str(straight / "twin" / ADAPTER_FILE))
     b = load_file(str(resumed / "twin" / ADAPTER_FILE))
     assert a.keys() == b.keys()
@@ -200,20 +219,21 @@ def test_train_checkpoint_resume_and_load(base_dir: Path, tmp_path: Path, monkey
         torch.testing.assert_close(ours[f"{name}.weight"], theirs[f"{name}.weight"] + delta, rtol=0, atol=1e-6)
         assert delta.abs().max() > 0, "training moved every adapter off zero"
     assert torch.equal(ours["embed_tokens.weight"][MASK], a["mask_embedding"].float())
-    assert diffusion_train.main(train_args(base_dir, straight, data) + ["--eval-only"]) == 0
+    assert diffusion_train.main(train_args(base_dir, straight, data, bf16=bf16) + ["--eval-only"]) == 0
     evals = [json.loads(line) for line in (straight / "eval.jsonl").read_text().splitlines()]
     assert [e["label"] for e in evals] == ["AR model, step 0", "twin, step 4"] * 2
     assert evals[1] == evals[3], "evaluation of the written twin is deterministic"
 
 
-def test_qwen2_layout_trains_and_serves(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bf16", ["off", "on"])
+def test_qwen2_layout_trains_and_serves(tmp_path: Path, bf16: str) -> None:
     """The same command on a Qwen2 checkpoint (biases, untied head); the twin then decodes in an engine."""
     from dualserve.decoders.deployment import PoolSpec, ServedSpec, build_deployment
     from dualserve.decoders.sampling import SamplingParams
 
     base_dir = write_tiny_llama(tmp_path / "tiny-qwen2", family="qwen2")
     work = tmp_path / "run"
-    assert diffusion_train.main(train_args(base_dir, work, tmp_path / "data.jsonl", steps=2)) == 0
+    assert diffusion_train.main(train_args(base_dir, work, tmp_path / "data.jsonl", steps=2, bf16=bf16)) == 0
     base = load_model(base_dir)
     assert base.config.attention_bias and not base.config.tie_word_embeddings
     twin = load_twin(work / "twin", base=base)
