@@ -8,6 +8,7 @@ import copy
 import json
 import random
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import sentencepiece as spm
 from tokenizers import pre_tokenizers
 
-from dualserve.models.tokenizer import Tokenizer, byte_level_backend, read_spm_model
+from dualserve.models.tokenizer import Tokenizer, TokenizerError, byte_level_backend, read_spm_model
 
 HANDWRITTEN = [
     "", " ", "  ", "\n", "\n\n\n", "\t", " \t \n ", "a", "Hello, world!", "Hello world",
@@ -298,3 +299,11 @@ def test_byte_level_pre_tokenizers(pre, pieces):
     backend = byte_level_backend(["a", "b"], [], pre)
     words = [w.replace("Ġ", " ") for w, _ in backend.pre_tokenizer.pre_tokenize_str("12345 abc")]
     assert words == pieces
+
+
+def test_spm_model_errors_are_tokenizer_errors(monkeypatch, spm_dir):
+    with pytest.raises(TokenizerError, match="malformed"):
+        read_spm_model(b"\xff\xff\xff")
+    monkeypatch.setitem(sys.modules, "google.protobuf.message", None)  # protobuf absent
+    with pytest.raises(TokenizerError, match="protobuf"):
+        read_spm_model((spm_dir / "tokenizer.model").read_bytes())
