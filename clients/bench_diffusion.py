@@ -35,12 +35,12 @@ from typing import Callable, Sequence
 import torch
 
 from dualserve.decoders.ar import ARDecoder
-from dualserve.decoders.diffusion import DiffusionConfig, default_config, register_diffusion
-from dualserve.decoders.diffusion_cache import DualCache, ExactCache, NoCache, PrefixCache
-from dualserve.decoders.diffusion_policies import Threshold
-from dualserve.decoders.engine import Engine, EngineConfig
-from dualserve.decoders.runner import ModelRunner
-from dualserve.decoders.sampling import SamplingParams
+from dualserve.decoders.diffusion.decoder import DiffusionConfig, default_config, register_diffusion
+from dualserve.decoders.diffusion.cache import DualCache, ExactCache, NoCache, PrefixCache
+from dualserve.decoders.diffusion.policies import Threshold
+from dualserve.decoders.engine.engine import Engine, EngineConfig
+from dualserve.decoders.engine.runner import ModelRunner
+from dualserve.decoders.engine.sampling import SamplingParams
 from dualserve.models.config import ModelConfig
 from dualserve.models.loader import LoadedModel
 from dualserve.models.transformer import Transformer
@@ -189,7 +189,7 @@ def bench_pair(pair: str, ar: LoadedModel, diffusion: LoadedModel, prompts: list
 
 
 def twin_pair(path: Path, device: str) -> tuple[LoadedModel, LoadedModel, Callable[[str], list[int]]]:
-    from dualserve.decoders.diffusion_data import chat_prompt_ids
+    from dualserve.decoders.training.diffusion_data import chat_prompt_ids
     from dualserve.models.adapter import load_twin
     from dualserve.models.hub import default_cache_dir, resolve_model
     from dualserve.models.loader import load_model

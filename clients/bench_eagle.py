@@ -52,7 +52,7 @@ class Row:
 
 
 def generate(engine, model: str, decoder: str, ids: list[int], max_tokens: int) -> tuple[list[int], float, dict]:
-    from dualserve.decoders.sampling import SamplingParams
+    from dualserve.decoders.engine.sampling import SamplingParams
 
     deltas = []
     start = time.perf_counter()
@@ -82,9 +82,9 @@ def llama_cpp_runner(gguf: Path, threads: int):
 
 def bench(args: argparse.Namespace) -> list[Row]:
     from dualserve.decoders.deployment import PoolSpec, build_deployment
-    from dualserve.decoders.eagle import eagle_decoder
-    from dualserve.decoders.eagle_tree import TreeConfig
-    from dualserve.decoders.engine import EngineConfig
+    from dualserve.decoders.eagle.decoder import eagle_decoder
+    from dualserve.decoders.eagle.tree import TreeConfig
+    from dualserve.decoders.engine.engine import EngineConfig
     from dualserve.models.hub import default_cache_dir, resolve_model
     from dualserve.models.loader import load_model
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from dualserve.decoders.deployment import PoolSpec, build_deployment
-from dualserve.decoders.sampling import SamplingParams
+from dualserve.decoders.engine.sampling import SamplingParams
 from dualserve.models.hub import default_cache_dir, pull_default_model
 from dualserve.models.loader import load_model
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from dualserve.decoders.runner import ForwardItem, ModelRunner
+from dualserve.decoders.engine.runner import ForwardItem, ModelRunner
 from dualserve.models.config import ModelConfig
 from dualserve.models.transformer import Transformer
 

@@ -19,11 +19,11 @@ from typing import Sequence
 
 import torch
 
-from .block_manager import BlockPool
-from .request import Request
-from .runner import ForwardItem, ModelRunner
-from .sampling import process_logits, sample_token, token_logprobs
-from .scheduler import Scheduled
+from .engine.blocks import BlockPool
+from .engine.request import Request
+from .engine.runner import ForwardItem, ModelRunner
+from .engine.sampling import process_logits, sample_token, token_logprobs
+from .engine.scheduler import Scheduled
 
 # Logit rows computed at a time for prompt logprobs: bounds the (rows, vocab) fp32 buffer.
 PROMPT_LOGPROB_ROWS = 128

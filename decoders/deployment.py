@@ -23,9 +23,9 @@ import torch
 from dualserve.models.loader import LoadedModel
 
 from .ar import ARDecoder
-from .engine import Engine, EngineConfig
-from .paged_attention import KVCache
-from .runner import ModelRunner
+from .engine.engine import Engine, EngineConfig
+from .engine.paged_attention import KVCache
+from .engine.runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -81,14 +81,14 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
              runners: dict[str, ModelRunner]) -> None:
     base = spec.base
     if getattr(base.config, "family", None) == "diffusion_gemma":
-        from .diffusion_gemma import register_diffusion_gemma
+        from .diffusion.gemma import register_diffusion_gemma
 
         register_diffusion_gemma(engine, spec.name, base, device=device)
         return
     runner = ModelRunner(base.model, num_blocks, block_size, device=device)
     runners[spec.name] = runner
     if base.config.is_diffusion:
-        from .diffusion import register_diffusion
+        from .diffusion.decoder import register_diffusion
 
         register_diffusion(engine, spec.name, runner, base)
         return
@@ -96,13 +96,13 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
     if spec.eagle_head is not None:
         from dualserve.models.eagle import load_eagle_head
 
-        from .eagle import EagleDecoder
+        from .eagle.decoder import EagleDecoder
 
         head = load_eagle_head(spec.eagle_head, base.model, device=device)
         engine.add_decoder(spec.name, EagleDecoder(runner, engine.pool, head), base.tokenizer,
                            base.config.vocab_size)
     if spec.twin is not None:
-        from .diffusion import register_diffusion
+        from .diffusion.decoder import register_diffusion
 
         twin_runner = ModelRunner(spec.twin.model, num_blocks, block_size, device=device)
         runners[f"{spec.name}:diffusion"] = twin_runner

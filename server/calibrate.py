@@ -26,7 +26,7 @@ LOSSLESS = ("ar", "eagle")
 
 def measure(engine, model: str, tokenizer, decoder: str, max_tokens: int) -> float:
     """Single-stream tokens/s of ``decoder`` on the calibration prompt (after one warm-up run)."""
-    from dualserve.decoders.sampling import SamplingParams
+    from dualserve.decoders.engine.sampling import SamplingParams
 
     text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
     ids = tokenizer.encode(text, add_special_tokens=False)

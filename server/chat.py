@@ -11,7 +11,7 @@ import dataclasses
 import json
 from typing import Any, AsyncIterator
 
-from dualserve.decoders.grammar import GrammarSpec
+from dualserve.decoders.engine.grammar import GrammarSpec
 
 from .errors import bad_request
 from .protocol import ChatCompletion, ChatCompletionRequest

@@ -66,7 +66,7 @@ def bundled(choice: str, model_name: str, finder) -> Path | None:
 
 def load_deployment(args: argparse.Namespace):
     from dualserve.decoders.deployment import PoolSpec, ServedSpec, build_deployment
-    from dualserve.decoders.engine import EngineConfig
+    from dualserve.decoders.engine.engine import EngineConfig
     from dualserve.models.assets import default_eagle_head, default_twin
     from dualserve.models.loader import load_model
 
@@ -138,7 +138,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from dualserve.decoders.sampling import SamplingParams
+    from dualserve.decoders.engine.sampling import SamplingParams
 
     dep = load_deployment(args)
     name = next(iter(dep.models))
@@ -166,8 +166,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 TRAINERS = {
-    "train-eagle": ("dualserve.decoders.eagle_train", "train an EAGLE draft head for a model (self-distilled)"),
-    "train-diffusion": ("dualserve.decoders.diffusion_train", "adapt an AR model into a block-diffusion twin"),
+    "train-eagle": ("dualserve.decoders.training.eagle_train", "train an EAGLE draft head for a model (self-distilled)"),
+    "train-diffusion": ("dualserve.decoders.training.diffusion_train", "adapt an AR model into a block-diffusion twin"),
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from dualserve.decoders.sampling import TokenLogprob
+from dualserve.decoders.engine.sampling import TokenLogprob
 
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobs,
                        ChatResponseMessage, ChatTokenLogprob, Completion, CompletionChoice, CompletionLogprobs,

@@ -15,11 +15,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from dualserve.decoders.engine import Engine
-from dualserve.decoders.grammar import GrammarError
-from dualserve.decoders.request import Delta
-from dualserve.decoders.sampling import SamplingParams, TokenLogprob
-from dualserve.decoders.scheduler import QueueFull
+from dualserve.decoders.engine.engine import Engine
+from dualserve.decoders.engine.grammar import GrammarError
+from dualserve.decoders.engine.request import Delta
+from dualserve.decoders.engine.sampling import SamplingParams, TokenLogprob
+from dualserve.decoders.engine.scheduler import QueueFull
 
 from .errors import APIError, bad_request
 from .protocol import Hints

@@ -140,7 +140,7 @@ def test_default_twin_on_the_default_model(default_gguf: Path, cache_dir: Path) 
 
 
 def test_recorded_threshold_is_the_decoders_default() -> None:
-    from dualserve.decoders.diffusion import default_config
+    from dualserve.decoders.diffusion.decoder import default_config
 
     spec = TwinSpec(block_size=4, mask_token_id=4, base_model="m", rank=2, alpha=2.0, threshold=0.7)
     base = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,

@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dualserve.decoders.diffusion_gemma import DenseCache, GemmaKVCache, PagedGemmaAttention, Span
+from dualserve.decoders.diffusion.gemma import DenseCache, GemmaKVCache, PagedGemmaAttention, Span
 from dualserve.models.diffusion_gemma import DiffusionGemmaConfig, load_diffusion_gemma, read_state
 from tiny_checkpoints import write_tiny_diffusion_gemma
 

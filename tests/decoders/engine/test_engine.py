@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from dualserve.decoders.ar import ARDecoder
-from dualserve.decoders.engine import Engine, EngineConfig
-from dualserve.decoders.request import Delta
-from dualserve.decoders.runner import ModelRunner
-from dualserve.decoders.sampling import SamplingParams
-from dualserve.decoders.scheduler import QueueFull
+from dualserve.decoders.engine.engine import Engine, EngineConfig
+from dualserve.decoders.engine.request import Delta
+from dualserve.decoders.engine.runner import ModelRunner
+from dualserve.decoders.engine.sampling import SamplingParams
+from dualserve.decoders.engine.scheduler import QueueFull
 from dualserve.models.attention import DenseAttention
 from dualserve.models.config import ModelConfig
 from dualserve.models.loader import LoadedModel, converted_dir, load_model

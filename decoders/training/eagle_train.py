@@ -39,7 +39,7 @@ from dualserve.models.loader import LoadedModel
 
 from .eagle_losses import Batch, eagle1_loss, eagle3_loss
 from .eagle_prompts import build_prompts
-from .runner import ForwardItem, ModelRunner
+from ..engine.runner import ForwardItem, ModelRunner
 
 console = Console(stderr=True)
 

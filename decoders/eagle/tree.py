@@ -30,7 +30,7 @@ import torch
 
 from dualserve.models.attention import sdpa
 
-from .paged_attention import KVCache
+from ..engine.paged_attention import KVCache
 
 
 @dataclass(frozen=True)

@@ -123,9 +123,9 @@ def read_dataset(path: Path) -> list[dict]:
 def generate_dataset(loaded: LoadedModel, prompts: list[str], path: Path, *, max_new_tokens: int,
                      max_prompt_len: int, concurrency: int, log: Callable[[str], None]) -> list[dict]:
     """Answer every prompt not yet in ``path`` greedily through the engine, appending as answers finish."""
-    from .deployment import PoolSpec, build_deployment
-    from .engine import EngineConfig
-    from .sampling import SamplingParams
+    from ..deployment import PoolSpec, build_deployment
+    from ..engine.engine import EngineConfig
+    from ..engine.sampling import SamplingParams
 
     done = {rec["prompt"] for rec in read_dataset(path)}
     todo = [p for p in prompts if p not in done]

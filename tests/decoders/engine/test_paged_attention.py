@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dualserve.decoders.paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache,
+from dualserve.decoders.engine.paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache,
                                                 SdpaPagedAttention, SeqAttention, flash_available)
-from dualserve.decoders.runner import ForwardItem, ModelRunner
+from dualserve.decoders.engine.runner import ForwardItem, ModelRunner
 from dualserve.models.attention import DenseAttention
 from dualserve.models.config import ModelConfig
 from dualserve.models.transformer import Transformer

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, pre_tokenizers, trainers
 from tokenizers import models as tk_models
 
-from dualserve.decoders.detokenize import TextStream
+from dualserve.decoders.engine.detokenize import TextStream
 from dualserve.models.tokenizer import Tokenizer
 
 WORDS = ("the quick brown fox jumps over the lazy dog hello world stop STOP end ### "

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dualserve.decoders import diffusion_train
-from dualserve.decoders.diffusion_eval import denoise_eval, fill_block
-from dualserve.decoders.diffusion_twin import LoRALinear, add_lora, make_example, pack, stream_mask, twin_loss
+from dualserve.decoders.training import diffusion_train
+from dualserve.decoders.training.diffusion_eval import denoise_eval, fill_block
+from dualserve.decoders.training.diffusion_twin import LoRALinear, add_lora, make_example, pack, stream_mask, twin_loss
 from dualserve.models.adapter import ADAPTER_FILE, lora_names, load_twin
 from dualserve.models.attention import DenseAttention
 from dualserve.models.config import ModelConfig
@@ -229,7 +229,7 @@ def test_train_checkpoint_resume_and_load(base_dir: Path, tmp_path: Path, monkey
 def test_qwen2_layout_trains_and_serves(tmp_path: Path, bf16: str) -> None:
     """The same command on a Qwen2 checkpoint (biases, untied head); the twin then decodes in an engine."""
     from dualserve.decoders.deployment import PoolSpec, ServedSpec, build_deployment
-    from dualserve.decoders.sampling import SamplingParams
+    from dualserve.decoders.engine.sampling import SamplingParams
 
     base_dir = write_tiny_llama(tmp_path / "tiny-qwen2", family="qwen2")
     work = tmp_path / "run"

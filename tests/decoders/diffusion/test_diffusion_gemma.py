@@ -30,11 +30,11 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
 from dualserve.decoders.deployment import PoolSpec, build_deployment
-from dualserve.decoders.diffusion_gemma import (Canvas, GemmaKVCache, PagedGemmaAttention, Span,
+from dualserve.decoders.diffusion.gemma import (Canvas, GemmaKVCache, PagedGemmaAttention, Span,
                                                 entropy_bounded_accept, generate, register_diffusion_gemma,
                                                 schedule_temperature, stable_and_confident, token_entropy)
-from dualserve.decoders.engine import Engine, EngineConfig
-from dualserve.decoders.sampling import SamplingParams
+from dualserve.decoders.engine.engine import Engine, EngineConfig
+from dualserve.decoders.engine.sampling import SamplingParams
 from dualserve.models.diffusion_gemma import DenoisingConfig, load_diffusion_gemma
 from dualserve.models.loader import LoadedModel
 from dualserve.models.tokenizer import Tokenizer

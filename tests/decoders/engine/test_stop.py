@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from dualserve.decoders.detokenize import TextStream
-from dualserve.decoders.request import Delta, Request
-from dualserve.decoders.sampling import SamplingParams, TokenLogprob
+from dualserve.decoders.engine.detokenize import TextStream
+from dualserve.decoders.engine.request import Delta, Request
+from dualserve.decoders.engine.sampling import SamplingParams, TokenLogprob
 from dualserve.models.loader import converted_dir, load_model
 from dualserve.models.tokenizer import Tokenizer
 

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
-from .block_manager import BlockPool
+from .blocks import BlockPool
 from .detokenize import TextStream
 from .grammar import GrammarCompiler
 from .request import Delta, Request, Status

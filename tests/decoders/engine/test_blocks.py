@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dualserve.decoders.block_manager import BlockPool, BlockTable, NoFreeBlocks
+from dualserve.decoders.engine.blocks import BlockPool, BlockTable, NoFreeBlocks
 
 BS = 4
 

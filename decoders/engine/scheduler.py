@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from .block_manager import BlockPool, NoFreeBlocks
+from .blocks import BlockPool, NoFreeBlocks
 from .request import Request, Status
 
 # (request, token budget left) -> (new tokens to compute this step, lookahead slots to reserve)

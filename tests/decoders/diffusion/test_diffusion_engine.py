@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import pytest
 
-from dualserve.decoders.diffusion import DiffusionConfig
-from dualserve.decoders.diffusion_cache import DualCache, NoCache
-from dualserve.decoders.diffusion_policies import LinearSchedule, LowConfidence
-from dualserve.decoders.sampling import SamplingParams
+from dualserve.decoders.diffusion.decoder import DiffusionConfig
+from dualserve.decoders.diffusion.cache import DualCache, NoCache
+from dualserve.decoders.diffusion.policies import LinearSchedule, LowConfidence
+from dualserve.decoders.engine.sampling import SamplingParams
 from dualserve.models.loader import LoadedModel
 from test_diffusion import (GREEDY, SMALL_MASK, SMALL_VOCAB, LetterTokenizer, Outcome, llada_reference, load_tiny,
                             make_engine, prompt, run, write_tiny_twin)
@@ -177,8 +177,8 @@ def test_structured_output_survives_preemption(default_gguf, cache_dir) -> None:
     """A grammar's state rolls back to the committed prefix when a preempted request restarts."""
     import json
 
-    from dualserve.decoders.diffusion_data import chat_prompt_ids
-    from dualserve.decoders.grammar import GrammarSpec
+    from dualserve.decoders.training.diffusion_data import chat_prompt_ids
+    from dualserve.decoders.engine.grammar import GrammarSpec
     from dualserve.models.assets import default_twin
     from dualserve.models.loader import load_model
 

@@ -1,7 +1,7 @@
 """EAGLE speculative decoding over the shared paged KV pool.
 
 A step of an EAGLE request (Li et al., EAGLE-1/2/3; the tree rules live in
-``eagle_tree.py``):
+``tree.py``):
 
   1. **catch up**: the draft head consumes the target features of positions it
      has not seen (the prompt after prefill, then each step's accepted tokens),
@@ -42,14 +42,14 @@ from dualserve.models.assets import default_eagle_head
 from dualserve.models.eagle import EagleHead, load_eagle_head
 from dualserve.models.loader import LoadedModel
 
-from .ar import fill_prompt_logprobs
-from .block_manager import BlockPool
-from .eagle_tree import DraftTree, DraftTreeAttention, TreeConfig, accept_greedy, accept_sampled, grow_tree
-from .paged_attention import AttentionMetadata, KVCache, SdpaPagedAttention, SeqAttention
-from .request import Request
-from .runner import ForwardItem, ModelRunner
-from .sampling import process_logits, token_logprobs, truncated_probs
-from .scheduler import Scheduled
+from ..ar import fill_prompt_logprobs
+from ..engine.blocks import BlockPool
+from .tree import DraftTree, DraftTreeAttention, TreeConfig, accept_greedy, accept_sampled, grow_tree
+from ..engine.paged_attention import AttentionMetadata, KVCache, SdpaPagedAttention, SeqAttention
+from ..engine.request import Request
+from ..engine.runner import ForwardItem, ModelRunner
+from ..engine.sampling import process_logits, token_logprobs, truncated_probs
+from ..engine.scheduler import Scheduled
 
 # CPU: measured with the bundled SmolLM2 head (clients/bench_eagle.py). On an AVX2
 # CPU a forward over 2..8 tokens costs about twice a 1-token forward (GEMM packs

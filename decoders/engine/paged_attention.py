@@ -1,6 +1,6 @@
 """Paged attention: the KV tensors that live beside the block pool, and the backends that use them.
 
-The block pool (``block_manager.py``) hands out block ids; this module owns the
+The block pool (``blocks.py``) hands out block ids; this module owns the
 tensors those ids index. One ``KVCache`` per loaded model, sized once at start-up:
 per layer, keys and values of shape (num_blocks, block_size, kv_heads, head_dim).
 

@@ -40,7 +40,7 @@ from typing import Literal, Union
 
 import torch
 
-from .sampling import SamplingParams, truncated_probs
+from ..engine.sampling import SamplingParams, truncated_probs
 
 Confidence = Literal["prob", "margin", "neg_entropy", "random"]
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from dualserve.decoders.ar import ARDecoder
-from dualserve.decoders.eagle import EagleDecoder
-from dualserve.decoders.eagle_tree import DraftTree, TreeConfig, accept_greedy, accept_sampled, select_nodes
-from dualserve.decoders.engine import Engine, EngineConfig
-from dualserve.decoders.runner import ModelRunner
-from dualserve.decoders.sampling import SamplingParams, truncated_probs
+from dualserve.decoders.eagle.decoder import EagleDecoder
+from dualserve.decoders.eagle.tree import DraftTree, TreeConfig, accept_greedy, accept_sampled, select_nodes
+from dualserve.decoders.engine.engine import Engine, EngineConfig
+from dualserve.decoders.engine.runner import ModelRunner
+from dualserve.decoders.engine.sampling import SamplingParams, truncated_probs
 from dualserve.models.attention import DenseAttention
 from dualserve.models.config import ModelConfig
 from dualserve.models.eagle import Eagle1Head, EagleConfig, load_eagle_head
@@ -301,7 +301,7 @@ def test_sampling_matches_plain_sampling() -> None:
 def test_default_model_greedy_identical(default_gguf: Path, cache_dir: Path) -> None:
     """The bundled SmolLM2 head: same greedy tokens as plain AR on a few benchmark prompts."""
     from dualserve.decoders.deployment import PoolSpec, build_deployment
-    from dualserve.decoders.eagle import eagle_decoder
+    from dualserve.decoders.eagle.decoder import eagle_decoder
     from dualserve.models.loader import load_model
 
     loaded = load_model(default_gguf, name="SmolLM2-135M-Instruct", cache_dir=cache_dir)
@@ -310,7 +310,7 @@ def test_default_model_greedy_identical(default_gguf: Path, cache_dir: Path) -> 
     assert decoder is not None, "the bundled head for the default model is missing"
     if "eagle" not in dep.engine.decoders_for(loaded.name):
         dep.engine.add_decoder(loaded.name, decoder, loaded.tokenizer)
-    bench = Path(__file__).parents[2] / "clients" / "prompts" / "bench.jsonl"
+    bench = Path(__file__).parents[3] / "clients" / "prompts" / "bench.jsonl"
     prompts = [json.loads(line)["prompt"] for line in bench.read_text().splitlines()[::17][:3]]
     tok = loaded.tokenizer
     params = SamplingParams(max_tokens=32, temperature=0.0)

@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 
-from dualserve.decoders.diffusion import unit_spans
-from dualserve.decoders.diffusion_cache import (CacheState, DualCache, ExactCache, Frame, NoCache, PrefixCache,
+from dualserve.decoders.diffusion.decoder import unit_spans
+from dualserve.decoders.diffusion.cache import (CacheState, DualCache, ExactCache, Frame, NoCache, PrefixCache,
                                                 Work, advance, prefill_chunk)
-from dualserve.decoders.diffusion_policies import (DreamSchedule, DynamicThreshold, Factor, LinearSchedule,
+from dualserve.decoders.diffusion.policies import (DreamSchedule, DynamicThreshold, Factor, LinearSchedule,
                                                    LowConfidence, Threshold, confidence, dream_counts,
                                                    linear_counts, propose)
-from dualserve.decoders.sampling import SamplingParams
+from dualserve.decoders.engine.sampling import SamplingParams
 
 
 def as_set(t: torch.Tensor) -> set[int]:

@@ -9,9 +9,9 @@ logits), block-diffusion models (block-causal attention: Fast-dLLM v2) and the A
   (``block_length``), or the sub-blocks of a block-causal model's attention blocks (Fast-dLLM
   v2's ``small_block_size``); ``block_length=None`` makes the canvas one unit (Dream);
 - each step is ONE forward; for every masked position of the unit the decoder proposes a
-  token, scores it, and the unmasking policy commits some (``diffusion_policies.py``);
+  token, scores it, and the unmasking policy commits some (``policies.py``);
 - which positions the forward computes and which cached keys/values it reads is the cache
-  strategy's choice (``diffusion_cache.py``);
+  strategy's choice (``cache.py``);
 - the **suffix** (``Request.suffix_ids``) is fixed right context: native infilling, for
   bidirectional models only.
 
@@ -56,14 +56,14 @@ from dualserve.models.attention import block_causal_mask
 from dualserve.models.config import ModelConfig
 from dualserve.models.loader import LoadedModel
 
-from .block_manager import BlockPool, BlockTable
-from .diffusion_cache import (CacheState, CacheStrategy, DualCache, ExactCache, Frame, NoCache, Work, advance,
+from ..engine.blocks import BlockPool, BlockTable
+from .cache import (CacheState, CacheStrategy, DualCache, ExactCache, Frame, NoCache, Work, advance,
                               prefill_chunk)
-from .diffusion_policies import Confidence, LinearSchedule, Policy, Schedule, Threshold, confidence, propose
-from .request import Request
-from .runner import ForwardItem, ModelRunner
-from .sampling import TokenLogprob, process_logits, token_logprobs
-from .scheduler import Scheduled
+from .policies import Confidence, LinearSchedule, Policy, Schedule, Threshold, confidence, propose
+from ..engine.request import Request
+from ..engine.runner import ForwardItem, ModelRunner
+from ..engine.sampling import TokenLogprob, process_logits, token_logprobs
+from ..engine.scheduler import Scheduled
 
 
 @dataclass(frozen=True)
@@ -323,7 +323,7 @@ class DiffusionDecoder:
 
     def _skip_filled(self, st: DiffusionState) -> None:
         """Units that forced tokens filled need no forward of their own: the next forward
-        computes their keys/values with its span (``diffusion_cache._exact_span``)."""
+        computes their keys/values with its span (``cache._exact_span``)."""
         while st.unit < len(st.units):
             us, ue = st.units[st.unit]
             if bool((st.tokens[us:ue] == self.mask_id).any()):

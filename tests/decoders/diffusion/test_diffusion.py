@@ -24,13 +24,13 @@ from typing import Sequence
 import pytest
 import torch
 
-from dualserve.decoders.block_manager import BlockPool, BlockTable
-from dualserve.decoders.diffusion import DiffusionConfig, register_diffusion, work_item
-from dualserve.decoders.diffusion_cache import CacheState, DualCache, ExactCache, Frame, NoCache, PrefixCache
-from dualserve.decoders.diffusion_policies import DreamSchedule, Factor, LinearSchedule, LowConfidence, Threshold
-from dualserve.decoders.engine import Engine, EngineConfig
-from dualserve.decoders.runner import ModelRunner
-from dualserve.decoders.sampling import SamplingParams, TokenLogprob
+from dualserve.decoders.engine.blocks import BlockPool, BlockTable
+from dualserve.decoders.diffusion.decoder import DiffusionConfig, register_diffusion, work_item
+from dualserve.decoders.diffusion.cache import CacheState, DualCache, ExactCache, Frame, NoCache, PrefixCache
+from dualserve.decoders.diffusion.policies import DreamSchedule, Factor, LinearSchedule, LowConfidence, Threshold
+from dualserve.decoders.engine.engine import Engine, EngineConfig
+from dualserve.decoders.engine.runner import ModelRunner
+from dualserve.decoders.engine.sampling import SamplingParams, TokenLogprob
 from dualserve.models.attention import DenseAttention
 from dualserve.models.config import ModelConfig
 from dualserve.models.loader import LoadedModel, build, load_hf_state

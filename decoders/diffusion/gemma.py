@@ -55,11 +55,11 @@ from dualserve.models.diffusion_gemma import (DenoisingConfig, DiffusionGemma, D
                                               encoder_pattern)
 from dualserve.models.loader import LoadedModel
 
-from .ar import pending_tokens
-from .block_manager import BlockPool
-from .request import Request
-from .sampling import SamplingParams, token_logprobs, truncated_probs
-from .scheduler import Scheduled
+from ..ar import pending_tokens
+from ..engine.blocks import BlockPool
+from ..engine.request import Request
+from ..engine.sampling import SamplingParams, token_logprobs, truncated_probs
+from ..engine.scheduler import Scheduled
 
 # ---- the sampler's rules -------------------------------------------------------------------------
 

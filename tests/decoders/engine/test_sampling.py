@@ -1,6 +1,6 @@
 """Sampling rules on fixed logits: bias, penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
 
-Each rule is a pure function on tensors (``decoders/sampling.py``), so each is checked here
+Each rule is a pure function on tensors (``decoders/engine/sampling.py``), so each is checked here
 against values worked out by hand, without a model.
 """
 
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from dualserve.decoders.sampling import (PenaltyState, SamplingParams, apply_logit_bias, apply_penalties,
+from dualserve.decoders.engine.sampling import (PenaltyState, SamplingParams, apply_logit_bias, apply_penalties,
                                          make_generator, process_logits, sample_token, token_logprobs,
                                          truncated_probs)
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .block_manager import BlockTable
+from .blocks import BlockTable
 from .detokenize import TextStream
 from .grammar import Constraint
 from .sampling import PenaltyState, SamplingParams, TokenLogprob, make_generator
