@@ -190,7 +190,7 @@ def bench_pair(pair: str, ar: LoadedModel, diffusion: LoadedModel, prompts: list
 
 def twin_pair(path: Path, device: str) -> tuple[LoadedModel, LoadedModel, Callable[[str], list[int]]]:
     from dualserve.decoders.training.diffusion_data import chat_prompt_ids
-    from dualserve.models.adapter import load_twin
+    from dualserve.models.loader import load_twin
     from dualserve.models.hub import default_cache_dir, resolve_model
     from dualserve.models.loader import load_model
 

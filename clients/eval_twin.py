@@ -93,7 +93,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     from dualserve.decoders.training.diffusion_data import chat_prompt_ids
     from dualserve.decoders.diffusion.policies import Threshold
     from dualserve.decoders.engine.engine import EngineConfig
-    from dualserve.models.adapter import load_twin
+    from dualserve.models.loader import load_twin
     from dualserve.models.assets import BUNDLED_EAGLE, BUNDLED_TWIN
     from dualserve.models.hub import default_cache_dir, resolve_model
     from dualserve.models.loader import load_model

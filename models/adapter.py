@@ -11,7 +11,7 @@ A twin directory holds two files:
   ``o_proj``, ``gate_up_proj``, ``down_proj``), plus ``mask_embedding``
   (hidden,), the trained embedding row of the [MASK] token.
 
-``load_twin`` loads the base through the one loader and *merges* the adapter
+``loader.load_twin`` loads the base through the one loader and ``apply_twin`` *merges* the adapter
 into a copy of the weights: W' = W + (alpha / rank) * B @ A (LoRA, Hu et al.
 2021, section 4.1). Merging costs one copy of the adapted matrices, but a
 merged twin runs at exactly the base model's speed; applying the adapter at run
@@ -34,8 +34,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from torch import nn
+
+from .checkpoint import LoadedModel, build
 from .config import ModelConfig
-from .loader import LoadedModel, build, load_model
 from .transformer import Transformer
 
 ADAPTER_FILE = "adapter.safetensors"
@@ -116,6 +118,62 @@ def merged_weights(model: Transformer, adapter: dict[str, torch.Tensor], spec: T
     return state
 
 
+class LoRA(nn.Module):
+    """y = base(x) + scale * (x @ A^T) @ B^T, with ``base`` shared with the AR model (any weight format)."""
+
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float):
+        super().__init__()
+        self.base = base
+        self.scale = scale
+        self.register_buffer("lora_A", a)  # (rank, in)
+        self.register_buffer("lora_B_t", b.t().contiguous())  # (rank, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low = x.to(self.lora_A.dtype) @ self.lora_A.t()  # (tokens, rank)
+        return torch.addmm(self.base(x), low, self.lora_B_t, alpha=self.scale)
+
+
+class MaskedEmbedding(nn.Module):
+    """The base embedding with the trained [MASK] row in place of the base row."""
+
+    def __init__(self, base: nn.Module, mask_token_id: int, row: torch.Tensor):
+        super().__init__()
+        self.base = base
+        self.mask_token_id = mask_token_id
+        self.register_buffer("row", row)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.base(ids)
+        return torch.where((ids == self.mask_token_id)[..., None], self.row.to(x.dtype), x)
+
+
+def shared_twin(model: Transformer, adapter: dict[str, torch.Tensor], spec: TwinSpec) -> Transformer:
+    """A twin over ``model``'s own modules: the adapter runs beside the shared (quantized) weights.
+
+    Norms, the output head and every base projection are the AR model's objects,
+    so the twin adds only the adapter and the [MASK] row to memory.
+    """
+    dtype = model.norm.weight.dtype
+    device = model.norm.weight.device
+    with torch.device("meta"):
+        twin = Transformer(twin_config(model.config, spec))
+    row = adapter["mask_embedding"].to(device=device, dtype=dtype)
+    twin.embed_tokens = MaskedEmbedding(model.embed_tokens, spec.mask_token_id, row)
+    twin.norm, twin.rotary, twin.lm_head = model.norm, model.rotary, model.lm_head
+    for i, (mine, theirs) in enumerate(zip(twin.layers, model.layers)):
+        mine.input_layernorm = theirs.input_layernorm
+        mine.post_attention_layernorm = theirs.post_attention_layernorm
+        for target in LORA_TARGETS:
+            base = theirs.get_submodule(target)
+            if target in spec.targets:
+                a = adapter[f"layers.{i}.{target}.lora_A"].to(device=device, dtype=dtype)
+                b = adapter[f"layers.{i}.{target}.lora_B"].to(device=device, dtype=dtype)
+                base = LoRA(base, a, b, spec.scale)
+            mine.set_submodule(target, base)
+    assert not any(t.is_meta for t in list(twin.parameters()) + list(twin.buffers())), "twin left a meta tensor"
+    return twin.eval().requires_grad_(False)
+
+
 def apply_twin(base: LoadedModel, path: Path | str, name: str | None = None) -> LoadedModel:
     """A twin built from an already loaded base model (which is left unchanged)."""
     path = Path(path)
@@ -124,35 +182,15 @@ def apply_twin(base: LoadedModel, path: Path | str, name: str | None = None) -> 
     spec = TwinSpec.from_config(cfg)
     _check_shapes(base.config, cfg)
     adapter = load_file(str(path / ADAPTER_FILE))
-    state = merged_weights(base.model, adapter, spec)
-    param = next(base.model.parameters())
-    model = build(twin_config(base.model.config, spec), state, param.dtype, param.device)
+    if base.quantization == "none":
+        state = merged_weights(base.model, adapter, spec)
+        param = next(base.model.parameters())
+        model = build(twin_config(base.model.config, spec), state, param.dtype, param.device)
+    else:
+        model = shared_twin(base.model, adapter, spec)
     return LoadedModel(name=name or path.name, path=path, config=model.config, model=model,
-                       tokenizer=base.tokenizer, load_seconds=base.load_seconds + time.perf_counter() - start)
-
-
-def load_twin(path: Path | str, *, name: str | None = None, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu", cache_dir: Path | None = None,
-              base: LoadedModel | None = None) -> LoadedModel:
-    """Load a twin directory: its base model (the default model by name, else a path), then the adapter.
-
-    ``base_model`` in config.json is resolved relative to the twin directory when it
-    is a relative path. Pass ``base`` to reuse a loaded base instead of loading it again.
-    """
-    from .hub import ALIASES, default_cache_dir, resolve_model
-
-    path = Path(path)
-    if base is None:
-        spec = TwinSpec.from_config(json.loads((path / "config.json").read_text()))
-        cache = cache_dir or default_cache_dir()
-        if spec.base_model in ALIASES:
-            base_name, base_path = resolve_model(spec.base_model, cache)
-        else:
-            base_path = Path(spec.base_model).expanduser()
-            base_path = base_path if base_path.is_absolute() else path / base_path
-            base_name = base_path.stem if base_path.is_file() else base_path.name
-        base = load_model(base_path, name=base_name, dtype=dtype, device=device, cache_dir=cache)
-    return apply_twin(base, path, name=name)
+                       tokenizer=base.tokenizer, load_seconds=base.load_seconds + time.perf_counter() - start,
+                       quantization=base.quantization)
 
 
 def _check_shapes(base: ModelConfig, cfg: dict) -> None:

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .loader import LoadedModel, iter_safetensors
+from .checkpoint import LoadedModel, iter_safetensors
 from .tokenizer import Tokenizer
 from .transformer import apply_rope
 

@@ -41,14 +41,13 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from .attention import AttentionBackend
 from .config import ModelConfig
-from .loader import FUSED, rename, to_module_names
+from .checkpoint import FUSED, rename, to_module_names
 from .transformer import Attention, DecoderLayer, RMSNorm, Rotary, SwiGLU, Transformer
 
 HeadKind = Literal["eagle1", "eagle3"]
@@ -110,15 +109,19 @@ class _Head(nn.Module):
         super().__init__()
         self.config = config
         self.rotary = Rotary(config.layer)
-        self.embed_weight: torch.Tensor | None = None  # target's, set by attach()
+        self.target: tuple[Transformer, ...] = ()  # set by attach(); a tuple keeps it out of our modules
 
     def attach(self, target: Transformer) -> "_Head":
-        """Borrow the target's embedding (plain tensor attribute: shared, not a parameter)."""
-        self.embed_weight = target.embed_tokens.weight.detach()
+        """Borrow the target's embedding (and head): shared modules, in whatever weight format it has."""
+        self.target = (target,)
         return self
 
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.target[0].embed_tokens.weight
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.embed_weight)  # (tokens, hidden)
+        return self.target[0].embed_tokens(ids)  # (tokens, hidden)
 
 
 class Eagle1Head(_Head):
@@ -128,12 +131,9 @@ class Eagle1Head(_Head):
         self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
         self.layers = nn.ModuleList(DecoderLayer(config.layer, i, input_norm=i > 0)
                                     for i in range(config.num_layers))
-        self.lm_head_weight: torch.Tensor | None = None  # target's, set by attach()
-
-    def attach(self, target: Transformer) -> "Eagle1Head":
-        super().attach(target)
-        self.lm_head_weight = target.lm_head_weight.detach()
-        return self
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.target[0].lm_head_weight
 
     def features(self, final: torch.Tensor, aux: Sequence[torch.Tensor]) -> torch.Tensor:
         return final  # the target's post-norm last hidden state (cnets1.py / ge_data: hidden_states[-1])
@@ -147,7 +147,7 @@ class Eagle1Head(_Head):
         return x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.lm_head_weight).float()  # (tokens, vocab); no norm (cnets1.py topK_genrate)
+        return self.target[0].logits(h)  # (tokens, vocab) fp32; no norm (cnets1.py topK_genrate)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
@@ -247,11 +247,12 @@ def map_head_state(raw: dict[str, torch.Tensor], kind: HeadKind) -> dict[str, to
 def build_head(config: EagleConfig, state: dict[str, torch.Tensor], target: Transformer,
                dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> EagleHead:
     """Build on meta, assign (strict), borrow the target's embedding/lm_head. Runs in the target's dtype."""
-    ref = target.embed_tokens.weight
+    ref = target.norm.weight  # the target's compute dtype and device (its embedding may be quantized)
     dtype, device = dtype or ref.dtype, device or ref.device
     own_embed = state.pop("embed_tokens.weight", None)
-    if own_embed is not None and own_embed.shape != ref.shape:
-        raise ValueError(f"head embedding {tuple(own_embed.shape)} does not match the target's {tuple(ref.shape)}")
+    want = (target.config.vocab_size, target.config.hidden_size)
+    if own_embed is not None and tuple(own_embed.shape) != want:
+        raise ValueError(f"head embedding {tuple(own_embed.shape)} does not match the target's {want}")
     with torch.device("meta"):
         head = HEAD_CLASSES[config.kind](config)
     state = {k: v.to(device) if k in ("d2t", "t2d") else v.to(device=device, dtype=dtype) for k, v in state.items()}

@@ -17,22 +17,25 @@ so the first load converts it once into a Hugging Face directory in the cache
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Literal
 
 import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .adapter import apply_twin, is_twin_dir, TwinSpec
+from .adapter import TwinSpec, apply_twin, is_twin_dir
+from .checkpoint import LoadedModel, Weight, safetensors_files, build, iter_weights, portable_tensors, rename, to_module_names
 from .config import ModelConfig
+from .diffusion_gemma import load_diffusion_gemma
+from .quant import Quantization, gguf_blocks
 from .tokenizer import Tokenizer
-from .transformer import Transformer
 
 # Source name patterns -> canonical HF Llama names. Anchored regexes, tried in order.
 GGUF_NAMES: list[tuple[str, str]] = [
@@ -66,93 +69,10 @@ LLADA_NAMES: list[tuple[str, str]] = [
 
 SOURCE_NAMES = {"gguf": GGUF_NAMES, "llada": LLADA_NAMES}
 
-# Canonical names fused into one of our parameters: (parts in order, fused name).
-FUSED: list[tuple[tuple[str, ...], str]] = [
-    (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.qkv_proj"),
-    (("mlp.gate_proj", "mlp.up_proj"), "mlp.gate_up_proj"),
-]
-
-
-@dataclass
-class LoadedModel:
-    name: str
-    path: Path
-    config: ModelConfig
-    model: Transformer
-    tokenizer: Tokenizer
-    load_seconds: float
-
-
-def rename(name: str, table: list[tuple[str, str]]) -> str | None:
-    for pattern, repl in table:
-        new, n = re.subn(pattern, repl, name)
-        if n:
-            return new
-    return None
-
-
-def to_module_names(canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Canonical HF names -> our parameter names, concatenating fused projections."""
-    out: dict[str, torch.Tensor] = {}
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in canonical.items():
-        short = name.removeprefix("model.")
-        for parts, fused in FUSED:
-            hit = next((p for p in parts if f".{p}." in f".{short}"), None)
-            if hit:
-                prefix, suffix = short.split(hit)
-                key = f"{prefix}{fused}{suffix}"
-                pending.setdefault(key, {})[hit] = tensor
-                if len(pending[key]) == len(parts):
-                    got = pending.pop(key)
-                    out[key] = torch.cat([got[p] for p in parts], 0)
-                break
-        else:
-            out[short] = tensor
-    if pending:
-        raise ValueError(f"incomplete fused projections in checkpoint: {sorted(pending)[:4]}")
-    return out
-
-
-def build(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-          device: torch.device | str) -> Transformer:
-    """Build on meta, then assign real tensors; strict, so a missing or extra tensor is an error."""
-    if "lm_head.weight" not in state and not config.tie_word_embeddings:
-        config = config.replace(tie_word_embeddings=True)
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    with torch.device("meta"):
-        model = Transformer(config)
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=True, assign=True)
-    model.rotary.reset(device)
-    return model.eval().requires_grad_(False)
-
-
-# ---- Hugging Face directories -------------------------------------------------
-
-def safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    return files
-
-
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
-def load_hf_state(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+def load_hf_state(path: Path, config: ModelConfig) -> dict[str, Weight]:
     table = SOURCE_NAMES.get(config.family)
-    canonical: dict[str, torch.Tensor] = {}
-    for name, tensor in iter_safetensors(path):
+    canonical: dict[str, Weight] = {}
+    for name, tensor in iter_weights(path):
         new = rename(name, table) if table else name
         if new is None:
             raise ValueError(f"unexpected tensor {name!r} in {path}")
@@ -184,21 +104,32 @@ def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf_state(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
+# GGUF block types kept in their own integers (``quant.gguf_blocks``); others are dequantized.
+DIRECT_GGUF = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def load_gguf_state(reader, config: ModelConfig) -> dict[str, Weight]:
     from gguf import quants
 
-    canonical: dict[str, torch.Tensor] = {}
+    canonical: dict[str, Weight] = {}
     for t in reader.tensors:
         name = rename(t.name, GGUF_NAMES)
         if name is None:
             continue  # e.g. rope_freqs: recomputed from the config
-        w = np.require(quants.dequantize(t.data, t.tensor_type), np.float32, ["C", "W"])
+        if t.tensor_type.name in DIRECT_GGUF and len(t.shape) == 2:
+            parts = {k: v.numpy() for k, v in gguf_blocks(np.asarray(t.data), t.tensor_type.name).items()}
+        else:
+            parts = {"w": np.require(quants.dequantize(t.data, t.tensor_type), np.float32, ["C", "W"])}
         # llama.cpp permutes q/k rows for the llama architecture (Mistral GGUFs use it too).
+        heads = None
         if config.family in ("llama", "mistral") and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_rope(w, config.num_heads)
+            heads = config.num_heads
         elif config.family in ("llama", "mistral") and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_rope(w, config.num_kv_heads)
-        canonical[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+            heads = config.num_kv_heads
+        if heads is not None:
+            parts = {k: unpermute_rope(v, heads) for k, v in parts.items()}
+        tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in parts.items()}
+        canonical[name] = tensors.pop("w") if "w" in tensors else tensors
     return canonical
 
 
@@ -232,7 +163,10 @@ def hf_config_dict(config: ModelConfig) -> dict:
 
 
 def convert_gguf(path: Path, out_dir: Path) -> Path:
-    """Dequantize a GGUF file into a Hugging Face directory (fp32 safetensors + tokenizer)."""
+    """Convert a GGUF file into a Hugging Face directory (safetensors + tokenizer).
+
+    Q4_0, Q4_1 and Q8_0 tensors keep their integers and scales (``checkpoint.portable_tensors``);
+    other types are stored dequantized in fp32."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -243,7 +177,10 @@ def convert_gguf(path: Path, out_dir: Path) -> Path:
     tokenizer = Tokenizer.from_gguf(reader)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".partial-", dir=out_dir.parent))
-    save_file(canonical, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": path.name})
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in canonical.items():
+        tensors.update(portable_tensors(name, w) if isinstance(w, dict) else {name: w})
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": path.name})
     (tmp / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2))
     save_tokenizer(tokenizer, tmp)
     try:
@@ -270,20 +207,38 @@ def save_tokenizer(tok: Tokenizer, out_dir: Path) -> None:
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": list(tok.eos_token_ids)}))
 
 
+# Bumped when the converted layout changes, so an older conversion is never read as a newer one.
+CONVERTED_LAYOUT = "q1"
+
+
 def converted_dir(path: Path, cache_dir: Path) -> Path:
     stat = path.stat()
-    return cache_dir / "converted" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    return cache_dir / "converted" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-{CONVERTED_LAYOUT}"
+
+
+def stored_quantization(source: Path) -> Quantization:
+    """The format a checkpoint already holds: int4 when any weight is stored as int4 groups."""
+    for file in safetensors_files(source):
+        with safe_open(str(file), framework="pt") as f:
+            if any(k.endswith(".zeros") for k in f.keys()):
+                return "int4"
+    return "none"
 
 
 def load_model(path: Path | str, *, name: str | None = None, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", cache_dir: Path | None = None) -> LoadedModel:
-    """Load a Hugging Face directory or a GGUF file (converted once into ``cache_dir``)."""
+               device: torch.device | str = "cpu", cache_dir: Path | None = None,
+               quantization: Quantization | Literal["auto"] = "none") -> LoadedModel:
+    """Load a Hugging Face directory or a GGUF file (converted once into ``cache_dir``).
+
+    ``quantization``: ``none`` computes in ``dtype`` from float weights; ``int8`` / ``int4``
+    quantize at load (exactly, for GGUF Q4_0/Q4_1/Q8_0 data); ``auto`` keeps the format the
+    checkpoint holds (int4 for a Q4 GGUF, else none).
+    """
     start = time.perf_counter()
     path = Path(path)
-    if path.is_dir() and (path / "adapter.safetensors").exists():
-        from .adapter import load_twin  # a diffusion twin: base model + LoRA adapter
-
-        return load_twin(path, name=name, dtype=dtype, device=device, cache_dir=cache_dir)
+    if is_twin_dir(path):
+        return load_twin(path, name=name, dtype=dtype, device=device, cache_dir=cache_dir,
+                         quantization=quantization)
     if path.is_file() and path.suffix == ".gguf":
         target = converted_dir(path, cache_dir or path.parent / ".dualserve")
         if not target.exists():
@@ -294,12 +249,38 @@ def load_model(path: Path | str, *, name: str | None = None, dtype: torch.dtype 
         source = path
     raw = json.loads((source / "config.json").read_text())
     if raw.get("architectures") == ["DiffusionGemmaForBlockDiffusion"]:
-        from .diffusion_gemma import load_diffusion_gemma  # it imports LoadedModel from here
-
         return load_diffusion_gemma(source, dtype, device, name=name)
+    if quantization == "auto":
+        quantization = stored_quantization(source)
     config = ModelConfig.from_hf(raw)
-    model = build(config, load_hf_state(source, config), dtype, device)
+    model = build(config, load_hf_state(source, config), dtype, device, quantization)
     tokenizer = Tokenizer.from_hf_dir(source)
     return LoadedModel(name=name or (path.stem if path.is_file() else path.name), path=path,
                        config=model.config, model=model, tokenizer=tokenizer,
-                       load_seconds=time.perf_counter() - start)
+                       load_seconds=time.perf_counter() - start, quantization=quantization)
+
+
+def load_twin(path: Path | str, *, name: str | None = None, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu", cache_dir: Path | None = None,
+              base: LoadedModel | None = None, quantization: Quantization | Literal["auto"] = "none") -> LoadedModel:
+    """Load a twin directory: its base model (the default model by name, else a path), then the adapter.
+
+    ``base_model`` in config.json is resolved relative to the twin directory when it
+    is a relative path. Pass ``base`` to reuse a loaded base instead of loading it again.
+    """
+    from .hub import ALIASES, default_cache_dir, resolve_model
+
+    path = Path(path)
+    if base is None:
+        spec = TwinSpec.from_config(json.loads((path / "config.json").read_text()))
+        cache = cache_dir or default_cache_dir()
+        if spec.base_model in ALIASES:
+            base_name, base_path = resolve_model(spec.base_model, cache)
+        else:
+            base_path = Path(spec.base_model).expanduser()
+            base_path = base_path if base_path.is_absolute() else path / base_path
+            base_name = base_path.stem if base_path.is_file() else base_path.name
+        base = load_model(base_path, name=base_name, dtype=dtype, device=device, cache_dir=cache,
+                          quantization=quantization)
+    return apply_twin(base, path, name=name)
+

@@ -10,6 +10,10 @@ What a token may attend to is not decided here. ``forward`` takes an explicit
 for masked diffusion, block-causal for block diffusion, a tree mask for EAGLE
 verification. The same weights serve all of them.
 
+The linear layers are ``nn.Linear`` as built; a quantized model swaps them
+(and the output head and embedding) for the int8/int4 modules of ``quant.py``
+at load, so this file never mentions a weight format.
+
 Two projections are fused for fewer kernel launches at batch 1, which is where
 Python dispatch, not arithmetic, dominates: q/k/v into one ``qkv_proj`` and
 gate/up into one ``gate_up_proj``. The loader concatenates the checkpoint's
@@ -26,6 +30,7 @@ from torch import nn
 
 from .attention import AttentionBackend
 from .config import ModelConfig, rope_inv_freq
+from .quant import linear_weight
 
 
 class RMSNorm(nn.Module):
@@ -130,12 +135,18 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config)
+        # The output head: None when tied to the embedding and not quantized separately
+        # (``quant.py`` gives a quantized model its own head even when the checkpoint ties it).
+        self.lm_head: nn.Module | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        """The (vocab, hidden) output matrix in float (dequantized for a quantized head)."""
+        if self.lm_head is None:
+            return self.embed_tokens.weight
+        return linear_weight(self.lm_head)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, attn: AttentionBackend,
                 inputs_embeds: torch.Tensor | None = None,
@@ -157,4 +168,6 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(tokens, hidden) -> (tokens, vocab) in fp32."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dualserve.models.adapter import (ADAPTER_FILE, DEFAULT_TWIN_DIR, TwinSpec, apply_twin, is_twin_dir, lora_names, load_twin,
+from dualserve.models.adapter import (ADAPTER_FILE, DEFAULT_TWIN_DIR, TwinSpec, apply_twin, is_twin_dir, lora_names,
                                       save_twin)
 from dualserve.models.attention import DenseAttention
 from dualserve.models.config import ModelConfig
-from dualserve.models.loader import hf_config_dict, load_model
+from dualserve.models.loader import hf_config_dict, load_model, load_twin
 from tiny_twin import write_tiny_llama
 
 MASK_ID = 4

@@ -210,7 +210,7 @@ def test_tied_embeddings(tmp_path: Path) -> None:
         assert "lm_head.weight" not in f.keys(), "a tied checkpoint stores the embedding only"
     ours = compare(tmp_path, ref)
     assert ours.config.tie_word_embeddings
-    assert not hasattr(ours.model, "lm_head")
+    assert ours.model.lm_head is None  # tied: no separate head tensor
     assert ours.model.lm_head_weight is ours.model.embed_tokens.weight
 
 

@@ -1,0 +1,197 @@
+"""The bottom of loading: the loaded-model record, tensor readers, renaming, and ``build``.
+
+Every family loader (``loader.py`` for the transformer core and GGUF,
+``adapter.py`` for twins, ``eagle.py`` for draft heads, ``diffusion_gemma.py``)
+imports from here and nothing imports back, so loading runs one way: shared
+types and readers at the bottom, family loaders above, one dispatch at the top
+(``loader.load_model``).
+
+A state dict here maps names to tensors, or, for a weight stored quantized in
+the model cache, to a *portable* entry ``{"qweight", "scales"[, "zeros"]}``
+(see ``quant.py``). On disk the entry is three tensors beside each other,
+``<module>.qweight``, ``<module>.scales``, ``<module>.zeros``, with int4 values
+packed two to a byte (even column in the low nibble).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Union
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .config import ModelConfig
+from .quant import (PORTABLE_KEYS, QuantEmbedding, Quantization, concat_portable, dequantize_portable,
+                    float_to_linear, to_linear, Int8Linear)
+from .tokenizer import Tokenizer
+from .transformer import Transformer
+
+if TYPE_CHECKING:
+    from .diffusion_gemma import DiffusionGemma
+
+Weight = Union[torch.Tensor, dict]  # a tensor, or a portable quantized entry
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    config: ModelConfig
+    model: "Transformer | DiffusionGemma"
+    tokenizer: Tokenizer
+    load_seconds: float
+    quantization: Quantization = "none"
+
+
+# Canonical names fused into one of our parameters: (parts in order, fused name).
+FUSED: list[tuple[tuple[str, ...], str]] = [
+    (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.qkv_proj"),
+    (("mlp.gate_proj", "mlp.up_proj"), "mlp.gate_up_proj"),
+]
+
+# The output head of a quantized model is int8 per channel, whatever the layers use:
+# logits decide every greedy token, and int8 keeps them within a cosine of 0.9999 of
+# the default model's Q8_0 head, where 4 bits would not.
+HEAD_QUANTIZATION: Quantization = "int8"
+
+
+def rename(name: str, table: list[tuple[str, str]]) -> str | None:
+    for pattern, repl in table:
+        new, n = re.subn(pattern, repl, name)
+        if n:
+            return new
+    return None
+
+
+def _concat(parts: list[Weight]) -> Weight:
+    return concat_portable(parts) if isinstance(parts[0], dict) else torch.cat(parts, 0)
+
+
+def to_module_names(canonical: dict[str, Weight]) -> dict[str, Weight]:
+    """Canonical HF names -> our parameter names, concatenating fused projections."""
+    out: dict[str, Weight] = {}
+    pending: dict[str, dict[str, Weight]] = {}
+    for name, tensor in canonical.items():
+        short = name.removeprefix("model.")
+        for parts, fused in FUSED:
+            hit = next((p for p in parts if f".{p}." in f".{short}"), None)
+            if hit:
+                prefix, suffix = short.split(hit)
+                key = f"{prefix}{fused}{suffix}"
+                pending.setdefault(key, {})[hit] = tensor
+                if len(pending[key]) == len(parts):
+                    got = pending.pop(key)
+                    out[key] = _concat([got[p] for p in parts])
+                break
+        else:
+            out[short] = tensor
+    if pending:
+        raise ValueError(f"incomplete fused projections in checkpoint: {sorted(pending)[:4]}")
+    return out
+
+
+def _quantize_into(model: Transformer, state: dict[str, Weight], fmt: Quantization,
+                   device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Swap the meta model's linear layers, head and embedding for ``fmt`` modules built from ``state``.
+
+    Consumes their entries from ``state``; returns the new modules' tensors, by name, for the strict load.
+    """
+    swapped: dict[str, nn.Module] = {}
+    for name, module in list(model.layers.named_modules()):
+        if isinstance(module, nn.Linear):
+            full = f"layers.{name}"
+            bias = state.pop(f"{full}.bias", None)
+            bias = None if bias is None else bias.to(device)
+            weight = state.pop(f"{full}.weight")
+            swapped[full] = (to_linear(weight, fmt, bias, torch.bfloat16, device) if isinstance(weight, dict)
+                             else float_to_linear(weight.to(device), bias, fmt, torch.bfloat16))
+    emb = state.pop("embed_tokens.weight")
+    head = state.pop("lm_head.weight", emb)
+    swapped["lm_head"] = (to_linear(head, HEAD_QUANTIZATION, None, torch.bfloat16, device) if isinstance(head, dict)
+                          else Int8Linear.from_float(head.to(device)))
+    if isinstance(emb, dict) and "zeros" not in emb:  # GGUF Q8_0: the exact grouped int8 layout
+        swapped["embed_tokens"] = QuantEmbedding(emb["qweight"].to(device), emb["scales"].to(device))
+    else:
+        table = dequantize_portable(emb) if isinstance(emb, dict) else emb
+        swapped["embed_tokens"] = QuantEmbedding.from_float(table.to(device))
+    done: dict[str, torch.Tensor] = {}
+    for name, module in swapped.items():
+        model.set_submodule(name, module) if "." in name else setattr(model, name, module)
+        done.update({f"{name}.{k}": t for k, t in module.state_dict().items()})
+    return done
+
+
+def build(config: ModelConfig, state: dict[str, Weight], dtype: torch.dtype,
+          device: torch.device | str, quantization: Quantization = "none") -> Transformer:
+    """Build on meta, then assign real tensors; strict, so a missing or extra tensor is an error.
+
+    With ``quantization`` int8 or int4 the linear layers, the output head and the
+    embedding are quantized (exactly, when the state already holds that layout)
+    and the model computes in bf16, the activation dtype of the weight-only kernels.
+    """
+    if "lm_head.weight" not in state and not config.tie_word_embeddings:
+        config = config.replace(tie_word_embeddings=True)
+    if config.tie_word_embeddings and quantization == "none":
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = Transformer(config)
+    done: dict[str, torch.Tensor] = {}
+    if quantization != "none":
+        dtype = torch.bfloat16
+        done = _quantize_into(model, state, quantization, device)
+    full = {k: (dequantize_portable(v) if isinstance(v, dict) else v).to(device=device, dtype=dtype)
+            for k, v in state.items()}
+    model.load_state_dict({**full, **done}, strict=True, assign=True)
+    model.rotary.reset(device)
+    return model.eval().requires_grad_(False)
+
+
+# ---- Hugging Face directories -------------------------------------------------
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    return files
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def iter_weights(path: Path) -> Iterator[tuple[str, Weight]]:
+    """Like ``iter_safetensors``, with stored portable entries regrouped under ``<module>.weight``."""
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in iter_safetensors(path):
+        module, _, key = name.rpartition(".")
+        if key in PORTABLE_KEYS:
+            groups.setdefault(module, {})[key] = tensor
+        else:
+            yield name, tensor
+    for module, parts in groups.items():
+        if "zeros" in parts:  # int4 stored two to a byte
+            packed = parts["qweight"]
+            parts["qweight"] = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
+        yield f"{module}.weight", parts
+
+
+def portable_tensors(name: str, entry: dict) -> dict[str, torch.Tensor]:
+    """The on-disk tensors of one portable entry named ``<module>.weight``."""
+    module = name.removesuffix(".weight")
+    out = {f"{module}.{k}": v.contiguous() for k, v in entry.items()}
+    if "zeros" in entry:
+        q = entry["qweight"].to(torch.uint8)
+        out[f"{module}.qweight"] = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+    return out

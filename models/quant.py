@@ -1,0 +1,275 @@
+"""Quantized weights: weight-only int8 (per output channel) and int4 (groups along the input).
+
+A quantized model keeps one copy of each linear layer's weight in a low-bit
+layout and multiplies with PyTorch's own weight-only kernels, so batch-1
+decoding streams 4 to 8 times fewer bytes than fp32:
+
+  * ``Int4Linear``: asymmetric groups of ``group_size`` input columns,
+    ``w = q * scale + zero`` with q in 0..15. Runs ``aten._weight_int4pack_mm_for_cpu``
+    (``aten._weight_int4pack_mm`` on CUDA), whose packed layout and
+    ``(q - 8) * scale + mid`` convention are its own; ``mid = zero + 8 * scale``.
+  * ``Int8Linear``: symmetric per output channel, ``w = q * scale``, ``aten._weight_int8pack_mm``.
+  * ``QuantEmbedding``: int8 rows with one scale per group of 32 columns (GGUF's
+    Q8_0 exactly); a lookup dequantizes only the rows it gathers.
+
+The portable layout (what the model cache stores, ``PORTABLE_KEYS``) is plain
+integers and float scales; the kernels' packed layouts are built at load time
+because they differ between CPU and CUDA builds.
+
+Activations are bf16: on CPU both kernels are about 10x faster with bf16
+activations than with fp32 (measured on the 576 -> 3072 projection of
+SmolLM2-135M, 2 threads: 66 vs 1502 us for int4), and their scales must be bf16
+to match. Every row of the output depends on its own input row only, with the
+same arithmetic for any number of rows, so greedy output does not depend on how
+requests are batched.
+
+GGUF blocks map onto these layouts without re-quantizing: Q4_0
+(``w = d * (q - 8)``) and Q4_1 (``w = d * q + m``) are int4 groups of 32
+(``scale = d``, ``zero = -8d`` or ``m``); Q8_0 (``w = d * q``) is the
+``QuantEmbedding`` layout. Only a Q8_0 matrix used as an output head is
+re-expressed per channel (``Int8Linear.from_grouped``), because the int8 kernel
+takes one scale per channel; the cosine of its logits against the Q8_0 values is
+tested.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Quantization = Literal["none", "int8", "int4"]
+GROUP = 32  # GGUF's block size, and the int4 group size
+PORTABLE_KEYS = ("qweight", "scales", "zeros")
+
+
+def _act(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T (+ b) with W in asymmetric int4 groups along the input dimension."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 bias: torch.Tensor | None = None, group_size: int = GROUP):
+        """q: (out, in) integers 0..15; scales, zeros: (out, in // group_size), w = q * scale + zero."""
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.group_size = group_size
+        self.cuda = q.device.type == "cuda"
+        q32 = q.to(torch.int32)
+        if self.cuda:
+            packed = torch.ops.aten._convert_weight_to_int4pack((q32[:, ::2] << 4 | q32[:, 1::2]).to(torch.uint8), 8)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32, 1)
+        mid = zeros.float() + 8 * scales.float()
+        # (in // group, out, 2): the kernel's scale-and-zero layout.
+        sz = torch.stack([scales.float().t(), mid.t()], dim=-1).contiguous().to(torch.bfloat16)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", sz)
+        self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = GROUP) -> "Int4Linear":
+        """Round-to-nearest min/max quantization of a float weight (out, in)."""
+        q, scales, zeros = quantize_int4(w, group_size)
+        return cls(q, scales, zeros, bias, group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = _act(x).reshape(-1, self.in_features)
+        if self.cuda:
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weight (out, in) this layer multiplies by (for tests and references)."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
+        bias, self.bias = self.bias, None
+        try:
+            return self.forward(eye).t().float()
+        finally:
+            self.bias = bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, group={self.group_size}"
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale)^T (+ b), symmetric int8 per output channel."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("qweight", q.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+        w = w.float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        return cls((w / scales[:, None]).round().clamp(-127, 127), scales, bias)
+
+    @classmethod
+    def from_grouped(cls, q: torch.Tensor, scales: torch.Tensor) -> "Int8Linear":
+        """Per-channel int8 from int8 groups (Q8_0): one scale per row, rounding once."""
+        return cls.from_float(dequantize_grouped(q, scales))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(_act(x).reshape(-1, self.in_features), self.qweight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings stored as int8 with one scale per group of columns; rows dequantize on lookup."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = q.shape
+        self.dtype = dtype
+        self.register_buffer("qweight", q.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.float().contiguous())  # (rows, dim // group)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> "QuantEmbedding":
+        rows, dim = w.shape
+        groups = w.float().view(rows, dim // GROUP, GROUP)
+        scales = (groups.abs().amax(-1) / 127).clamp(min=1e-12)
+        q = (groups / scales[..., None]).round().clamp(-127, 127).view(rows, dim)
+        return cls(q, scales, dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_grouped(self.qweight[ids], self.scales[ids]).to(self.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized table (rows, dim); for tools that need the matrix, not for decoding."""
+        return dequantize_grouped(self.qweight, self.scales).to(self.dtype)
+
+
+def dequantize_grouped(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 (..., dim) with scales (..., dim // group) -> float32 (..., dim)."""
+    groups = scales.shape[-1]
+    return (q.float().unflatten(-1, (groups, -1)) * scales.float()[..., None]).flatten(-2)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Min/max asymmetric int4 per group: returns q (out, in) in 0..15, scales and zeros (out, in // group)."""
+    out, inp = w.shape
+    g = w.float().view(out, inp // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = ((hi - lo) / 15).clamp(min=1e-12)
+    q = ((g - lo[..., None]) / scales[..., None]).round().clamp(0, 15).view(out, inp)
+    return q.to(torch.uint8), scales, lo
+
+
+# ---- GGUF blocks (ggml-common.h: block_q4_0, block_q4_1, block_q8_0) -------------
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """(rows, blocks, 16) bytes -> (rows, blocks * 32): low nibbles are elements 0..15, high 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(qs.shape[0], -1)
+
+
+def gguf_blocks(data: np.ndarray, kind: str) -> dict[str, torch.Tensor]:
+    """Raw GGUF rows (rows, bytes) of a Q4_0, Q4_1 or Q8_0 tensor -> the portable layout, no rounding."""
+    rows = data.shape[0]
+    if kind == "Q4_0":  # 2-byte d, 16 bytes of nibbles; w = d * (q - 8)
+        b = data.reshape(rows, -1, 18)
+        d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        return {"qweight": torch.from_numpy(_nibbles(b[..., 2:])), "scales": torch.from_numpy(d),
+                "zeros": torch.from_numpy(-8 * d)}
+    if kind == "Q4_1":  # 2-byte d, 2-byte m, 16 bytes of nibbles; w = d * q + m
+        b = data.reshape(rows, -1, 20)
+        d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        return {"qweight": torch.from_numpy(_nibbles(b[..., 4:])), "scales": torch.from_numpy(d),
+                "zeros": torch.from_numpy(m)}
+    if kind == "Q8_0":  # 2-byte d, 32 int8; w = d * q
+        b = data.reshape(rows, -1, 34)
+        d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        q = b[..., 2:].copy().view(np.int8).reshape(rows, -1)
+        return {"qweight": torch.from_numpy(q), "scales": torch.from_numpy(d)}
+    raise ValueError(f"no direct layout for GGUF {kind}")
+
+
+def portable_kind(parts: dict[str, torch.Tensor]) -> Literal["int4", "int8_grouped"]:
+    return "int4" if "zeros" in parts else "int8_grouped"
+
+
+def dequantize_portable(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The float32 weight a portable entry stands for."""
+    q, scales = parts["qweight"], parts["scales"]
+    if "zeros" in parts:
+        zeros = parts["zeros"]
+        w = q.float().unflatten(-1, (scales.shape[-1], -1)) * scales.float()[..., None] + zeros.float()[..., None]
+        return w.flatten(-2)
+    return dequantize_grouped(q, scales)
+
+
+def concat_portable(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack several portable weights along the output dimension (fused q/k/v, gate/up)."""
+    return {k: torch.cat([p[k] for p in parts], 0) for k in parts[0]}
+
+
+def to_linear(parts: dict[str, torch.Tensor], fmt: Quantization, bias: torch.Tensor | None,
+              dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """A portable weight as a linear layer in ``fmt``: int4 stays exact when it came as int4."""
+    parts = {k: v.to(device) for k, v in parts.items()}
+    if fmt == "int4" and portable_kind(parts) == "int4":
+        return Int4Linear(parts["qweight"], parts["scales"], parts["zeros"], bias)
+    if fmt == "int8" and portable_kind(parts) == "int8_grouped":
+        return Int8Linear.from_grouped(parts["qweight"], parts["scales"])
+    w = dequantize_portable(parts)
+    return float_to_linear(w, bias, fmt, dtype)
+
+
+def float_to_linear(w: torch.Tensor, bias: torch.Tensor | None, fmt: Quantization,
+                    dtype: torch.dtype) -> nn.Module:
+    if fmt == "int4" and w.shape[1] % GROUP == 0:
+        return Int4Linear.from_float(w, bias)
+    if fmt in ("int4", "int8"):
+        return Int8Linear.from_float(w, bias)
+    layer = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(w.to(dtype), requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+    return layer
+
+
+def linear_weight(module: nn.Module) -> torch.Tensor:
+    """The (out, in) float weight of a float or quantized linear layer."""
+    if isinstance(module, nn.Linear):
+        return module.weight
+    return module.dequantize()
+
+
+def quantized_matmul_ok(device: torch.device | str = "cpu") -> bool:
+    """Whether this torch build has the weight-only kernels on ``device``."""
+    try:
+        lin = Int4Linear.from_float(torch.randn(8, GROUP, device=device))
+        lin(torch.randn(1, GROUP, device=device))
+        Int8Linear.from_float(torch.randn(8, GROUP, device=device))(torch.randn(1, GROUP, device=device))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def module_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
