@@ -1,16 +1,16 @@
-"""The HTTP surface: thin litestar handlers over ``Service``.
+"""The HTTP surface: litestar routes over ``Service``, with authentication and errors.
 
-Each handler decodes the body into a msgspec Struct, asks the service to
-validate, route and submit, and encodes the result (JSON, or SSE from an async
-generator). Every generation response names the decoder that served it and
-why in ``x-dualserve-decoder`` / ``x-dualserve-route-reason``. A client that
+The three generation endpoints share one path (``generate``): decode the body
+into a msgspec Struct, let the endpoint's handler (``completions``, ``chat``,
+``infill``) build a plan, submit it, and encode the result (JSON, or SSE from an
+async generator). Every generation response names the decoder that served it
+and why in ``x-dualserve-decoder`` / ``x-dualserve-route-reason``. A client that
 disconnects aborts its engine requests, which frees their blocks within a step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -21,16 +21,17 @@ from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
 from .chat import ChatHandler
-from .infill import build_infill
-from .metrics import Metrics
-from .status import render_page
-from .errors import (APIError, bad_request, error_response, handle_api_error, handle_http_exception,
+from .completions import CompletionHandler
+from .errors import (APIError, ErrorKind, bad_request, error_response, handle_api_error, handle_http_exception,
                      handle_unexpected)
-from .protocol import ModelCard, ModelList, chat_decoder, completion_decoder, encoder, infill_decoder
-from .responses import completion_body, completion_stream, infill_body, infill_stream
+from .handler import HandlerType
+from .infill import InfillHandler
+from .metrics import Metrics
+from .protocol import (DECODER_HEADER, ROUTE_REASON_HEADER, ModelCard, ModelList, chat_decoder, completion_decoder,
+                       encoder, infill_decoder)
+from .router import Route
 from .service import Service
-
-DECODER_HEADER = "x-dualserve-decoder"
+from .status import render_page
 
 
 @dataclass
@@ -57,8 +58,8 @@ def decode(raw: bytes, decoder: msgspec.json.Decoder) -> Any:
         raise bad_request("the JSON body is nested too deeply", None, "invalid_json") from None
 
 
-def route_headers(route) -> dict[str, str]:
-    return {DECODER_HEADER: route.decoder, "x-dualserve-route-reason": route.reason}
+def route_headers(route: Route) -> dict[str, str]:
+    return {DECODER_HEADER: route.decoder, ROUTE_REASON_HEADER: route.reason}
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -100,8 +101,8 @@ def check_api_key(request: Request) -> Response | None:
     header = request.headers.get("authorization", "")
     if header.startswith("Bearer ") and header[7:].strip() == key:
         return None
-    return error_response(APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'.",
-                                   "invalid_request_error", None, "invalid_api_key"))
+    return error_response(APIError(ErrorKind.UNAUTHENTICATED, "Incorrect or missing API key. Send it as "
+                                   "'Authorization: Bearer KEY'.", None, "invalid_api_key"))
 
 
 @route("/health", http_method=["GET", "HEAD"], sync_to_thread=False)
@@ -117,47 +118,34 @@ def list_models(state: State) -> Response:
     return json_response(ModelList(data=cards), {})
 
 
+async def generate(request: Request, state: State, body_decoder: msgspec.json.Decoder,
+                   handler_type: HandlerType) -> Response | Stream:
+    """The path every generation endpoint takes: decode, plan, submit, then stream or collect."""
+    service: Service = state.app_state.service
+    body = decode(await request.body(), body_decoder)
+    handler = handler_type(service, body, request.headers.get(DECODER_HEADER))
+    job = service.start(handler.plan())
+    headers = route_headers(job.route)
+    if body.stream:
+        return sse_response(handler.stream(job), headers)
+    results = await until_disconnect(request, service.collect(job))
+    return json_response(handler.respond(job, results), headers)
+
+
 @post("/v1/completions", status_code=200)
 async def completions(request: Request, state: State) -> Response | Stream:
-    service: Service = state.app_state.service
-    body = decode(await request.body(), completion_decoder)
-    model = service.model(body.model)
-    prompts = service.prompt_ids(model, body.prompt)
-    suffix_ids = model.tokenizer.encode(body.suffix, add_special_tokens=False) if body.suffix else None
-    if body.echo and body.logprobs is not None and (body.decoder or "auto") == "auto":
-        body.decoder = "ar"  # prompt logprobs come from the AR path's prefill
-    route = service.route(model, body, request.headers.get("x-dualserve-decoder"), infill=bool(body.suffix))
-    if body.echo and body.logprobs is not None and route.decoder != "ar":
-        raise bad_request("echo with logprobs is served by the 'ar' decoder", "echo", "unsupported_parameter")
-    if suffix_ids and route.decoder != "diffusion":
-        # AR decoders approximate infilling with fill-in-the-middle tokens, as llama.cpp does.
-        prompts = [build_infill(model.tokenizer, model.tokenizer.decode(p), body.suffix, [], native=False).prefix_ids
-                   for p in prompts]
-        suffix_ids = None
-    params = service.sampling_params(body, body.max_tokens, body.logprobs, max(len(p) for p in prompts), model,
-                                     default_max=16)
-    if body.echo and body.logprobs is not None:
-        params = dataclasses.replace(params, prompt_logprobs=True)
-    job = service.start(model, route, prompts, params, body.n, suffix_ids)
-    echo = [model.tokenizer.decode(p) for p in prompts] if body.echo else []
-    headers = route_headers(route)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(completion_stream(service, job, echo, include_usage), headers)
-    results = await until_disconnect(request, service.collect(job))
-    return json_response(completion_body(service, job, results, echo, results[0].stats), headers)
+    return await generate(request, state, completion_decoder, CompletionHandler)
 
 
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request, state: State) -> Response | Stream:
-    service: Service = state.app_state.service
-    body = decode(await request.body(), chat_decoder)
-    handler = ChatHandler(service, body, request.headers.get("x-dualserve-decoder"))
-    job = handler.start()
-    headers = route_headers(job.route)
-    if body.stream:
-        return sse_response(handler.stream(job), headers)
-    return json_response(await until_disconnect(request, handler.complete(job)), headers)
+    return await generate(request, state, chat_decoder, ChatHandler)
+
+
+@post("/infill", status_code=200)
+async def infill(request: Request, state: State) -> Response | Stream:
+    """llama.cpp-compatible infill (llama.vscode and similar plugins)."""
+    return await generate(request, state, infill_decoder, InfillHandler)
 
 
 @get("/metrics", sync_to_thread=False)
@@ -179,26 +167,6 @@ def status_json(state: State) -> Response:
     app: AppState = state.app_state
     now = app.metrics.refresh(app.service.engine)
     return json_response({"now": now, "history": list(app.metrics.history)}, {})
-
-
-@post("/infill", status_code=200)
-async def infill(request: Request, state: State) -> Response | Stream:
-    """llama.cpp-compatible infill (llama.vscode and similar plugins)."""
-    service: Service = state.app_state.service
-    body = decode(await request.body(), infill_decoder)
-    model = service.model(body.model)
-    hints = service.infill_hints(body)
-    route = service.route(model, hints, request.headers.get("x-dualserve-decoder"), infill=True)
-    prompt = build_infill(model.tokenizer, body.input_prefix + body.prompt, body.input_suffix, body.input_extra,
-                          native=route.decoder == "diffusion")
-    params = service.sampling_params(hints, body.n_predict or body.max_tokens or 64, None,
-                                     len(prompt.prefix_ids) + len(prompt.suffix_ids), model, default_max=64)
-    job = service.start(model, route, [prompt.prefix_ids], params, 1, prompt.suffix_ids)
-    headers = route_headers(route)
-    if body.stream:
-        return sse_response(infill_stream(service, job), headers)
-    results = await until_disconnect(request, service.collect(job))
-    return json_response(infill_body(job, results[0]), headers)
 
 
 def create_app(app_state: AppState) -> Litestar:

@@ -1,8 +1,9 @@
-"""/v1/chat/completions: messages -> chat template -> prompt ids, and results -> chat bodies.
+"""/v1/chat/completions: messages -> chat template -> prompt ids -> a plan, and results -> chat bodies.
 
 The model's own chat template (from tokenizer_config.json or the GGUF file) is
 rendered by ``dualserve.models.chat_template`` in a sandbox; a template error
-is the client's 400, not our 500.
+is the client's 400, not our 500. Tools and ``response_format`` become a grammar
+the engine enforces, and the routing knows the request is structured.
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ from dualserve.decoders.engine.grammar import GrammarSpec
 from .errors import bad_request
 from .protocol import ChatCompletion, ChatCompletionRequest
 from .responses import chat_body, chat_stream
-from .service import Job, Service
+from .service import ChoiceResult, Job, Plan, Service
 from .tools import ToolStream, family_for, inject_tools, template_renders_tools
 
-
-DIFFUSION_DEFAULT_MAX_TOKENS = 256
-
+DEFAULT_MAX_TOKENS: int | None = None  # OpenAI's: the rest of the context, unless the decoder has its own
 
 def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     if not body.messages:
@@ -112,7 +111,7 @@ class ChatHandler:
             raise bad_request(f"could not apply the chat template: {e}", "messages", "invalid_messages") from None
         return tok.encode(text, add_special_tokens=False)
 
-    def start(self) -> Job:
+    def plan(self) -> Plan:
         body = self.body
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
@@ -120,18 +119,16 @@ class ChatHandler:
         grammar = response_grammar(body)
         if self.use_tools and (self.forced or body.tool_choice == "required"):
             grammar = GrammarSpec("lark", self.family.call_grammar(body.tools or [], self.forced))
-        route = self.service.route(self.model, body, self.header_decoder, structured=grammar is not None)
+        route = self.service.route(self.model, body, body.decoder or self.header_decoder,
+                                   structured=grammar is not None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        # A diffusion canvas is sized by max_tokens: do not default it to the whole context.
-        default_max = DIFFUSION_DEFAULT_MAX_TOKENS if route.decoder == "diffusion" else None
         params = self.service.sampling_params(body, max_tokens, logprobs, len(ids), self.model,
-                                              default_max=default_max)
+                                              default_max=route.default_max_tokens(DEFAULT_MAX_TOKENS))
         params = dataclasses.replace(params, grammar=grammar)
-        return self.service.start(self.model, route, [ids], params, body.n)
+        return Plan(self.model, route, [ids], params, body.n)
 
-    async def complete(self, job: Job) -> ChatCompletion:
-        results = await self.service.collect(job)
+    def respond(self, job: Job, results: list[ChoiceResult]) -> ChatCompletion:
         parser = self.family.parse if self.use_tools else None
         return chat_body(self.service, job, results, self.body.logprobs, results[0].stats if results else None,
                          parser)

@@ -12,10 +12,15 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from dualserve.models.hub import ModelFetchError, default_cache_dir, pull_default_model, resolve_model
+
+if TYPE_CHECKING:
+    from .router import DecoderTraits
+    from .service import ServedModel
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -97,22 +102,44 @@ def load_deployment(args: argparse.Namespace):
     return build_deployment(specs, cfg, pool, device=args.device)
 
 
+# A diffusion canvas is sized by max_tokens: a request that sets none must not get the whole context.
+DIFFUSION_DEFAULT_MAX_TOKENS = 256
+
+
+def decoder_traits(name: str, decoder) -> DecoderTraits:
+    """What routing and the handlers must know of one registered decoder."""
+    from .router import DecoderTraits
+
+    if name != "diffusion":
+        return DecoderTraits()  # AR decoders infill with FIM tokens
+    return DecoderTraits(infill="native" if decoder.supports_infill else "none",
+                         default_max_tokens=DIFFUSION_DEFAULT_MAX_TOKENS)
+
+
+def served_models(dep, max_model_len: int) -> dict[str, ServedModel]:
+    """The API's view of each served model: tokenizer, context length, decoders and their traits."""
+    from .service import ServedModel
+
+    served = {}
+    for name, m in dep.models.items():
+        decoders = dep.engine.decoders_for(name)
+        served[name] = ServedModel(
+            name=name, tokenizer=m.tokenizer,
+            max_model_len=min(m.config.max_position_embeddings, max_model_len),
+            decoders=decoders, traits={d: decoder_traits(d, dep.engine.decoders[(name, d)]) for d in decoders})
+    return served
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import AppState, create_app
     from .metrics import Metrics
     from .router import Router, load_policy
-    from .service import ServedModel, Service, ServiceLimits
+    from .service import Service, ServiceLimits
 
     dep = load_deployment(args)
-    served = {name: ServedModel(name=name, tokenizer=m.tokenizer,
-                                max_model_len=min(getattr(m.config, "max_position_embeddings", args.max_model_len),
-                                                  args.max_model_len),
-                                decoders=dep.engine.decoders_for(name),
-                                native_infill=bool(getattr(dep.engine.decoders.get((name, "diffusion")),
-                                                           "supports_infill", False)))
-              for name, m in dep.models.items()}
+    served = served_models(dep, args.max_model_len)
     metrics = Metrics(node_cost_per_hour=args.node_cost_per_hour)
     policy = load_policy(args.router_policy)
     if args.calibrate_router:

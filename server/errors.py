@@ -1,11 +1,13 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
 
-Handlers raise ``APIError``; the app's exception handlers turn it (and any
-validation or unexpected error) into that shape. No traceback reaches a client.
+Handlers raise ``APIError``, whose ``ErrorKind`` fixes the HTTP status and OpenAI's error type;
+the app's exception handlers turn it (and any validation or unexpected error) into that shape.
+No traceback reaches a client.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 
 from litestar import Request, Response
@@ -16,26 +18,58 @@ from .protocol import ErrorBody, ErrorResponse, encoder
 log = logging.getLogger("dualserve.server")
 
 
+class ErrorKind(enum.Enum):
+    """What went wrong, as (HTTP status, OpenAI error type)."""
+
+    INVALID_REQUEST = (400, "invalid_request_error")
+    UNAUTHENTICATED = (401, "invalid_request_error")  # as OpenAI answers a wrong key
+    NOT_FOUND = (404, "invalid_request_error")
+    OVERLOADED = (429, "rate_limit_error")            # the engine's queue is full
+    INTERNAL = (500, "server_error")                  # a decoder or engine step failed
+    NO_CAPACITY = (503, "server_error")               # the prompt can never fit in the KV block pool
+    TIMEOUT = (504, "timeout_error")
+
+    @property
+    def status(self) -> int:
+        return self.value[0]
+
+    @property
+    def type(self) -> str:
+        return self.value[1]
+
+
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status = status
+        self.kind = kind
         self.message = message
-        self.type = type
         self.param = param
         self.code = code
         self.headers = headers or {}
 
+    @property
+    def status(self) -> int:
+        return self.kind.status
+
+    @property
+    def type(self) -> str:
+        return self.kind.type
+
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param, code)
+    return APIError(ErrorKind.INVALID_REQUEST, message, param, code)
 
 
 def error_response(err: APIError) -> Response:
-    body = ErrorResponse(error=ErrorBody(message=err.message, type=err.type, param=err.param, code=err.code))
-    return Response(content=encoder.encode(body), status_code=err.status, media_type="application/json",
-                    headers=err.headers)
+    return _response(err.status, err.type, err.message, err.param, err.code, err.headers)
+
+
+def _response(status: int, type: str, message: str, param: str | None = None, code: str | None = None,
+              headers: dict[str, str] | None = None) -> Response:
+    body = ErrorResponse(error=ErrorBody(message=message, type=type, param=param, code=code))
+    return Response(content=encoder.encode(body), status_code=status, media_type="application/json",
+                    headers=headers or {})
 
 
 def handle_api_error(_: Request, exc: APIError) -> Response:
@@ -43,14 +77,15 @@ def handle_api_error(_: Request, exc: APIError) -> Response:
 
 
 def handle_http_exception(_: Request, exc: HTTPException) -> Response:
+    """litestar's own refusals (unknown path, wrong method, body too large) in the same shape."""
     status = exc.status_code
     kind = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
             413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
     if status >= 500:
         kind = "server_error"
-    return error_response(APIError(status, str(exc.detail), kind, headers=dict(exc.headers or {})))
+    return _response(status, kind, str(exc.detail), headers=dict(exc.headers or {}))
 
 
 def handle_unexpected(_: Request, exc: Exception) -> Response:
     log.exception("unhandled error")
-    return error_response(APIError(500, "internal server error", "server_error"))
+    return error_response(APIError(ErrorKind.INTERNAL, "internal server error"))

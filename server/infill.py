@@ -1,60 +1,47 @@
-"""Code infilling for IDE plugins: llama.cpp's ``POST /infill`` and ``suffix`` on /v1/completions.
+"""llama.cpp's ``POST /infill`` (llama.vscode and similar plugins): prefix, suffix, extra files -> a plan.
 
-A diffusion decoder infills natively: the suffix is fixed context to the right
-of the canvas. An AR decoder can only approximate it with fill-in-the-middle
-special tokens (StarCoder's ``<fim_prefix>``/``<fim_suffix>``/``<fim_middle>``,
-Qwen's ``<|fim_prefix|>``...), which we use when the tokenizer has them, as
-llama.cpp does (its ``format_infill``). ``input_extra`` chunks (other files
-the plugin sends for context) are prepended as ``<file_sep>``-style context.
+The llama.cpp fields map onto OpenAI-style sampling hints; the routed decoder decides how the
+suffix is placed (``Route.infill``, prompts built in ``fim``), and the response keeps
+llama.cpp's shape.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator
 
-FIM_TOKEN_SETS = (
-    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
-    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
-    ("<PRE>", "<SUF>", "<MID>"),
-)
-FILE_SEP_TOKENS = ("<|file_sep|>", "<file_sep>")
+from .protocol import Hints, InfillRequest
+from .responses import infill_body, infill_stream
+from .service import ChoiceResult, Job, Plan, Service
+
+DEFAULT_MAX_TOKENS = 64
 
 
-@dataclass(frozen=True)
-class InfillPrompt:
-    prefix_ids: list[int]
-    suffix_ids: list[int]       # empty when the suffix was folded into FIM tokens
+def infill_hints(body: InfillRequest) -> Hints:
+    """llama.cpp's /infill fields as OpenAI-style sampling hints."""
+    return Hints(model=body.model, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                 stop=body.stop, seed=body.seed, decoder=body.decoder)
 
 
-def fim_tokens(tokenizer) -> tuple[str, str, str] | None:
-    for triple in FIM_TOKEN_SETS:
-        if all(tokenizer.token_to_id(t) is not None for t in triple):
-            return triple
-    return None
+class InfillHandler:
+    def __init__(self, service: Service, body: InfillRequest, header_decoder: str | None):
+        self.service = service
+        self.body = body
+        self.header_decoder = header_decoder
 
+    def plan(self) -> Plan:
+        service, body = self.service, self.body
+        model = service.model(body.model)
+        hints = infill_hints(body)
+        route = service.route(model, hints, hints.decoder or self.header_decoder, infill=True)
+        prompt = route.infill(model.tokenizer, body.input_prefix + body.prompt, body.input_suffix,
+                              body.input_extra)
+        params = service.sampling_params(hints, body.n_predict or body.max_tokens or DEFAULT_MAX_TOKENS, None,
+                                         len(prompt.prefix_ids) + len(prompt.suffix_ids), model,
+                                         default_max=route.default_max_tokens(DEFAULT_MAX_TOKENS))
+        return Plan(model, route, [prompt.prefix_ids], params, 1, prompt.suffix_ids)
 
-def extra_context(tokenizer, extra: list[dict[str, Any]]) -> str:
-    if not extra:
-        return ""
-    sep = next((t for t in FILE_SEP_TOKENS if tokenizer.token_to_id(t) is not None), "\n")
-    parts = []
-    for chunk in extra:
-        name = str(chunk.get("filename", ""))
-        parts.append(f"{sep}{name}\n{chunk.get('text', '')}")
-    return "".join(parts) + sep
+    def respond(self, job: Job, results: list[ChoiceResult]) -> dict[str, Any]:
+        return infill_body(job, results[0])
 
-
-def build_infill(tokenizer, prefix: str, suffix: str, extra: list[dict[str, Any]], native: bool) -> InfillPrompt:
-    """Prompt ids for infilling; ``native`` keeps the suffix as separate right context (diffusion)."""
-    context = extra_context(tokenizer, extra)
-    if native:
-        return InfillPrompt(tokenizer.encode(context + prefix, add_special_tokens=True),
-                            tokenizer.encode(suffix, add_special_tokens=False))
-    fim = fim_tokens(tokenizer)
-    if fim is None:
-        # No FIM vocabulary: complete the prefix and let the suffix go unused.
-        return InfillPrompt(tokenizer.encode(context + prefix, add_special_tokens=True), [])
-    pre, suf, mid = fim
-    text = f"{context}{pre}{prefix}{suf}{suffix}{mid}"
-    return InfillPrompt(tokenizer.encode(text, add_special_tokens=False), [])
+    def stream(self, job: Job) -> AsyncIterator[bytes]:
+        return infill_stream(self.service, job)

@@ -17,6 +17,11 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Struct, field
 
+# Response headers that name the decoder that served a request and why; a request may name its
+# decoder in the first as well (the ``decoder`` body field wins).
+DECODER_HEADER = "x-dualserve-decoder"
+ROUTE_REASON_HEADER = "x-dualserve-route-reason"
+
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 

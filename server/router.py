@@ -7,6 +7,10 @@ the deployment's policy: latency-bound, decode-heavy, lower-value work to
 diffusion; high-value work to lossless speculative AR; batchable work (n > 1,
 ``priority: batch``) to the batching AR path. The decision and its reason go
 back to the client in response headers.
+
+The returned ``Route`` carries what the chosen decoder changes about a request:
+its default ``max_tokens`` and how a suffix is placed (right context for a
+decoder that infills natively, fill-in-the-middle tokens otherwise).
 """
 
 from __future__ import annotations
@@ -15,20 +19,54 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Mapping
 
 from .errors import bad_request
+from .fim import InfillPrompt, build_infill
 
 DECODERS = ("ar", "eagle", "diffusion")
 HINTS = DECODERS + ("auto",)
 Priority = Literal["interactive", "high_value", "batch"]
 PRIORITIES = ("interactive", "high_value", "batch")
+Infill = Literal["native", "fim", "none"]
+
+
+@dataclass(frozen=True)
+class DecoderTraits:
+    """What routing and the handlers need to know of one served decoder (cli reads it from the decoder)."""
+
+    # How it fills between a prefix and a suffix: "native" keeps the suffix as right context
+    # (diffusion over bidirectional attention); "fim" rewrites the prompt with fill-in-the-middle
+    # tokens (AR decoders, as llama.cpp does); "none" cannot (block-causal diffusion never sees it).
+    infill: Infill = "fim"
+    default_max_tokens: int | None = None  # for a request that sets none, where its endpoint has no default
 
 
 @dataclass(frozen=True)
 class Route:
+    """The decoder that serves a request, why, and that decoder's traits."""
+
     decoder: str
     reason: str
+    traits: DecoderTraits = DecoderTraits()
+
+    def default_max_tokens(self, endpoint_default: int | None) -> int | None:
+        """The endpoint's own default, else the decoder's (e.g. a diffusion canvas is sized by
+        max_tokens, so chat must not default it to the whole context), else None: the rest of it."""
+        return endpoint_default if endpoint_default is not None else self.traits.default_max_tokens
+
+    def infill(self, tokenizer: Any, prefix: str, suffix: str, extra: list[dict[str, Any]]) -> InfillPrompt:
+        """Prompt ids for filling between ``prefix`` and ``suffix`` on this decoder."""
+        return build_infill(tokenizer, prefix, suffix, extra, native=self.traits.infill == "native")
+
+    def with_suffix(self, tokenizer: Any, prompts: list[list[int]],
+                    suffix: str) -> tuple[list[list[int]], list[int]]:
+        """Completion prompts and suffix ids for a ``suffix``: kept apart for a native infiller;
+        else each prompt is rewritten with fill-in-the-middle tokens, as llama.cpp does."""
+        suffix_ids = tokenizer.encode(suffix, add_special_tokens=False)
+        if self.traits.infill == "native" or not suffix_ids:
+            return prompts, suffix_ids
+        return [self.infill(tokenizer, tokenizer.decode(p), suffix, []).prefix_ids for p in prompts], []
 
 
 @dataclass(frozen=True)
@@ -65,7 +103,15 @@ class Router:
 
     def route(self, model: str, available: list[str], hint: str | None, *, priority: str | None = None,
               latency_budget_ms: float | None = None, n: int = 1, infill: bool = False,
-              structured: bool = False) -> Route:
+              structured: bool = False, traits: Mapping[str, DecoderTraits] | None = None) -> Route:
+        """The decision for one request, carrying the chosen decoder's ``traits`` (defaults if absent).
+
+        ``infill`` asks for a decoder that fills between a prefix and a suffix natively."""
+        route = self.decide(model, available, hint, priority, latency_budget_ms, n, infill, structured)
+        return dataclasses.replace(route, traits=(traits or {}).get(route.decoder, DecoderTraits()))
+
+    def decide(self, model: str, available: list[str], hint: str | None, priority: str | None,
+               latency_budget_ms: float | None, n: int, infill: bool, structured: bool) -> Route:
         hint = (hint or self.policy.default_hint).lower()
         if hint not in HINTS:
             raise bad_request(f"unknown decoder {hint!r}; valid values are {', '.join(HINTS)}", "decoder",

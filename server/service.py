@@ -21,9 +21,16 @@ from dualserve.decoders.engine.request import Delta
 from dualserve.decoders.engine.sampling import SamplingParams, TokenLogprob
 from dualserve.decoders.engine.scheduler import QueueFull
 
-from .errors import APIError, bad_request
+from .errors import APIError, ErrorKind, bad_request
 from .protocol import Hints
-from .router import Route, Router
+from .router import DecoderTraits, Route, Router
+
+
+def engine_error(message: str) -> APIError:
+    """A request the engine finished with an error. The engine reports only a message: a prompt
+    that can never fit in the KV block pool is a capacity problem (503), anything else is ours (500)."""
+    kind = ErrorKind.NO_CAPACITY if "pool" in message else ErrorKind.INTERNAL
+    return APIError(kind, message, None, "engine_error")
 
 
 @dataclass
@@ -32,8 +39,13 @@ class ServedModel:
     tokenizer: Any
     max_model_len: int
     decoders: list[str]
-    native_infill: bool = False    # its diffusion decoder can fill between a prefix and a suffix
+    traits: dict[str, DecoderTraits] = field(default_factory=dict)  # by decoder; absent: the defaults
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def native_infill(self) -> bool:
+        """Whether one of its decoders fills between a prefix and a suffix itself."""
+        return any(t.infill == "native" for t in self.traits.values())
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,18 @@ class ServiceLimits:
     max_stop: int = 16
     max_logprobs: int = 20
     request_timeout: float | None = 600.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One request, decided and validated: what the service submits to the engine."""
+
+    model: ServedModel
+    route: Route
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int = 1
+    suffix_ids: list[int] | None = None  # fixed right context, for a decoder that infills natively
 
 
 @dataclass
@@ -94,8 +118,8 @@ class Service:
                                            and name in ("default", "dualserve")):
             return self.models[self.default_model]
         if name not in self.models:
-            raise APIError(404, f"The model '{name}' does not exist. Available: {', '.join(self.models)}",
-                           "invalid_request_error", "model", "model_not_found")
+            raise APIError(ErrorKind.NOT_FOUND, f"The model '{name}' does not exist. Available: "
+                           f"{', '.join(self.models)}", "model", "model_not_found")
         return self.models[name]
 
     def prompt_ids(self, model: ServedModel, prompt: Any) -> list[list[int]]:
@@ -184,8 +208,8 @@ class Service:
 
     # ---- submission ------------------------------------------------------------
 
-    def start(self, model: ServedModel, route: Route, prompts: list[list[int]], params: SamplingParams,
-              n: int, suffix_ids: list[int] | None = None) -> Job:
+    def start(self, plan: Plan) -> Job:
+        model, route, prompts, params, n = plan.model, plan.route, plan.prompts, plan.params, plan.n
         if len(prompts) * n > self.engine.config.max_waiting:
             raise bad_request(f"this request asks for {len(prompts) * n} completions (prompts x n); at most "
                               f"{self.engine.config.max_waiting} can be queued", "n", "invalid_value")
@@ -200,13 +224,13 @@ class Service:
 
             try:
                 job.engine_ids.append(self.engine.submit(model.name, route.decoder, ids, params, sink, n=n,
-                                                         suffix_ids=suffix_ids or ()))
+                                                         suffix_ids=plan.suffix_ids or ()))
             except GrammarError as e:
                 self.cancel(job)
                 raise bad_request(f"invalid grammar or schema: {e}", "response_format", "invalid_schema") from None
             except QueueFull:
                 self.cancel(job)
-                raise APIError(429, "The server is overloaded; retry shortly.", "rate_limit_error", None,
+                raise APIError(ErrorKind.OVERLOADED, "The server is overloaded; retry shortly.", None,
                                "server_overloaded", headers={"Retry-After": "1"}) from None
             except Exception:
                 self.cancel(job)
@@ -231,10 +255,9 @@ class Service:
                 try:
                     index, delta = await asyncio.wait_for(job.queue.get(), timeout)
                 except asyncio.TimeoutError:
-                    raise APIError(504, "the request timed out", "timeout_error", None, "timeout") from None
+                    raise APIError(ErrorKind.TIMEOUT, "the request timed out", None, "timeout") from None
                 if delta.error and delta.finish_reason == "error":
-                    raise APIError(503 if "pool" in delta.error else 500, delta.error,
-                                   "server_error", None, "engine_error")
+                    raise engine_error(delta.error)
                 if delta.token_ids and index not in first:
                     first[index] = time.monotonic() - started
                 produced[index] = produced.get(index, 0) + len(delta.token_ids)
@@ -272,21 +295,19 @@ class Service:
             r.prompt_logprobs = delta.prompt_logprobs or r.prompt_logprobs
         return results
 
-    def route(self, model: ServedModel, body: Hints, header_decoder: str | None, *, infill: bool = False,
+    def route(self, model: ServedModel, body: Hints, decoder: str | None, *, infill: bool = False,
               structured: bool = False) -> Route:
-        route = self.router.route(model.name, model.decoders, body.decoder or header_decoder,
-                                  priority=body.priority, latency_budget_ms=body.latency_budget_ms, n=body.n,
-                                  infill=infill and model.native_infill, structured=structured)
-        if infill and route.decoder == "diffusion" and not model.native_infill:
+        """Route a request whose client asked for ``decoder`` (body field, else header; None: the
+        policy's default). ``infill``: it has a suffix to fill up to."""
+        route = self.router.route(model.name, model.decoders, decoder, priority=body.priority,
+                                  latency_budget_ms=body.latency_budget_ms, n=body.n,
+                                  infill=infill and model.native_infill, structured=structured,
+                                  traits=model.traits)
+        if infill and route.traits.infill == "none":
             raise bad_request(f"model {model.name!r} cannot infill with its diffusion decoder (block-causal "
                               "attention never sees the suffix); use decoder 'ar' or 'auto'", "suffix",
                               "unsupported_parameter")
         return route
-
-    def infill_hints(self, body) -> Hints:
-        """llama.cpp's /infill fields as OpenAI-style sampling hints."""
-        return Hints(model=body.model, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                     stop=body.stop, seed=body.seed, decoder=body.decoder)
 
     def token_text(self, model: ServedModel, token_id: int) -> str:
         return model.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -71,3 +71,16 @@ def test_auto_routes_interactive_work_to_diffusion(client):
         extra_body={"priority": "interactive", "latency_budget_ms": 300})
     assert raw.headers["x-dualserve-decoder"] == "diffusion"
     assert "latency" in raw.headers["x-dualserve-route-reason"]
+
+
+def test_twin_refuses_a_suffix_that_auto_fills_in_the_middle(client):
+    """The twin's block-causal attention never sees a suffix: asked for one, it answers a 400 that
+    says so; ``auto`` sends the request to an AR decoder, which fills in the middle instead."""
+    kw = dict(model=MODEL, prompt="def add(a, b):\n    return", suffix="\n\nprint(add(1, 2))\n", max_tokens=4,
+              temperature=0)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(**kw, extra_body=DIFFUSION)
+    assert exc.value.body["param"] == "suffix" and "infill" in exc.value.body["message"]
+    raw = client.completions.with_raw_response.create(**kw)
+    assert raw.headers["x-dualserve-decoder"] in ("ar", "eagle")
+    assert raw.parse().choices[0].finish_reason in ("stop", "length")

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dualserve.server.errors import APIError
-from dualserve.server.router import Router, RoutingPolicy, load_policy
+from dualserve.server.router import DecoderTraits, Route, Router, RoutingPolicy, load_policy
 
 ALL = ["ar", "eagle", "diffusion"]
 
@@ -88,3 +88,45 @@ def test_calibration_routes_by_measured_speed(default_gguf, cache_dir):
     assert policy.high_value == max(("ar", "eagle"), key=speeds.get)
     assert policy.batch == "ar"
     assert dep.engine.pool.num_used_blocks == 0, "calibration frees what it used"
+
+
+class FimTokenizer:
+    """A tokenizer with StarCoder's fill-in-the-middle tokens: one id per character, specials whole."""
+
+    SPECIAL = {"<fim_prefix>": 1000, "<fim_suffix>": 1001, "<fim_middle>": 1002}
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.SPECIAL.get(token)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = []
+        while text:
+            special = next((s for s in self.SPECIAL if text.startswith(s)), None)
+            ids.append(self.SPECIAL[special] if special else ord(text[0]))
+            text = text[len(special or text[0]):]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        names = {v: k for k, v in self.SPECIAL.items()}
+        return "".join(names.get(i) or chr(i) for i in ids)
+
+
+def test_route_carries_the_decoders_traits():
+    traits = {"diffusion": DecoderTraits(infill="native", default_max_tokens=256)}
+    diffusion = Router().route("m", ALL, "diffusion", traits=traits)
+    assert diffusion.traits == traits["diffusion"] and diffusion.default_max_tokens(None) == 256
+    assert diffusion.default_max_tokens(16) == 16  # an endpoint's own default wins
+    ar = Router().route("m", ALL, "ar", traits=traits)
+    assert ar.traits == DecoderTraits() and ar.default_max_tokens(None) is None
+
+
+def test_route_places_a_suffix_as_its_decoder_infills():
+    tok = FimTokenizer()
+    prompts = [tok.encode("def f(")]
+    native = Route("diffusion", "requested", DecoderTraits(infill="native"))
+    assert native.with_suffix(tok, prompts, "):") == (prompts, tok.encode("):"))
+    rewritten, suffix_ids = Route("ar", "requested").with_suffix(tok, prompts, "):")
+    assert tok.decode(rewritten[0]) == "<fim_prefix>def f(<fim_suffix>):<fim_middle>" and suffix_ids == []
+    assert native.infill(tok, "a", "b", []).suffix_ids == tok.encode("b")
+    assert Route("ar", "requested").infill(tok, "a", "b", []).suffix_ids == []
+
