@@ -48,13 +48,13 @@ class Case:
     query: int        # new tokens per sequence
     context: int      # cached tokens per sequence
     logit_rows: int   # rows per sequence that go through the output head
-    mask: str         # "full" (diffusion) or "causal" (AR)
+    mask: str         # "bidirectional" (diffusion) or "causal" (AR)
 
 
 def cases(prompt: int, canvas: int, block: int, batch: int) -> list[Case]:
-    return [Case("full", 1, prompt + canvas, 0, block, "full"),
-            Case("dual", 1, block, prompt + canvas - block, block, "full"),
-            Case("dual-batch", batch, block, prompt + canvas - block, block, "full"),
+    return [Case("full", 1, prompt + canvas, 0, block, "bidirectional"),
+            Case("dual", 1, block, prompt + canvas - block, block, "bidirectional"),
+            Case("dual-batch", batch, block, prompt + canvas - block, block, "bidirectional"),
             Case("ar-decode", 1, 1, prompt + canvas, 1, "causal")]
 
 

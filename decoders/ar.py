@@ -122,8 +122,7 @@ class ARDecoder:
             if req.needs_prompt_logprobs:
                 fill_prompt_logprobs(self.runner, req, hidden[offset: offset + n], start)
             offset += n
-            req.num_prefill_tokens += max(0, min(start + n, len(req.prompt_ids)) - start)
-            self.pool.commit(req.table, req.all_ids, start + n)
+            self.pool.mark_written(req.table, req.all_ids, start + n)
             req.num_forwards += 1
             if start + n == req.num_tokens:
                 last_rows.append(offset - 1)

@@ -415,7 +415,7 @@ class DiffusionDecoder:
             return
         n = min(st.cache.exact_upto, len(req.all_ids))
         if n > req.table.num_tokens:
-            self.pool.commit(req.table, req.all_ids, n)
+            self.pool.mark_written(req.table, req.all_ids, n)
 
 
 def work_item(work: Work, tokens: torch.Tensor, table: BlockTable, pool: BlockPool, attn_block: int | None,
@@ -433,7 +433,7 @@ def work_item(work: Work, tokens: torch.Tensor, table: BlockTable, pool: BlockPo
         # Not a plain prefix (dual cache): name the slots; a prefix is read through the block table.
         slots = [s for lo, hi in work.context for s in pool.slot_mapping(table, lo, hi)]
         context_slots = torch.tensor(slots, dtype=torch.long)
-    mask = "full" if attn_block is None else block_causal_mask(b - a, attn_block, offset=a)
+    mask = "bidirectional" if attn_block is None else block_causal_mask(b - a, attn_block, offset=a)
     store = None
     if work.store:
         keep = min(max(exact_upto - a, 0), b - a)

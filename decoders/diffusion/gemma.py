@@ -399,7 +399,7 @@ class DiffusionGemmaDecoder:
         for s in batch:
             req = s.request
             done = req.num_computed + s.num_new_tokens
-            self.pool.commit(req.table, req.all_ids, done)
+            self.pool.mark_written(req.table, req.all_ids, done)
             if done == req.num_tokens:
                 self._start_canvas(req)
 

@@ -149,9 +149,8 @@ class EagleDecoder:
         start = req.num_computed
         if req.needs_prompt_logprobs:
             fill_prompt_logprobs(self.runner, req, final, start)
-        req.num_prefill_tokens += max(0, min(start + n, len(req.prompt_ids)) - start)
         state.pending = torch.cat([state.pending, self.head.features(final, aux)])
-        self.pool.commit(req.table, req.all_ids, start + n)
+        self.pool.mark_written(req.table, req.all_ids, start + n)
 
     # ---- draft -----------------------------------------------------------------
 
@@ -236,7 +235,6 @@ class EagleDecoder:
             parents = [0] + path  # each emitted token was predicted at its parent node
             logprobs = [token_logprobs(raw(p)[None], [t], params.logprobs)[0] for p, t in zip(parents, tokens)]
         start = req.num_computed  # the root's position
-        req.num_prefill_tokens += int(start < len(req.prompt_ids))  # the first root is the last prompt token
         delta = req.commit(tokens, logprobs)
         if delta.finish_reason is None:
             self._keep_path(req, path, start, final, aux)
@@ -255,7 +253,7 @@ class EagleDecoder:
         if moves:
             self.runner.kv.move_slots([m[0] for m in moves], [m[1] for m in moves])
         written = start + 1 + len(path)  # root + accepted nodes
-        self.pool.commit(req.table, req.all_ids, written)
+        self.pool.mark_written(req.table, req.all_ids, written)
         self.pool.truncate(req.table, written)
         rows = torch.tensor([0] + path, device=final.device)
         st: EagleState = req.decoder_state

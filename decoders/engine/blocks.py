@@ -11,16 +11,16 @@ Design, after nano-vllm (`nanovllm/engine/block_manager.py`) and vLLM v1
 - Every block is in exactly one state: *free* (no content worth keeping),
   *in use* (reference count > 0) or *cached-evictable* (reference count 0 but
   holding the KV of a full, hashed block that a later request may reuse).
-- A full, committed block is keyed by a chained hash,
+- A full, written block is keyed by a chained hash,
   ``hash((parent_hash, tuple(block_tokens)))``, so equal tokens at a different
   position (after a different prefix) never match.
 - New blocks come from the free list first; only then is the least recently
   used cached block evicted. Tables are freed tail first, so a request's last
   blocks are evicted before its (more widely shared) first ones.
-- Reservation and commitment are separate: `allocate` reserves slots (possibly
-  extra lookahead slots for speculative drafts), `commit` records which KV is
-  written and publishes newly full blocks, `truncate` gives back what was not
-  accepted.
+- Reserving and writing are separate: `allocate` reserves slots (possibly
+  extra lookahead slots for speculative drafts), `mark_written` records which KV
+  is written and publishes newly full blocks, `truncate` gives back what was not
+  accepted. ("Commit" is reserved for tokens a request emits: `Request.commit`.)
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ class BlockTable:
     """The physical blocks of one sequence, in order. Owned by its request."""
 
     blocks: list[int] = field(default_factory=list)
-    # Tokens whose KV slots are reserved and committed (set by BlockPool.commit/truncate).
+    # Tokens whose KV is written (set by BlockPool.mark_written/truncate).
     num_tokens: int = 0
     # Prefix tokens found in the prefix cache at admission (set by BlockPool.allocate).
     num_cached_tokens: int = 0
-    # Chained hashes of the committed full blocks, in order (kept by BlockPool).
+    # Chained hashes of the written full blocks, in order (kept by BlockPool).
     block_hashes: list[int] = field(default_factory=list, repr=False)
     # Root of the hash chain: whose KV tensors the blocks hold. Models that share the pool
     # keep separate KV tensors, so the same tokens must never hit another model's blocks.
@@ -135,15 +135,6 @@ class BlockPool:
         blocks, _ = self._match(token_ids, namespace)
         return blocks, len(blocks) * self.block_size
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block; blocks in use stay with their tables."""
-        while self._evictable:
-            block, _ = self._evictable.popitem(last=False)
-            self._free.append(block)
-        self._cached.clear()
-        self._block_hash = [None] * self.num_blocks
-        self._block_tokens = [None] * self.num_blocks
-
     def _uncache(self, block: int) -> None:
         h = self._block_hash[block]
         if h is not None:
@@ -187,13 +178,6 @@ class BlockPool:
         available = self.num_free_blocks - sum(1 for b in hit_blocks if self._ref[b] == 0)
         return hit_blocks, hit_hashes, need, available
 
-    def can_allocate(
-        self, table: BlockTable, token_ids: Sequence[int], num_new_tokens: int, num_lookahead: int = 0,
-        *, use_prefix_cache: bool = True,
-    ) -> bool:
-        _, _, need, available = self._plan(table, token_ids, num_new_tokens, num_lookahead, use_prefix_cache)
-        return need <= available
-
     def allocate(
         self, table: BlockTable, token_ids: Sequence[int], num_new_tokens: int, num_lookahead: int = 0,
         *, use_prefix_cache: bool = True,
@@ -204,7 +188,7 @@ class BlockPool:
         hit, which sets num_cached_tokens and num_tokens; callers size
         `num_new_tokens` with `match_prefix` beforehand. `use_prefix_cache=False`
         skips that lookup (a request that needs logits over its whole prompt);
-        its full blocks are still published by `commit`. `token_ids` are all
+        its full blocks are still published by `mark_written`. `token_ids` are all
         known tokens of the sequence. All or nothing: raises NoFreeBlocks and
         changes nothing when the blocks are not there.
         """
@@ -232,10 +216,10 @@ class BlockPool:
             raise IndexError(f"positions [{start}, {end}) outside {len(table.blocks)} blocks")
         return [table.blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def commit(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> None:
+    def mark_written(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> None:
         """KV of positions [0, num_tokens) is written; publish newly full blocks."""
         if not table.num_tokens <= num_tokens <= min(len(token_ids), len(table.blocks) * self.block_size):
-            raise ValueError(f"cannot commit {num_tokens} tokens (table has {table.num_tokens})")
+            raise ValueError(f"cannot mark {num_tokens} tokens written (table has {table.num_tokens})")
         table.num_tokens = num_tokens
         if not self.enable_prefix_caching:
             return
@@ -269,42 +253,9 @@ class BlockPool:
         del table.block_hashes[num_tokens // self.block_size :]
         # The last kept block is partial again and will be overwritten: if only
         # this table holds it, its cache entry would go stale, so drop it. A
-        # shared one keeps its entry; copy_on_write gives this table a copy.
+        # shared one keeps its entry (and must not be written by this table).
         if num_tokens % self.block_size and self._ref[table.blocks[-1]] == 1:
             self._uncache(table.blocks[-1])
-
-    def fork(self, table: BlockTable) -> BlockTable:
-        """A child table sharing every block of `table` (parallel samples, shared prompts)."""
-        for block in table.blocks:
-            self._ref[block] += 1
-        return BlockTable(
-            blocks=list(table.blocks),
-            num_tokens=table.num_tokens,
-            num_cached_tokens=table.num_cached_tokens,
-            block_hashes=list(table.block_hashes),
-            namespace=table.namespace,
-        )
-
-    def copy_on_write(self, table: BlockTable) -> list[tuple[int, int]]:
-        """Give the table private copies of the shared blocks it is about to write.
-
-        Those are the blocks from position table.num_tokens on. The partially
-        filled one needs its KV copied: the (src, dst) pairs returned are for
-        the KV owner to execute. Reserved, still empty blocks are just replaced.
-        All or nothing: raises NoFreeBlocks and changes nothing.
-        """
-        first = table.num_tokens // self.block_size
-        shared = [i for i in range(first, len(table.blocks)) if self._ref[table.blocks[i]] > 1]
-        if len(shared) > self.num_free_blocks:
-            raise NoFreeBlocks(f"copy-on-write needs {len(shared)} blocks, {self.num_free_blocks} available")
-        ops: list[tuple[int, int]] = []
-        for i in shared:
-            src, dst = table.blocks[i], self._take_block()
-            table.blocks[i] = dst
-            self._release(src)  # still held by another table: never freed here
-            if i == first and table.num_tokens % self.block_size:
-                ops.append((src, dst))
-        return ops
 
     def free(self, table: BlockTable) -> None:
         """Drop the table's references, tail first, and leave it empty."""

@@ -76,10 +76,6 @@ class TextStream:
         self._ids.append(token_id)
         return self._release(self._decode_new(final=False), final=False)
 
-    def push_many(self, token_ids: Sequence[int]) -> str:
-        """Add several tokens (a speculative or diffusion step); return the text that became final."""
-        return "".join(self.push(t) for t in token_ids)
-
     def flush(self) -> str:
         """The sequence has ended: release all held-back text unless a stop string was hit."""
         if self.stopped is not None:

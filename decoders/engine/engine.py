@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from .blocks import BlockPool
@@ -58,10 +58,7 @@ class EngineConfig:
 @dataclass
 class EngineStats:
     steps: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    busy_seconds: float = 0.0
-    started: float = field(default_factory=time.monotonic)
+    busy_seconds: float = 0.0           # read by the server's utilisation metric
 
 
 class Engine:
@@ -86,7 +83,6 @@ class Engine:
         # then join and share those blocks instead of recomputing the prompt.
         self._held: dict[str, list[Request]] = {}
         self._num_held = 0  # their count, read by submit on the server's thread
-        self.on_step: Callable[["Engine", float], None] | None = None  # metrics hook, set by the server
 
     # ---- registration and lifecycle ------------------------------------------
 
@@ -227,7 +223,6 @@ class Engine:
 
     def emit(self, req: Request, delta: Delta) -> None:
         """Decoders call this with each request's committed tokens."""
-        self.stats.generated_tokens += len(delta.token_ids)
         if delta.finish_reason is not None:
             self.scheduler.remove(req)
         self._deliver(req, delta)
@@ -249,7 +244,6 @@ class Engine:
             if not req.admitted and s.num_new_tokens:
                 req.admitted = True
                 req.cached_prompt_tokens = req.table.num_cached_tokens
-                self.stats.prompt_tokens += len(req.prompt_ids)
             groups.setdefault((req.model, req.decoder), []).append(s)
         for key, batch in groups.items():
             try:
@@ -263,8 +257,6 @@ class Engine:
             self.stats.steps += 1
             elapsed = time.perf_counter() - started
             self.stats.busy_seconds += elapsed
-            if self.on_step:
-                self.on_step(self, elapsed)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self._inbox) or bool(self._held)

@@ -117,15 +117,6 @@ class GrammarCompiler:
             return ll.grammar_from("regex", spec.source)
         return ll.grammar_from("lark", spec.source)
 
-    def validate(self, spec: GrammarSpec) -> None:
-        try:
-            grammar = self.grammar(spec)
-        except (ValueError, RuntimeError) as e:
-            raise GrammarError(str(e)) from None
-        is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if is_error:
-            raise GrammarError(messages[0] if messages else "invalid grammar")
-
     def constraint(self, spec: GrammarSpec) -> Constraint:
         matcher = self._ll.LLMatcher(self.tokenizer, self.grammar(spec), log_level=0)
         if matcher.is_error():

@@ -30,7 +30,9 @@ import torch
 
 from dualserve.models.attention import sdpa
 
-SeqMask = Union[Literal["causal", "full"], torch.Tensor]
+# Among a sequence's new tokens: "causal", "bidirectional" (every new token sees every other, as
+# models.attention names it), or an explicit (query, query) boolean mask (trees, block-causal).
+SeqMask = Union[Literal["causal", "bidirectional"], torch.Tensor]
 
 
 class KVCache:
@@ -53,16 +55,6 @@ class KVCache:
         """(num_slots, kv_heads, head_dim) views of one layer's keys and values."""
         k, v = self.k[layer], self.v[layer]
         return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
-
-    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy-on-write: duplicate block ``src`` into ``dst`` in every layer."""
-        if not pairs:
-            return
-        src = torch.tensor([p[0] for p in pairs], device=self.k[0].device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.k[0].device)
-        for k, v in zip(self.k, self.v):
-            k[dst] = k[src]
-            v[dst] = v[src]
 
     def move_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Move single token slots (EAGLE keeps the accepted path of a tree in place)."""
@@ -110,12 +102,12 @@ class AttentionMetadata:
         return self._context_index[i]
 
 
-def full_mask(seq: SeqAttention, device) -> torch.Tensor | None:
+def mask_tensor(seq: SeqAttention, device) -> torch.Tensor | None:
     """(query_len, context_len + query_len) boolean mask, or None if SDPA needs none."""
     q, c = seq.query_len, seq.context_len
     if isinstance(seq.mask, torch.Tensor):
         new = seq.mask.to(device=device, dtype=torch.bool)
-    elif seq.mask == "full" or q == 1:
+    elif seq.mask == "bidirectional" or q == 1:
         return None
     else:  # causal among new tokens
         new = torch.ones(q, q, dtype=torch.bool, device=device).tril()
@@ -149,7 +141,7 @@ class SdpaPagedAttention:
         self._decode = DecodeBatch.build(self.meta, singles, self._starts, device) if singles else None
         single_set = set(singles)
         self._rest = [i for i in range(len(seqs)) if i not in single_set]
-        self._masks = [full_mask(s, device) if i not in single_set else None for i, s in enumerate(seqs)]
+        self._masks = [mask_tensor(s, device) if i not in single_set else None for i, s in enumerate(seqs)]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta

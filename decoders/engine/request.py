@@ -13,7 +13,6 @@ penalty counts. Prompt logprobs, when asked for, ride on the first delta.
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -61,12 +60,8 @@ class Request:
     table: BlockTable = field(default_factory=BlockTable)
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
-    deadline: float | None = None
-    first_token_time: float | None = None
     # Counters the decoders fill in (surfaced as usage extensions and metrics).
     num_forwards: int = 0
-    num_prefill_tokens: int = 0
     accept_lengths: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -150,8 +145,6 @@ class Request:
 
     def commit(self, token_ids: list[int], logprobs: list[TokenLogprob] | None = None) -> Delta:
         """Append tokens one by one, stopping exactly where the first stop condition says."""
-        if self.first_token_time is None and token_ids:
-            self.first_token_time = time.monotonic()
         text: list[str] = []
         kept: list[int] = []
         for tok in token_ids:

@@ -51,7 +51,6 @@ class ModelRunner:
         # flash-attn's paged kernel needs blocks of a multiple of 256 tokens (flash_attn_with_kvcache).
         flash = (use_flash if use_flash is not None else flash_available()) and block_size % 256 == 0
         self.backend = FlashPagedAttention if flash else SdpaPagedAttention
-        self.num_forwards = 0
 
     def _as_tensor(self, x, dtype=torch.long) -> torch.Tensor:
         return x.to(self.device) if isinstance(x, torch.Tensor) else torch.tensor(list(x), dtype=dtype,
@@ -77,7 +76,6 @@ class ModelRunner:
         ids = torch.cat([self._as_tensor(it.token_ids) for it in items])
         pos = torch.cat([self._as_tensor(it.positions) for it in items])
         attn = self.backend(self.kv, self.metadata(items))
-        self.num_forwards += 1
         return self.model(ids, pos, attn, inputs_embeds=inputs_embeds, aux_layers=aux_layers)
 
     @torch.inference_mode()

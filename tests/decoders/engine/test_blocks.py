@@ -1,4 +1,4 @@
-"""BlockPool: allocation round-trips, prefix reuse, LRU eviction, lookahead, fork and copy-on-write.
+"""BlockPool: allocation round-trips, prefix reuse, LRU eviction, lookahead and truncation.
 
 Pure Python (no torch). The randomized test drives many tables through the
 operations an engine performs and checks the pool's invariants after each one.
@@ -32,12 +32,12 @@ def test_allocate_commit_free_round_trip():
     assert table.blocks == [0, 1, 2] and table.num_tokens == 0 and table.num_cached_tokens == 0
     assert pool.num_used_blocks == 3 and pool.num_free_blocks == 5 and pool.usage() == 3 / 8
     assert pool.slot_mapping(table, 3, 6) == [3, 4, 5]
-    pool.commit(table, prompt, 10)
+    pool.mark_written(table, prompt, 10)
     # Decode two tokens: the 11th and 12th fit the third block, the 13th needs a fourth.
     seq = prompt + [100, 101, 102]
     for n in (11, 12, 13):
         pool.allocate(table, seq, 1)
-        pool.commit(table, seq, n)
+        pool.mark_written(table, seq, n)
     assert len(table.blocks) == 4 and pool.slot_mapping(table, 12, 13) == [table.blocks[3] * BS]
     pool.check([table])
     pool.free(table)
@@ -57,7 +57,7 @@ def test_prefix_reuse_covers_full_blocks_only():
     pool = BlockPool(num_blocks=16, block_size=BS)
     shared = list(range(100, 110))  # 2 full blocks + 2 tokens
     a = admit(pool, shared + [1, 2])
-    pool.commit(a, shared + [1, 2], 12)
+    pool.mark_written(a, shared + [1, 2], 12)
     b_prompt = shared + [7, 8, 9]
     blocks, hit = pool.match_prefix(b_prompt)
     assert blocks == a.blocks[:2] and hit == 8
@@ -75,7 +75,7 @@ def test_fully_cached_prompt_recomputes_its_last_block():
     pool = BlockPool(num_blocks=8, block_size=BS)
     prompt = list(range(8))
     a = admit(pool, prompt)
-    pool.commit(a, prompt, 8)
+    pool.mark_written(a, prompt, 8)
     pool.free(a)
     _, hit = pool.match_prefix(prompt)
     assert hit == 4  # not 8: one token must stay to produce logits
@@ -87,7 +87,7 @@ def test_match_prefix_has_no_side_effects():
     pool = BlockPool(num_blocks=8, block_size=BS)
     prompt = list(range(9))
     a = admit(pool, prompt)
-    pool.commit(a, prompt, 9)
+    pool.mark_written(a, prompt, 9)
     pool.free(a)
     before = (pool.num_free_blocks, pool.stats.queries, pool.stats.hits, list(pool._evictable))
     pool.match_prefix(prompt)
@@ -98,7 +98,7 @@ def test_chained_hash_depends_on_position():
     pool = BlockPool(num_blocks=8, block_size=BS)
     block = [5, 6, 7, 8]
     a = admit(pool, block + block + [1])
-    pool.commit(a, block + block + [1], 9)
+    pool.mark_written(a, block + block + [1], 9)
     # The same four tokens as a first block hit; after a different first block they do not.
     assert pool.match_prefix(block + [0])[1] == 4
     assert pool.match_prefix([0, 0, 0, 0] + block + [0])[1] == 0
@@ -111,8 +111,8 @@ def test_duplicate_block_stays_uncached_and_is_freed():
     prompt = list(range(5))
     a = admit(pool, prompt)
     b = admit(pool, prompt)  # a has not committed yet: no hit, separate blocks
-    pool.commit(a, prompt, 5)
-    pool.commit(b, prompt, 5)
+    pool.mark_written(a, prompt, 5)
+    pool.mark_written(b, prompt, 5)
     pool.free(b)
     assert pool.match_prefix(prompt + [0])[0] == a.blocks[:1]
     assert len(pool._evictable) == 0 and pool.num_free_blocks == 8 - 2
@@ -124,7 +124,7 @@ def test_lru_eviction_of_unreferenced_cached_blocks():
     old, new = [1] * 8, [2] * 8
     for prompt in (old, new):
         t = admit(pool, prompt)
-        pool.commit(t, prompt, 8)
+        pool.mark_written(t, prompt, 8)
         pool.free(t)
     old_blocks = pool.match_prefix(old + [0])[0]
     assert pool.num_free_blocks == 4 and len(pool._evictable) == 4
@@ -145,7 +145,7 @@ def test_lru_eviction_of_unreferenced_cached_blocks():
 def test_free_blocks_are_used_before_evicting():
     pool = BlockPool(num_blocks=4, block_size=BS)
     a = admit(pool, [1] * 5)
-    pool.commit(a, [1] * 5, 5)
+    pool.mark_written(a, [1] * 5, 5)
     pool.free(a)
     b = admit(pool, [2] * 8)
     assert pool.stats.evictions == 0 and pool.match_prefix([1] * 5)[1] == 4
@@ -156,33 +156,33 @@ def test_no_free_blocks_is_all_or_nothing():
     pool = BlockPool(num_blocks=4, block_size=BS)
     cached = [7] * 9
     a = admit(pool, cached)
-    pool.commit(a, cached, 9)
+    pool.mark_written(a, cached, 9)
     pool.free(a)
     b = admit(pool, [1] * 4)
     state = (list(pool._free), list(pool._evictable), list(pool._ref), dict(pool._cached), replace(pool.stats))
     c = BlockTable(blocks=[])
     # Hit 8 tokens (2 evictable blocks) + 9 new tokens = 5 blocks: 3 more, but 1 would be left.
-    assert not pool.can_allocate(c, cached + [0] * 8, 9)
     with pytest.raises(NoFreeBlocks):
         pool.allocate(c, cached + [0] * 8, 9)
     with pytest.raises(NoFreeBlocks):
         pool.allocate(b, [1] * 4, 17)  # 5 blocks in all
     assert c == BlockTable(blocks=[]) and len(b.blocks) == 1
     assert (list(pool._free), list(pool._evictable), list(pool._ref), dict(pool._cached), pool.stats) == state
-    assert pool.can_allocate(c, cached + [0] * 4, 4)
-    pool.check([b])
+    pool.allocate(c, cached + [0] * 4, 4)  # hit 8 + 4 new tokens = 3 blocks: they are there
+    assert c.num_cached_tokens == 8 and len(c.blocks) == 3
+    pool.check([b, c])
 
 
 def test_lookahead_slots_then_truncate_releases_them():
     pool = BlockPool(num_blocks=8, block_size=BS)
     seq = list(range(6))
     t = admit(pool, seq)
-    pool.commit(t, seq, 6)
+    pool.mark_written(t, seq, 6)
     # Verify 1 token plus 5 draft tokens: slots up to position 12 -> 3 blocks.
     pool.allocate(t, seq, 1, num_lookahead=5)
     assert len(t.blocks) == 3 and t.num_tokens == 6
     seq += [50, 51]  # two tokens accepted
-    pool.commit(t, seq, 8)
+    pool.mark_written(t, seq, 8)
     pool.truncate(t, 8)
     assert len(t.blocks) == 2 and t.num_tokens == 8 and pool.num_used_blocks == 2
     pool.check([t])
@@ -194,53 +194,11 @@ def test_lookahead_slots_then_truncate_releases_them():
     assert pool.num_free_blocks == 8
 
 
-def test_fork_and_copy_on_write():
-    pool = BlockPool(num_blocks=8, block_size=BS)
-    prompt = list(range(6))
-    parent = admit(pool, prompt)
-    pool.commit(parent, prompt, 6)
-    child = pool.fork(parent)
-    assert child.blocks == parent.blocks and child.num_tokens == 6
-    assert [pool._ref[b] for b in parent.blocks] == [2, 2]
-    pool.check([parent, child])
-    # The child appends into the shared partial block: it gets a copy.
-    ops = pool.copy_on_write(child)
-    assert ops == [(parent.blocks[1], child.blocks[1])] and child.blocks[1] != parent.blocks[1]
-    assert child.blocks[0] == parent.blocks[0] and pool._ref[parent.blocks[0]] == 2
-    assert pool._ref[parent.blocks[1]] == 1 and pool._ref[child.blocks[1]] == 1
-    assert pool.copy_on_write(child) == [] and pool.copy_on_write(parent) == []
-    pool.check([parent, child])
-    for t in (parent, child):
-        pool.free(t)
-    assert pool.num_free_blocks == 8
-    pool.check([])
-
-
-def test_copy_on_write_replaces_shared_reserved_blocks_without_copy():
-    pool = BlockPool(num_blocks=8, block_size=BS)
-    prompt = list(range(4))
-    parent = admit(pool, prompt, lookahead=8)
-    pool.commit(parent, prompt, 4)
-    child = pool.fork(parent)
-    ops = pool.copy_on_write(child)
-    assert ops == [] and child.blocks[0] == parent.blocks[0]
-    assert len(child.blocks) == 3 and not set(child.blocks[1:]) & set(parent.blocks)
-    pool.check([parent, child])
-    tight = BlockPool(num_blocks=2, block_size=BS)
-    p = admit(tight, [1, 2])
-    tight.commit(p, [1, 2], 2)
-    tight.allocate(p, [1, 2], 1, num_lookahead=3)
-    c = tight.fork(p)
-    with pytest.raises(NoFreeBlocks):
-        tight.copy_on_write(c)
-    tight.check([p, c])
-
-
 def test_hash_collision_is_not_a_hit(monkeypatch):
     pool = BlockPool(num_blocks=4, block_size=BS)
     monkeypatch.setattr(pool, "_block_key", lambda parent, tokens: 0)
     a = admit(pool, [1, 2, 3, 4, 5])
-    pool.commit(a, [1, 2, 3, 4, 5], 5)
+    pool.mark_written(a, [1, 2, 3, 4, 5], 5)
     assert pool.match_prefix([5, 6, 7, 8, 9]) == ([], 0)
     assert pool.match_prefix([1, 2, 3, 4, 9]) == (a.blocks[:1], 4)
 
@@ -249,19 +207,8 @@ def test_prefix_caching_disabled():
     pool = BlockPool(num_blocks=4, block_size=BS, enable_prefix_caching=False)
     prompt = list(range(9))
     t = admit(pool, prompt)
-    pool.commit(t, prompt, 9)
+    pool.mark_written(t, prompt, 9)
     pool.free(t)
-    assert pool.match_prefix(prompt) == ([], 0) and len(pool._free) == 4
-    pool.check([])
-
-
-def test_reset_prefix_cache():
-    pool = BlockPool(num_blocks=4, block_size=BS)
-    prompt = list(range(9))
-    t = admit(pool, prompt)
-    pool.commit(t, prompt, 9)
-    pool.free(t)
-    pool.reset_prefix_cache()
     assert pool.match_prefix(prompt) == ([], 0) and len(pool._free) == 4
     pool.check([])
 
@@ -270,7 +217,7 @@ def test_reset_prefix_cache():
 
 ops_strategy = st.lists(
     st.tuples(
-        st.sampled_from(["admit", "step", "reserve", "truncate", "fork", "free"]),
+        st.sampled_from(["admit", "step", "reserve", "truncate", "free"]),
         st.integers(0, 7),  # which live table
         st.integers(0, 9),  # a size
     ),
@@ -283,8 +230,8 @@ class FakeKV:
     """Stands in for the runner's KV tensors: slot -> the prefix whose KV it holds.
 
     The KV at position p depends on tokens [0, p], so a slot stores that tuple;
-    reading a table's committed slots back checks sharing, prefix hits and
-    copy-on-write end to end.
+    reading a table's written slots back checks sharing, prefix hits and
+    truncation end to end.
     """
 
     def __init__(self, pool: BlockPool):
@@ -294,13 +241,6 @@ class FakeKV:
     def write(self, t: BlockTable, seq: list[int], start: int, end: int) -> None:
         for p, slot in zip(range(start, end), self.pool.slot_mapping(t, start, end)):
             self.slots[slot] = tuple(seq[: p + 1]) if p < len(seq) else ("draft",)
-
-    def copy(self, ops: list[tuple[int, int]]) -> None:
-        bs = self.pool.block_size
-        for src, dst in ops:
-            for off in range(bs):
-                if src * bs + off in self.slots:
-                    self.slots[dst * bs + off] = self.slots[src * bs + off]
 
     def verify(self, t: BlockTable, seq: list[int]) -> None:
         assert t.num_tokens == len(seq)
@@ -314,11 +254,11 @@ def _admit(pool: BlockPool, kv: FakeKV, prompt: list[int]) -> BlockTable | None:
     try:
         pool.allocate(t, prompt, len(prompt) - hit)
     except NoFreeBlocks:
-        assert not pool.can_allocate(t, prompt, len(prompt) - hit)
+        assert t == BlockTable(blocks=[])  # all or nothing
         return None
     assert t.num_cached_tokens == hit
     kv.write(t, prompt, hit, len(prompt))
-    pool.commit(t, prompt, len(prompt))
+    pool.mark_written(t, prompt, len(prompt))
     return t
 
 
@@ -326,13 +266,12 @@ def _step(pool: BlockPool, kv: FakeKV, seq: list[int], t: BlockTable, n: int) ->
     """One speculative decode step: reserve 1 + n slots, write them, accept a part, truncate."""
     try:
         pool.allocate(t, seq, 1, num_lookahead=n)
-        kv.copy(pool.copy_on_write(t))
     except NoFreeBlocks:
         return
     start, accept = t.num_tokens, 1 + n // 2
     seq += [(len(seq) * 7 + n) % 3 for _ in range(accept)]  # few distinct tokens: many prefix hits
     kv.write(t, seq, start, start + 1 + n)
-    pool.commit(t, seq, start + accept)
+    pool.mark_written(t, seq, start + accept)
     pool.truncate(t, t.num_tokens)
 
 
@@ -353,16 +292,18 @@ def test_random_operations_keep_invariants(ops, num_blocks, block_size):
                 tables.append(t)
         elif op == "step":
             _step(pool, kv, seqs[i], tables[i], n)
-        elif op == "reserve":  # lookahead slots left reserved, so a fork shares them
-            if pool.can_allocate(tables[i], seqs[i], 0, n):
+        elif op == "reserve":  # lookahead slots left reserved
+            try:
                 pool.allocate(tables[i], seqs[i], 0, num_lookahead=n)
+            except NoFreeBlocks:
+                pass
         elif op == "truncate":
-            keep = max(1, tables[i].num_tokens - n)
-            pool.truncate(tables[i], keep)
-            del seqs[i][keep:]
-        elif op == "fork":
-            tables.append(pool.fork(tables[i]))
-            seqs.append(list(seqs[i]))
+            # Roll written tokens back, as far as the block re-opened for writing is this table's
+            # alone (a table never writes into a block it shares).
+            t, keep = tables[i], max(1, tables[i].num_tokens - n)
+            if keep % block_size == 0 or pool._ref[t.blocks[keep // block_size]] == 1:
+                pool.truncate(t, keep)
+                del seqs[i][keep:]
         else:
             pool.free(tables.pop(i))
             seqs.pop(i)

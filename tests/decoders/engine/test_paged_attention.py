@@ -48,7 +48,7 @@ def dense_mask(seq: Seq) -> torch.Tensor:
     full = torch.ones(c + q, c + q, dtype=torch.bool).tril()
     if isinstance(seq.mask, torch.Tensor):
         full[c:, c:] = seq.mask
-    elif seq.mask == "full":
+    elif seq.mask == "bidirectional":
         full[c:, c:] = True
     return full
 
@@ -84,7 +84,7 @@ def run_case(seqs: list[Seq], seed: int, store: bool = True, device: str = "cpu"
     return out, torch.cat(refs), cache, k_new, new_slots
 
 
-MIXED = [Seq(0, 7), Seq(13, 5), Seq(20, 1), Seq(9, 4, "full"), Seq(0, 6, "full"), Seq(3, 1)]
+MIXED = [Seq(0, 7), Seq(13, 5), Seq(20, 1), Seq(9, 4, "bidirectional"), Seq(0, 6, "bidirectional"), Seq(3, 1)]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -98,7 +98,7 @@ def test_mixed_causal_and_full_batch_matches_dense(seed):
 @pytest.mark.parametrize("store", [True, False])
 def test_all_decode_batch_runs_as_one_padded_call(store):
     """Only single-token steps: one batched call, padded to the longest context (incl. an empty one)."""
-    seqs = [Seq(20, 1), Seq(3, 1), Seq(0, 1), Seq(31, 1), Seq(8, 1, "full")]
+    seqs = [Seq(20, 1), Seq(3, 1), Seq(0, 1), Seq(31, 1), Seq(8, 1, "bidirectional")]
     out, ref, *_ = run_case(seqs, seed=4, store=store)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -111,7 +111,7 @@ def test_explicit_tree_masks_match_dense():
 
 
 def test_unstored_tokens_leave_the_cache_unchanged():
-    seqs = [Seq(8, 4, "full"), Seq(5, 3, "full")]
+    seqs = [Seq(8, 4, "bidirectional"), Seq(5, 3, "bidirectional")]
     out, ref, cache, _, slots = run_case(seqs, seed=3, store=False)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert not cache.flat(0)[0][slots].any(), "nothing was written for a do-not-store step"
