@@ -31,10 +31,7 @@ PROMPT_LOGPROB_ROWS = 128
 
 def pending_tokens(req: Request, pool: BlockPool) -> int:
     """Tokens whose KV is not yet computed, counting a prefix-cache hit for a fresh table."""
-    computed = req.num_computed
-    if not req.table.blocks and req.uses_prefix_cache:
-        computed = pool.match_prefix(req.all_ids, req.table.namespace)[1]
-    return req.num_tokens - computed
+    return req.num_tokens - pool.computed_tokens(req.table, req.all_ids, req.uses_prefix_cache)
 
 
 def span_items(batch: Sequence[Scheduled], pool: BlockPool) -> list[ForwardItem]:
@@ -100,11 +97,20 @@ def fill_prompt_logprobs(runner: ModelRunner, req: Request, hidden: torch.Tensor
 
 
 class ARDecoder:
+    """Plain autoregressive decoding (a ``Decoder``)."""
+
     name = "ar"
+    shares_prompt_blocks = True
+    supports_infill = False
+    default_max_tokens = None
 
     def __init__(self, runner: ModelRunner, pool: BlockPool):
         self.runner = runner
         self.pool = pool
+
+    @property
+    def kv_owner(self) -> ModelRunner:
+        return self.runner
 
     def plan(self, req: Request, budget: int) -> tuple[int, int]:
         return min(pending_tokens(req, self.pool), budget), 0

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from dualserve.models.config import ModelConfig
+from dualserve.models.diffusion_gemma import DiffusionGemmaConfig
 from dualserve.models.loader import LoadedModel
 
 from .ar import ARDecoder
@@ -70,9 +72,9 @@ def blocks_for(models: list[LoadedModel], spec: PoolSpec, kv_dtype: torch.dtype)
     per_block = 0
     for m in models:
         c = m.config
-        if hasattr(c, "kv_bytes_per_block"):  # models with their own KV layout (DiffusionGemma)
+        if isinstance(c, DiffusionGemmaConfig):  # per-layer KV shapes
             per_block += c.kv_bytes_per_block(spec.block_size, kv_dtype)
-        elif hasattr(c, "num_kv_heads"):
+        elif isinstance(c, ModelConfig):
             per_block += KVCache.bytes_per_block(c.num_layers, spec.block_size, c.num_kv_heads, c.head_dim, kv_dtype)
     return max(16, int(spec.memory_gb * 2**30 // max(per_block, 1)))
 
@@ -80,7 +82,7 @@ def blocks_for(models: list[LoadedModel], spec: PoolSpec, kv_dtype: torch.dtype)
 def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int, device: str,
              runners: dict[str, ModelRunner]) -> None:
     base = spec.base
-    if getattr(base.config, "family", None) == "diffusion_gemma":
+    if isinstance(base.config, DiffusionGemmaConfig):
         from .diffusion.gemma import register_diffusion_gemma
 
         register_diffusion_gemma(engine, spec.name, base, device=device)

@@ -60,7 +60,8 @@ from ..engine.blocks import BlockPool, BlockTable
 from .cache import (CacheState, CacheStrategy, DualCache, ExactCache, Frame, NoCache, Work, advance,
                               prefill_chunk)
 from .policies import Confidence, LinearSchedule, Policy, Schedule, Threshold, confidence, propose
-from ..engine.request import Request
+from ..engine.grammar import Constraint
+from ..engine.request import DecoderCounters, DecoderState, Request
 from ..engine.runner import ForwardItem, ModelRunner
 from ..engine.sampling import TokenLogprob, process_logits, token_logprobs
 from ..engine.scheduler import Scheduled
@@ -112,7 +113,17 @@ def unit_spans(start: int, end: int, block_length: int | None, attn_block: int |
 
 
 @dataclass
-class DiffusionState:
+class DiffusionCounters(DecoderCounters):
+    """Per-request diffusion statistics (``Request.counters``)."""
+
+    steps_per_block: list[int] = field(default_factory=list)  # forwards spent on each denoising unit
+
+    def report(self) -> dict:
+        return {"steps_per_block": self.steps_per_block} if self.steps_per_block else {}
+
+
+@dataclass
+class DiffusionState(DecoderState):
     """One request's decoding state (``Request.decoder_state``; dropped on preemption)."""
 
     start: int                      # first canvas position (= tokens known at admission)
@@ -125,7 +136,6 @@ class DiffusionState:
     unit_step: int = 0              # forwards spent on it
     counts: list[int] | None = None  # the schedule's per-step counts for it
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
-    work: Work | None = None        # planned by plan(), run by step()
     error: str | None = None
 
     @property
@@ -133,8 +143,15 @@ class DiffusionState:
         return int(self.tokens.shape[0])
 
 
+# A canvas is sized by max_tokens, so a request that sets none must not get the whole context.
+DEFAULT_MAX_TOKENS = 256
+
+
 class DiffusionDecoder:
+    """Block diffusion over the paged KV pool (a ``Decoder``)."""
+
     name = "diffusion"
+    default_max_tokens = DEFAULT_MAX_TOKENS
 
     def __init__(self, runner: ModelRunner, pool: BlockPool, config: DiffusionConfig | None = None,
                  max_batched_tokens: int = 512, publish_blocks: bool = True):
@@ -154,6 +171,10 @@ class DiffusionDecoder:
                             and pool.block_size % self.attn_block == 0)
 
     @property
+    def kv_owner(self) -> ModelRunner:
+        return self.runner
+
+    @property
     def shares_prompt_blocks(self) -> bool:
         """Whether a request's prompt blocks reach the prefix cache (so n > 1 choices can share them)."""
         return self.publish
@@ -166,31 +187,33 @@ class DiffusionDecoder:
     # ---- scheduling ------------------------------------------------------------
 
     def plan(self, req: Request, budget: int) -> tuple[int, int]:
-        """Tokens the next forward computes, and slots to reserve for the rest of the sequence."""
-        if req.decoder_state is None:
-            req.decoder_state = self._new_state(req)
-        st: DiffusionState = req.decoder_state
+        """Tokens the next forward computes, and slots to reserve for the rest of the sequence.
+
+        Pure: a request without state yet is planned on the state ``step`` will make for it
+        (with a copy of its grammar state), and ``step`` derives the same work again from the
+        state and the granted token count."""
         if budget <= 0:
             return 0, 0
+        st = req.decoder_state
+        if st is None:
+            st = self._new_state(req, req.constraint.copy() if req.constraint is not None else None)
         if st.error is not None or st.unit >= len(st.units):
             return 1, 0
-        st.work = self._next_work(st, budget)
-        if st.work is None:
+        work = self._next_work(st, budget)
+        if work is None:
             return 0, 0
-        n = st.work.num_tokens * (2 if self._cfg(st.work) else 1)
+        n = self._cost(work)
         # The pool reserves table.num_tokens (a prefix hit for an empty table) + n + lookahead
         # slots: ask for what the step touches. A bidirectional step touches the whole sequence;
         # a block-causal one nothing past its attention block, so long canvases grow block by
         # block. (Guidance over-reserves its copy.)
-        extent = st.length if self.attn_block is None else max(b for _, b in (st.work.query, *st.work.context))
-        base = req.table.num_tokens if req.table.blocks else self._cached_prefix(req)
+        extent = st.length if self.attn_block is None else max(b for _, b in (work.query, *work.context))
+        base = self.pool.computed_tokens(req.table, req.all_ids, req.uses_prefix_cache)
         return n, max(0, extent - base - n)
 
-    def _cached_prefix(self, req: Request) -> int:
-        """Tokens an empty table will take from the prefix cache at allocation."""
-        return self.pool.match_prefix(req.all_ids, req.table.namespace)[1] if req.uses_prefix_cache else 0
-
-    def _new_state(self, req: Request) -> DiffusionState:
+    def _new_state(self, req: Request, constraint: Constraint | None) -> DiffusionState:
+        """A request's state at admission; forced grammar tokens are placed by ``constraint``
+        (the request's own in ``step``, a copy in ``plan``)."""
         prefix = req.all_ids
         start, size = len(prefix), max(req.remaining, 0)
         suffix = list(req.suffix_ids)
@@ -201,16 +224,16 @@ class DiffusionDecoder:
             st.error = "infilling (suffix) needs a bidirectional diffusion model; this one is block-causal"
         elif req.needs_prompt_logprobs:
             st.error = "prompt logprobs need an autoregressive decoder"
-        elif req.constraint is not None:
+        elif constraint is not None:
             # After preemption the grammar may have consumed canvas tokens never committed.
-            uncommitted = req.constraint.consumed - len(req.output_ids)
+            uncommitted = constraint.consumed - len(req.output_ids)
             if uncommitted > 0:
-                req.constraint.rollback(uncommitted)
-            self._place_forced(req, st)
+                constraint.rollback(uncommitted)
+            self._place_forced(req, st, constraint)
             self._skip_filled(st)
         if self.publish:
             # Prefix-cache hits hold exact keys/values of whole attention blocks (see __init__).
-            st.cache.exact_upto = self._cached_prefix(req)
+            st.cache.exact_upto = self.pool.computed_tokens(req.table, req.all_ids, req.uses_prefix_cache)
         return st
 
     def _frame(self, st: DiffusionState) -> Frame:
@@ -225,7 +248,7 @@ class DiffusionDecoder:
     def _next_work(self, st: DiffusionState, budget: int) -> Work | None:
         frame = self._frame(st)
         work = self.config.cache.work(frame, st.cache, st.unit)
-        if work.num_tokens * (2 if self._cfg(work) else 1) <= budget:
+        if self._cost(work) <= budget:
             return work
         if self.attn_block:
             chunk = prefill_chunk(work, frame, st.cache, budget, self.attn_block)
@@ -237,50 +260,62 @@ class DiffusionDecoder:
     def _cfg(self, work: Work) -> bool:
         return self.config.cfg_scale > 0 and not work.prefill_only
 
+    def _cost(self, work: Work) -> int:
+        """Tokens the forward computes for ``work`` (twice under guidance)."""
+        return work.num_tokens * (2 if self._cfg(work) else 1)
+
     # ---- the step --------------------------------------------------------------
 
     def step(self, batch: Sequence[Scheduled], emit) -> None:
-        live: list[Request] = []
+        live: list[tuple[Request, Work]] = []
         for s in batch:
             req = s.request
-            st: DiffusionState | None = req.decoder_state
-            if s.num_new_tokens <= 0 or st is None:
+            if s.num_new_tokens <= 0:
                 continue
+            if req.decoder_state is None:
+                req.decoder_state = self._new_state(req, req.constraint)
+            st: DiffusionState = req.decoder_state
             if st.error is not None or st.unit >= len(st.units):
                 delta = req.finish("error" if st.error else "length")
                 delta.error = st.error
                 emit(req, delta)
                 continue
-            live.append(req)
+            live.append((req, self._planned_work(st, s.num_new_tokens)))
         if not live:
             return
-        items = [self._items(req) for req in live]
+        items = [self._items(req, work) for req, work in live]
         hidden, _ = self.runner.forward([it for group in items for it in group])
         offset = 0
-        for req, group in zip(live, items):
+        for (req, work), group in zip(live, items):
             rows = []
             for it in group:
                 rows.append(hidden[offset: offset + len(it.token_ids)])
                 offset += len(it.token_ids)
-            self._after_forward(req, rows, emit)
+            self._after_forward(req, work, rows, emit)
 
-    def _items(self, req: Request) -> list[ForwardItem]:
+    def _planned_work(self, st: DiffusionState, granted: int) -> Work:
+        """The work ``plan`` sized: the same state within the granted tokens gives the same work
+        (a whole span fits; a prefill chunk is whole attention blocks, so it is cut the same)."""
+        work = self._next_work(st, granted)
+        if work is None or self._cost(work) != granted:
+            raise RuntimeError(f"diffusion step differs from its plan ({granted} tokens granted)")
+        return work
+
+    def _items(self, req: Request, work: Work) -> list[ForwardItem]:
         """The request's forward: its query span, plus the unconditional copy under guidance."""
         st: DiffusionState = req.decoder_state
-        scratch = self.runner.scratch_block * self.runner.block_size
-        item = work_item(st.work, st.tokens, req.table, self.pool, self.attn_block, st.cache.exact_upto, scratch)
-        if not self._cfg(st.work):
+        item = work_item(work, st.tokens, req.table, self.pool, self.attn_block, st.cache.exact_upto, self.runner)
+        if not self._cfg(work):
             return [item]
         # LLaDA's unconditional input: every position that is not canvas becomes [MASK].
-        a, b = st.work.query
+        a, b = work.query
         uncond = st.tokens[a:b].clone()
         pos = torch.arange(a, b)
         uncond[(pos < st.start) | (pos >= st.canvas_end)] = self.mask_id
         return [item, ForwardItem(uncond, range(a, b), 0, item.block_table, None, item.mask)]
 
-    def _after_forward(self, req: Request, rows: list[torch.Tensor], emit) -> None:
+    def _after_forward(self, req: Request, work: Work, rows: list[torch.Tensor], emit) -> None:
         st: DiffusionState = req.decoder_state
-        work = st.work
         frame = self._frame(st)
         req.num_forwards += 1
         advance(st.cache, work, frame, st.unit)
@@ -312,12 +347,12 @@ class DiffusionDecoder:
             st.logprobs.update(zip(masked[chosen.cpu()].tolist(), lps))
         st.unit_step += 1
         if req.constraint is not None:
-            self._place_forced(req, st)
+            self._place_forced(req, st, req.constraint)
         if not bool((st.tokens[us:ue] == self.mask_id).any()):
             self._next_unit(req, st)
 
     def _next_unit(self, req: Request, st: DiffusionState) -> None:
-        req.steps_per_block.append(st.unit_step)
+        req.counters_of(DiffusionCounters).steps_per_block.append(st.unit_step)
         st.unit, st.unit_step, st.counts = st.unit + 1, 0, None
         self._skip_filled(st)
 
@@ -332,7 +367,7 @@ class DiffusionDecoder:
 
     # ---- structured output: a grammar's skeleton, values denoised ---------------
 
-    def _place_forced(self, req: Request, st: DiffusionState) -> None:
+    def _place_forced(self, req: Request, st: DiffusionState, constraint: Constraint) -> None:
         """Write the tokens the grammar forces after the decided prefix straight into the canvas.
 
         Under a grammar the canvas is decided left to right, so the decided prefix is exactly
@@ -340,7 +375,6 @@ class DiffusionDecoder:
         punctuation between values: the skeleton, placed with no forward; the model denoises
         only the values (``_choose_constrained``), seeing the skeleton ahead of them within
         its attention block."""
-        constraint = req.constraint
         holes = torch.nonzero(st.tokens[st.start:st.canvas_end] == self.mask_id)
         pos = st.start + int(holes[0, 0]) if len(holes) else st.canvas_end
         # Every position from the first hole on is still masked (decisions go left to right).
@@ -419,13 +453,14 @@ class DiffusionDecoder:
 
 
 def work_item(work: Work, tokens: torch.Tensor, table: BlockTable, pool: BlockPool, attn_block: int | None,
-              exact_upto: int = 0, scratch_slot: int = 0) -> ForwardItem:
+              exact_upto: int = 0, runner: ModelRunner | None = None) -> ForwardItem:
     """The ``ForwardItem`` that carries out ``work`` for a sequence of ``tokens`` (all positions).
 
     Queries attend to each other fully (bidirectional models) or block-causally, with blocks
     aligned to absolute positions; every context position is visible to every query. Queries
     before ``exact_upto`` (a shifted row recomputed for its logits) are not stored: those slots
-    hold exact keys/values already, possibly in blocks other requests share.
+    hold exact keys/values already, possibly in blocks other requests share: their keys/values
+    go to the ``runner``'s scratch slots.
     """
     a, b = work.query
     context_slots = None
@@ -437,7 +472,8 @@ def work_item(work: Work, tokens: torch.Tensor, table: BlockTable, pool: BlockPo
     store = None
     if work.store:
         keep = min(max(exact_upto - a, 0), b - a)
-        store = [scratch_slot] * keep + pool.slot_mapping(table, a + keep, b)
+        scratch = runner.scratch_slots(keep).tolist() if keep else []
+        store = scratch + pool.slot_mapping(table, a + keep, b)
     return ForwardItem(tokens[a:b], range(a, b), work.context_len, table.blocks, store, mask, context_slots)
 
 

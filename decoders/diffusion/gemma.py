@@ -60,6 +60,7 @@ from ..engine.blocks import BlockPool
 from ..engine.request import Request
 from ..engine.sampling import SamplingParams, token_logprobs, truncated_probs
 from ..engine.scheduler import Scheduled
+from .decoder import DiffusionCounters
 
 # ---- the sampler's rules -------------------------------------------------------------------------
 
@@ -327,6 +328,12 @@ def _unsupported(req: Request) -> str | None:
 class DiffusionGemmaDecoder:
     name = "diffusion"
     supports_infill = False  # the canvas sees only the text before it
+    shares_prompt_blocks = True
+    default_max_tokens = 256  # a canvas is sized by max_tokens
+
+    @property
+    def kv_owner(self) -> "DiffusionGemmaDecoder":
+        return self  # its own KV cache
 
     def __init__(self, model: DiffusionGemma, pool: BlockPool, cache: GemmaKVCache,
                  denoising: DenoisingConfig | None = None):
@@ -432,7 +439,7 @@ class DiffusionGemmaDecoder:
         return sc, torch.tensor(have, device=self.device).repeat_interleave(size)
 
     def _commit(self, req: Request, st: Canvas, emit) -> None:
-        req.steps_per_block.append(st.steps)
+        req.counters_of(DiffusionCounters).steps_per_block.append(st.steps)
         req.decoder_state = None
         tokens = st.argmax[0].tolist()
         logprobs = None

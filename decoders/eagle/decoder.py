@@ -13,7 +13,7 @@ A step of an EAGLE request (Li et al., EAGLE-1/2/3; the tree rules live in
      scheduler reserved them from ``plan``), capturing the features EAGLE needs;
   4. **accept**: greedy longest match or lossless rejection sampling, plus the
      target's bonus token; the accepted nodes' KV moves into place
-     (``KVCache.move_slots``), rejected slots go back to the pool
+     (``ModelRunner.move_slots``), rejected slots go back to the pool
      (``BlockPool.truncate``), and tokens go out through ``Request.commit``,
      which alone applies EOS, stop strings and max_tokens.
 
@@ -32,7 +32,7 @@ computing; drafts get a shorter context there, results stay exact.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -43,13 +43,13 @@ from dualserve.models.eagle import EagleHead, load_eagle_head
 from dualserve.models.loader import LoadedModel
 
 from ..ar import fill_prompt_logprobs
-from ..engine.blocks import BlockPool
-from .tree import DraftTree, DraftTreeAttention, TreeConfig, accept_greedy, accept_sampled, grow_tree
-from ..engine.paged_attention import AttentionMetadata, KVCache, SdpaPagedAttention, SeqAttention
-from ..engine.request import Request
+from ..engine.blocks import BlockPool, slot_of
+from ..engine.paged_attention import AttentionMetadata, SeqAttention
+from ..engine.request import DecoderCounters, DecoderState, Request
 from ..engine.runner import ForwardItem, ModelRunner
 from ..engine.sampling import process_logits, token_logprobs, truncated_probs
 from ..engine.scheduler import Scheduled
+from .tree import DraftTree, DraftTreeAttention, TreeConfig, accept_greedy, accept_sampled, grow_tree
 
 # CPU: measured with the bundled SmolLM2 head (clients/bench_eagle.py). On an AVX2
 # CPU a forward over 2..8 tokens costs about twice a 1-token forward (GEMM packs
@@ -61,7 +61,7 @@ GPU_TREE = TreeConfig(depth=5, top_k=8, num_nodes=48)
 
 
 @dataclass
-class EagleState:
+class EagleState(DecoderState):
     """Per-request draft state (``Request.decoder_state``; reset to None on preemption)."""
 
     head_start: int              # first position with head KV (earlier ones came from the prefix cache)
@@ -70,8 +70,28 @@ class EagleState:
     last_hidden: torch.Tensor | None = None  # head output at the newest pair: predicts the root's child
 
 
+@dataclass
+class EagleCounters(DecoderCounters):
+    """Per-request EAGLE statistics (``Request.counters``)."""
+
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    def report(self) -> dict:
+        if not self.accept_lengths:
+            return {}
+        return {"mean_accept_length": round(sum(self.accept_lengths) / len(self.accept_lengths), 3),
+                "draft_seconds": round(self.draft_seconds, 4), "verify_seconds": round(self.verify_seconds, 4)}
+
+
 class EagleDecoder:
+    """EAGLE speculative decoding on the target's runner (a ``Decoder``)."""
+
     name = "eagle"
+    shares_prompt_blocks = True
+    supports_infill = False
+    default_max_tokens = None
 
     def __init__(self, runner: ModelRunner, pool: BlockPool, head: EagleHead, tree: TreeConfig | None = None):
         self.runner = runner
@@ -79,18 +99,18 @@ class EagleDecoder:
         self.head = head
         self.tree = tree or (GPU_TREE if runner.device.type == "cuda" else CPU_TREE)
         c = head.config.layer
-        self.kv = KVCache(head.config.num_layers, runner.kv.num_blocks, runner.block_size, c.num_kv_heads,
-                          c.head_dim, runner.kv.k[0].dtype, runner.device)
+        self.kv = runner.head_kv(head.config.num_layers, c.num_kv_heads, c.head_dim)
         self.aux_layers = head.config.aux_layers
+
+    @property
+    def kv_owner(self) -> ModelRunner:
+        return self.runner
 
     # ---- scheduling ------------------------------------------------------------
 
     def plan(self, req: Request, budget: int) -> tuple[int, int]:
         """Prefill chunks stop before the last known token; then one root + a tree of lookahead slots."""
-        computed = req.num_computed
-        if not req.table.blocks and req.uses_prefix_cache:
-            computed = self.pool.match_prefix(req.all_ids, req.table.namespace)[1]
-        pending = req.num_tokens - 1 - computed
+        pending = req.num_tokens - 1 - self.pool.computed_tokens(req.table, req.all_ids, req.uses_prefix_cache)
         if budget <= 0:
             return 0, 0
         if pending > 0:
@@ -127,9 +147,10 @@ class EagleDecoder:
             if tree is None:
                 self._prefilled(req, n, final[rows], [a[rows] for a in aux])
                 continue
-            req.draft_seconds += draft_time
+            counters = req.counters_of(EagleCounters)
+            counters.draft_seconds += draft_time
             self._verify(req, tree, final[rows], [a[rows] for a in aux], emit)
-            req.verify_seconds += time.perf_counter() - started
+            counters.verify_seconds += time.perf_counter() - started
 
     def _item(self, s: Scheduled, tree: DraftTree | None) -> ForwardItem:
         req = s.request
@@ -173,7 +194,7 @@ class EagleDecoder:
         dev = self.runner.device
         meta = AttentionMetadata(seqs, torch.cat(slots).to(dev), self.runner.block_size)
         out = self.head(torch.cat(ids).to(dev), torch.cat(hidden), torch.cat(pos).to(dev),
-                        SdpaPagedAttention(self.kv, meta))
+                        self.runner.attention(self.kv, meta))
         offset = 0
         for r in reqs:
             st = r.decoder_state
@@ -229,7 +250,7 @@ class EagleDecoder:
         tokens = [tree.tokens[n] for n in path] + [bonus]
         if req.constraint is not None:  # root-only tree: exactly one token
             req.constraint.consume(bonus)
-        req.accept_lengths.append(len(tokens))
+        req.counters_of(EagleCounters).accept_lengths.append(len(tokens))
         logprobs = None
         if params.logprobs is not None:
             parents = [0] + path  # each emitted token was predicted at its parent node
@@ -243,15 +264,11 @@ class EagleDecoder:
     def _keep_path(self, req: Request, path: list[int], start: int, final: torch.Tensor,
                    aux: list[torch.Tensor]) -> None:
         """Move the accepted nodes' KV next to the root, release the rest, queue their features."""
-        bs = self.runner.block_size
-        table = req.table.blocks
-
-        def slot(pos: int) -> int:
-            return table[pos // bs] * bs + pos % bs
-
-        moves = [(slot(start + node), slot(start + j + 1)) for j, node in enumerate(path) if node != j + 1]
+        bs, table = self.runner.block_size, req.table.blocks
+        moves = [(slot_of(table, start + node, bs), slot_of(table, start + j + 1, bs))
+                 for j, node in enumerate(path) if node != j + 1]
         if moves:
-            self.runner.kv.move_slots([m[0] for m in moves], [m[1] for m in moves])
+            self.runner.move_slots([m[0] for m in moves], [m[1] for m in moves])
         written = start + 1 + len(path)  # root + accepted nodes
         self.pool.mark_written(req.table, req.all_ids, written)
         self.pool.truncate(req.table, written)

@@ -63,6 +63,14 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+def slot_of(block_table, pos, block_size: int):
+    """Flat KV slot of position ``pos``: ``block_id * block_size + offset``.
+
+    The one place this arithmetic lives. It takes Python ints (``block_table`` a list) or
+    tensors (``block_table`` and ``pos`` long tensors) alike."""
+    return block_table[pos // block_size] * block_size + pos % block_size
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -134,6 +142,13 @@ class BlockPool:
         """(block ids, tokens covered) of the longest cached prefix; no side effects."""
         blocks, _ = self._match(token_ids, namespace)
         return blocks, len(blocks) * self.block_size
+
+    def computed_tokens(self, table: BlockTable, token_ids: Sequence[int], use_prefix_cache: bool = True) -> int:
+        """Tokens whose KV needs no computing: the table's written tokens or, for an empty table,
+        the prefix-cache hit ``allocate`` would take. No side effects (decoders' ``plan`` use it)."""
+        if table.blocks or not use_prefix_cache:
+            return table.num_tokens
+        return self.match_prefix(token_ids, table.namespace)[1]
 
     def _uncache(self, block: int) -> None:
         h = self._block_hash[block]
@@ -214,7 +229,7 @@ class BlockPool:
         bs = self.block_size
         if not 0 <= start <= end <= len(table.blocks) * bs:
             raise IndexError(f"positions [{start}, {end}) outside {len(table.blocks)} blocks")
-        return [table.blocks[p // bs] * bs + p % bs for p in range(start, end)]
+        return [slot_of(table.blocks, p, bs) for p in range(start, end)]
 
     def mark_written(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> None:
         """KV of positions [0, num_tokens) is written; publish newly full blocks."""

@@ -25,9 +25,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 from .blocks import BlockPool
+from .decoder import Decoder
 from .detokenize import TextStream
 from .grammar import GrammarCompiler
 from .request import Delta, Request, Status
@@ -35,14 +36,6 @@ from .sampling import SamplingParams
 from .scheduler import QueueFull, Scheduled, Scheduler
 
 log = logging.getLogger("dualserve.engine")
-
-
-class Decoder(Protocol):
-    name: str
-
-    def plan(self, req: Request, budget: int) -> tuple[int, int]: ...
-
-    def step(self, batch: Sequence[Scheduled], emit: Callable[[Request, Delta], None]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -90,7 +83,7 @@ class Engine:
         self.decoders[(model, decoder.name)] = decoder
         # Prefix-cache namespace: decoders that read the same KV tensors (ar and eagle on one
         # runner) share cached blocks; another model's blocks are never a hit.
-        kv_owner = getattr(decoder, "runner", None) or decoder
+        kv_owner = decoder.kv_owner
         self.kv_namespaces[(model, decoder.name)] = f"{model}/{type(kv_owner).__name__}@{id(kv_owner):x}"
         self.tokenizers[model] = tokenizer
         # Only structured output needs it; a minimal tokenizer (tests, offline tools) may lack it.
@@ -192,8 +185,7 @@ class Engine:
         for rid, held in list(self._held.items()):
             first = self._requests.get(rid, [None])[0]
             # Decoders that never publish prompt blocks (bidirectional diffusion) gain nothing by waiting.
-            shares = first is not None and getattr(self.decoders.get((first.model, first.decoder)),
-                                                   "shares_prompt_blocks", True)
+            shares = first is not None and self.decoders[(first.model, first.decoder)].shares_prompt_blocks
             if (first is None or first.finished or not shares or first.num_computed >= len(first.prompt_ids)
                     or not held):
                 for r in held:

@@ -84,6 +84,12 @@ class Constraint:
         allowed = torch.nonzero(self.allowed())[:, 0]
         return [int(allowed[0])] if allowed.numel() == 1 else []
 
+    def copy(self) -> "Constraint":
+        """An independent copy of this state (to look ahead without consuming)."""
+        twin = Constraint(self.matcher.deep_copy(), self.vocab_size)
+        twin.consumed = self.consumed
+        return twin
+
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
         self.consumed -= num_tokens

@@ -30,6 +30,8 @@ import torch
 
 from dualserve.models.attention import sdpa
 
+from .blocks import slot_of
+
 # Among a sequence's new tokens: "causal", "bidirectional" (every new token sees every other, as
 # models.attention names it), or an explicit (query, query) boolean mask (trees, block-causal).
 SeqMask = Union[Literal["causal", "bidirectional"], torch.Tensor]
@@ -42,6 +44,7 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype = dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -97,8 +100,8 @@ class AttentionMetadata:
                 self._context_index[i] = seq.context_slots.to(device)
             else:
                 pos = torch.arange(seq.context_len)
-                blocks = torch.tensor(seq.block_table, dtype=torch.long)[pos // self.block_size]
-                self._context_index[i] = (blocks * self.block_size + pos % self.block_size).to(device)
+                table = torch.tensor(seq.block_table, dtype=torch.long)
+                self._context_index[i] = slot_of(table, pos, self.block_size).to(device)
         return self._context_index[i]
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -44,6 +44,22 @@ class Delta:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
+class DecoderState:
+    """Base of a decoder's working state for one request (``Request.decoder_state``): made by
+    the decoder's ``step``, dropped on preemption (the request then starts over)."""
+
+
+class DecoderCounters:
+    """Base of a decoder's statistics for one request (``Request.counters``): kept across
+    preemption and reported on the final delta."""
+
+    def report(self) -> dict:
+        return {}
+
+
+C = TypeVar("C", bound=DecoderCounters)
+
+
 @dataclass
 class Request:
     request_id: str
@@ -60,17 +76,14 @@ class Request:
     table: BlockTable = field(default_factory=BlockTable)
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    # Counters the decoders fill in (surfaced as usage extensions and metrics).
-    num_forwards: int = 0
-    accept_lengths: list[int] = field(default_factory=list)
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    num_preemptions: int = 0
-    cached_prompt_tokens: int = 0        # prefix-cache hit at first admission
+    # Counters every decoder fills in (surfaced as usage extensions and metrics).
+    num_forwards: int = 0                # set by the decoder
+    num_preemptions: int = 0             # set by the scheduler
+    cached_prompt_tokens: int = 0        # prefix-cache hit at first admission, set by the engine
     admitted: bool = False               # set by the engine at first admission
-    steps_per_block: list[int] = field(default_factory=list)
+    counters: DecoderCounters | None = None  # the decoder's own statistics (see ``counters_of``)
     generator: torch.Generator | None = None
-    decoder_state: object = None         # private to the request's decoder
+    decoder_state: DecoderState | None = None  # private to the request's decoder
     constraint: Constraint | None = None  # grammar state for structured output, set at submit
     # Entry i is the logprob of prompt token i (None for the first); filled by the decoder during
     # prefill when params.prompt_logprobs is set, else None.
@@ -128,6 +141,12 @@ class Request:
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
 
+    def counters_of(self, kind: type[C]) -> C:
+        """The decoder's counters for this request, made on first use."""
+        if not isinstance(self.counters, kind):
+            self.counters = kind()
+        return self.counters
+
     def decoder_stats(self) -> dict:
         """Per-request decoder statistics (usage extension and metrics)."""
         out: dict = {"decoder": self.decoder, "forward_passes": self.num_forwards,
@@ -135,12 +154,8 @@ class Request:
                      "preemptions": self.num_preemptions}
         if self.num_forwards:
             out["tokens_per_forward"] = round(len(self.output_ids) / self.num_forwards, 3)
-        if self.accept_lengths:
-            out["mean_accept_length"] = round(sum(self.accept_lengths) / len(self.accept_lengths), 3)
-            out["draft_seconds"] = round(self.draft_seconds, 4)
-            out["verify_seconds"] = round(self.verify_seconds, 4)
-        if self.steps_per_block:
-            out["steps_per_block"] = self.steps_per_block
+        if self.counters is not None:
+            out.update(self.counters.report())
         return out
 
     def commit(self, token_ids: list[int], logprobs: list[TokenLogprob] | None = None) -> Delta:

@@ -1,9 +1,13 @@
 """The model runner: one loaded model, its KV tensors, and how a batch becomes a forward.
 
-The runner owns the model weights (by reference) and the ``KVCache`` tensors
-indexed by the shared block pool's block ids. Decoders describe the work of a
-step as ``ForwardItem``s (which tokens, at which positions, with what cache and
-mask) and get hidden states back; they never touch the KV tensors directly.
+The runner owns the model weights (by reference), the ``KVCache`` tensors
+indexed by the shared block pool's block ids, and the choice of attention
+backend (flash-attn or SDPA, made once). Decoders describe the work of a step as
+``ForwardItem``s (which tokens, at which positions, with what cache and mask)
+and get hidden states back; they never touch the KV tensors directly. What else
+they need of the KV goes through the runner too: moving slots (EAGLE keeps an
+accepted path in place), scratch slots, and a KV cache plus backend for a draft
+head over the same blocks.
 
 Tokens that must not be stored (a diffusion canvas still being denoised) are
 written to a scratch block that no request owns, so one batch can mix stored
@@ -47,7 +51,7 @@ class ModelRunner:
         # One extra block at the end is scratch space for tokens that are not stored.
         self.kv = KVCache(cfg.num_layers, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim,
                           kv_dtype or self.dtype, self.device)
-        self.scratch_block = num_blocks
+        self._scratch_block = num_blocks
         # flash-attn's paged kernel needs blocks of a multiple of 256 tokens (flash_attn_with_kvcache).
         flash = (use_flash if use_flash is not None else flash_available()) and block_size % 256 == 0
         self.backend = FlashPagedAttention if flash else SdpaPagedAttention
@@ -56,14 +60,30 @@ class ModelRunner:
         return x.to(self.device) if isinstance(x, torch.Tensor) else torch.tensor(list(x), dtype=dtype,
                                                                                  device=self.device)
 
+    def scratch_slots(self, n: int) -> torch.Tensor:
+        """(n,) slots of the scratch block: keys/values written there are never read."""
+        return self._scratch_block * self.block_size + torch.arange(n, device=self.device) % self.block_size
+
+    def move_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Move the keys/values of single slots in every layer (src[i] -> dst[i])."""
+        self.kv.move_slots(src, dst)
+
+    def head_kv(self, num_layers: int, num_kv_heads: int, head_dim: int) -> KVCache:
+        """A KV cache for a draft head, indexed by the same block ids as the model's own."""
+        return KVCache(num_layers, self.kv.num_blocks, self.block_size, num_kv_heads, head_dim, self.kv.dtype,
+                       self.device)
+
+    def attention(self, kv: KVCache, meta: AttentionMetadata) -> SdpaPagedAttention:
+        """The attention backend chosen at start-up, over ``kv`` (the model's or a head's)."""
+        return self.backend(kv, meta)
+
     def metadata(self, items: Sequence[ForwardItem]) -> AttentionMetadata:
         slots: list[torch.Tensor] = []
         seqs = []
         for it in items:
             n = len(it.token_ids)
             if it.slots is None:
-                scratch = self.scratch_block * self.block_size
-                slots.append(scratch + torch.arange(n, device=self.device) % self.block_size)
+                slots.append(self.scratch_slots(n))
             else:
                 slots.append(self._as_tensor(it.slots))
             seqs.append(SeqAttention(it.context_len, n, it.block_table, it.mask, it.context_slots))
@@ -75,7 +95,7 @@ class ModelRunner:
         """Run one forward over all items; returns (hidden (tokens, hidden), aux hidden states)."""
         ids = torch.cat([self._as_tensor(it.token_ids) for it in items])
         pos = torch.cat([self._as_tensor(it.positions) for it in items])
-        attn = self.backend(self.kv, self.metadata(items))
+        attn = self.attention(self.kv, self.metadata(items))
         return self.model(ids, pos, attn, inputs_embeds=inputs_embeds, aux_layers=aux_layers)
 
     @torch.inference_mode()

@@ -98,6 +98,23 @@ def test_random_remasking_follows_the_seed(llada: LoadedModel) -> None:
     assert others != {tuple(a)}
 
 
+def test_plan_is_pure_and_step_runs_what_it_sized(llada: LoadedModel) -> None:
+    """The scheduler may plan a request and not run it: planning creates no state."""
+    engine = make_engine(llada, CONFIG)
+    decoder = engine.decoders[("m", "diffusion")]
+    outcomes = []
+    engine.submit("m", "diffusion", prompt(5), PARAMS, sink=lambda i, d: outcomes.append(d))
+    engine.step()  # admits the request: its first forward runs
+    req = engine.scheduler.running[0]
+    planned = decoder.plan(req, 512)
+    assert decoder.plan(req, 512) == planned and decoder.plan(req, 0) == (0, 0)
+    fresh = replace(req, output_ids=[], table=type(req.table)(), decoder_state=None)
+    fresh_plan = decoder.plan(fresh, 512)
+    assert fresh.decoder_state is None and fresh.table.blocks == [] and fresh_plan[0] > 0
+    engine.run_until_idle()
+    assert outcomes[-1].finish_reason == "length"
+
+
 def test_logprobs_for_committed_tokens(llada: LoadedModel) -> None:
     out = run(make_engine(llada, CONFIG), [prompt(5)], replace(PARAMS, logprobs=2))[0]
     assert [lp.token_id for lp in out.logprobs] == out.tokens

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dualserve.decoders.engine.blocks import BlockPool, BlockTable, NoFreeBlocks
+from dualserve.decoders.engine.blocks import BlockPool, BlockTable, NoFreeBlocks, slot_of
 
 BS = 4
 
@@ -192,6 +192,28 @@ def test_lookahead_slots_then_truncate_releases_them():
     pool.check([t])
     pool.free(t)
     assert pool.num_free_blocks == 8
+
+
+def test_slot_of_is_block_id_times_size_plus_offset():
+    table = BlockTable(blocks=[5, 2, 7])
+    pool = BlockPool(num_blocks=8, block_size=BS)
+    assert [slot_of(table.blocks, p, BS) for p in (0, 3, 4, 9)] == [20, 23, 8, 29]
+    assert pool.slot_mapping(table, 3, 6) == [23, 8, 9]
+
+
+def test_computed_tokens_peeks_at_the_prefix_cache():
+    pool = BlockPool(num_blocks=8, block_size=BS)
+    prompt = list(range(9))
+    a = admit(pool, prompt)
+    pool.mark_written(a, prompt, 7)
+    assert pool.computed_tokens(a, prompt) == 7  # a table with blocks: what it has written
+    pool.mark_written(a, prompt, 9)
+    state = (list(pool._free), list(pool._evictable), list(pool._ref), replace(pool.stats))
+    fresh = BlockTable(blocks=[])
+    assert pool.computed_tokens(fresh, prompt + [1]) == 8  # two full blocks cached
+    assert pool.computed_tokens(fresh, prompt + [1], use_prefix_cache=False) == 0
+    assert fresh == BlockTable(blocks=[])
+    assert (list(pool._free), list(pool._evictable), list(pool._ref), pool.stats) == state
 
 
 def test_hash_collision_is_not_a_hit(monkeypatch):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from dualserve.decoders.engine.blocks import slot_of
 from dualserve.decoders.engine.paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache,
                                                 SdpaPagedAttention, SeqAttention, flash_available)
 from dualserve.decoders.engine.runner import ForwardItem, ModelRunner
@@ -156,11 +157,34 @@ def test_runner_chunked_prefill_and_decode_match_one_dense_forward():
     table = [11, 2, 7, 0, 14, 5]  # 6 blocks of 4 cover 23 tokens, scattered on purpose
     pieces = []
     for start, end in [(0, 9), (9, 17), (17, 21), (21, 22), (22, 23)]:  # chunks, then single-token decodes
-        slots = [table[p // BS] * BS + p % BS for p in range(start, end)]
+        slots = [slot_of(table, p, BS) for p in range(start, end)]
         item = ForwardItem(ids[start:end], range(start, end), start, table, slots)
         hidden, _ = runner.forward([item])
         pieces.append(hidden)
     torch.testing.assert_close(torch.cat(pieces), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_runner_owns_slot_moves_scratch_and_head_kv():
+    cfg = ModelConfig(family="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, intermediate_size=64)
+    runner = ModelRunner(Transformer(cfg).eval(), num_blocks=4, block_size=BS, use_flash=False)
+    for layer in range(cfg.num_layers):
+        k, v = runner.kv.flat(layer)
+        k.copy_(torch.randn(k.shape))
+        v.copy_(torch.randn(v.shape))
+    before = [tuple(t.clone() for t in runner.kv.flat(layer)) for layer in range(cfg.num_layers)]
+    runner.move_slots([5, 9], [2, 3])
+    for layer, (k0, v0) in enumerate(before):
+        k, v = runner.kv.flat(layer)
+        assert torch.equal(k[[2, 3]], k0[[5, 9]]) and torch.equal(v[[2, 3]], v0[[5, 9]])
+        assert torch.equal(k[4:], k0[4:])
+    # Scratch slots lie past the pool's blocks, in the runner's one spare block.
+    assert runner.scratch_slots(6).tolist() == [4 * BS + i % BS for i in range(6)]
+    head = runner.head_kv(num_layers=1, num_kv_heads=3, head_dim=5)
+    assert head.num_blocks == runner.kv.num_blocks and head.dtype == runner.kv.dtype
+    assert head.k[0].shape == (runner.kv.num_blocks, BS, 3, 5)
+    meta = AttentionMetadata([SeqAttention(0, 2, [0])], torch.tensor([0, 1]), BS)
+    assert isinstance(runner.attention(head, meta), SdpaPagedAttention)
 
 
 @pytest.mark.gpu

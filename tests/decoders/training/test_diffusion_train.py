@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from dualserve.decoders.training import diffusion_train
 from dualserve.decoders.training.diffusion_eval import denoise_eval, fill_block
 from dualserve.decoders.training.diffusion_twin import LoRALinear, add_lora, make_example, pack, stream_mask, twin_loss
-from dualserve.models.adapter import ADAPTER_FILE, lora_names, load_twin
+from dualserve.models.adapter import ADAPTER_FILE, lora_names
+from dualserve.models.loader import load_twin
 from dualserve.models.attention import DenseAttention
 from dualserve.models.config import ModelConfig
 from dualserve.models.loader import load_model
