@@ -22,12 +22,21 @@ import torch
 
 from dualserve.models.config import ModelConfig
 from dualserve.models.diffusion_gemma import DiffusionGemmaConfig
+from dualserve.models.formats import FormatTable
 from dualserve.models.loader import LoadedModel
 
 from .ar import ARDecoder
 from .engine.engine import Engine, EngineConfig
 from .engine.paged_attention import KVCache
 from .engine.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    """Run every model runner through compiled graphs (``engine/compiled.py``)."""
+
+    cache_dir: Path | None = None      # inductor's caches, kept under the model cache
+    background: bool = True            # eager until each step shape's graph is ready
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,7 @@ class Deployment:
     engine: Engine
     models: dict[str, LoadedModel]
     runners: dict[str, ModelRunner] = field(default_factory=dict)
+    format_table: FormatTable | None = None  # measured at start-up by --quantization auto, if it ran
 
     def decoders(self, name: str) -> list[str]:
         return self.engine.decoders_for(name)
@@ -80,7 +90,7 @@ def blocks_for(models: list[LoadedModel], spec: PoolSpec, kv_dtype: torch.dtype)
 
 
 def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int, device: str,
-             runners: dict[str, ModelRunner]) -> None:
+             runners: dict[str, ModelRunner], compile: CompileSpec | None = None) -> None:
     base = spec.base
     if isinstance(base.config, DiffusionGemmaConfig):
         from .diffusion.gemma import register_diffusion_gemma
@@ -89,6 +99,8 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
         return
     runner = ModelRunner(base.model, num_blocks, block_size, device=device)
     runners[spec.name] = runner
+    if compile is not None:
+        runner.compile(compile.cache_dir, compile.background)
     if base.config.is_diffusion:
         from .diffusion.decoder import register_diffusion
 
@@ -108,11 +120,14 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
 
         twin_runner = ModelRunner(spec.twin.model, num_blocks, block_size, device=device)
         runners[f"{spec.name}:diffusion"] = twin_runner
+        if compile is not None:
+            twin_runner.compile(compile.cache_dir, compile.background)
         register_diffusion(engine, spec.name, twin_runner, spec.twin)
 
 
 def build_deployment(models: list[LoadedModel] | list[ServedSpec], engine_config: EngineConfig | None = None,
-                     pool: PoolSpec = PoolSpec(), device: str = "cpu") -> Deployment:
+                     pool: PoolSpec = PoolSpec(), device: str = "cpu",
+                     compile: CompileSpec | None = None) -> Deployment:
     """One pool for all models; each served name gets the decoders its parts allow."""
     specs = [m if isinstance(m, ServedSpec) else ServedSpec(m.name, m) for m in models]
     loaded = kv_models(specs)
@@ -125,5 +140,5 @@ def build_deployment(models: list[LoadedModel] | list[ServedSpec], engine_config
     engine = Engine(cfg)
     dep = Deployment(engine=engine, models={s.name: s.base for s in specs})
     for spec in specs:
-        register(engine, spec, num_blocks, pool.block_size, device, dep.runners)
+        register(engine, spec, num_blocks, pool.block_size, device, dep.runners, compile)
     return dep

@@ -95,7 +95,7 @@ def to_module_names(canonical: dict[str, Weight]) -> dict[str, Weight]:
     return out
 
 
-def _quantize_into(model: Transformer, state: dict[str, Weight], fmt: Quantization,
+def _quantize_into(model: Transformer, state: dict[str, Weight], fmt: Quantization, dtype: torch.dtype,
                    device: torch.device | str) -> dict[str, torch.Tensor]:
     """Swap the meta model's linear layers, head and embedding for ``fmt`` modules built from ``state``.
 
@@ -108,17 +108,17 @@ def _quantize_into(model: Transformer, state: dict[str, Weight], fmt: Quantizati
             bias = state.pop(f"{full}.bias", None)
             bias = None if bias is None else bias.to(device)
             weight = state.pop(f"{full}.weight")
-            swapped[full] = (to_linear(weight, fmt, bias, torch.bfloat16, device) if isinstance(weight, dict)
-                             else float_to_linear(weight.to(device), bias, fmt, torch.bfloat16))
+            swapped[full] = (to_linear(weight, fmt, bias, dtype, device) if isinstance(weight, dict)
+                             else float_to_linear(weight.to(device), bias, fmt, dtype))
     emb = state.pop("embed_tokens.weight")
     head = state.pop("lm_head.weight", emb)
-    swapped["lm_head"] = (to_linear(head, HEAD_QUANTIZATION, None, torch.bfloat16, device) if isinstance(head, dict)
+    swapped["lm_head"] = (to_linear(head, HEAD_QUANTIZATION, None, dtype, device) if isinstance(head, dict)
                           else Int8Linear.from_float(head.to(device)))
     if isinstance(emb, dict) and "zeros" not in emb:  # GGUF Q8_0: the exact grouped int8 layout
-        swapped["embed_tokens"] = QuantEmbedding(emb["qweight"].to(device), emb["scales"].to(device))
+        swapped["embed_tokens"] = QuantEmbedding(emb["qweight"].to(device), emb["scales"].to(device), dtype)
     else:
         table = dequantize_portable(emb) if isinstance(emb, dict) else emb
-        swapped["embed_tokens"] = QuantEmbedding.from_float(table.to(device))
+        swapped["embed_tokens"] = QuantEmbedding.from_float(table.to(device), dtype)
     done: dict[str, torch.Tensor] = {}
     for name, module in swapped.items():
         model.set_submodule(name, module) if "." in name else setattr(model, name, module)
@@ -131,8 +131,8 @@ def build(config: ModelConfig, state: dict[str, Weight], dtype: torch.dtype,
     """Build on meta, then assign real tensors; strict, so a missing or extra tensor is an error.
 
     With ``quantization`` int8 or int4 the linear layers, the output head and the
-    embedding are quantized (exactly, when the state already holds that layout)
-    and the model computes in bf16, the activation dtype of the weight-only kernels.
+    embedding are quantized (exactly, when the state already holds that layout);
+    everything else (norms, residual stream, attention) computes in ``dtype``.
     """
     if "lm_head.weight" not in state and not config.tie_word_embeddings:
         config = config.replace(tie_word_embeddings=True)
@@ -142,8 +142,7 @@ def build(config: ModelConfig, state: dict[str, Weight], dtype: torch.dtype,
         model = Transformer(config)
     done: dict[str, torch.Tensor] = {}
     if quantization != "none":
-        dtype = torch.bfloat16
-        done = _quantize_into(model, state, quantization, device)
+        done = _quantize_into(model, state, quantization, dtype, device)
     full = {k: (dequantize_portable(v) if isinstance(v, dict) else v).to(device=device, dtype=dtype)
             for k, v in state.items()}
     model.load_state_dict({**full, **done}, strict=True, assign=True)

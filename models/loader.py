@@ -29,7 +29,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .adapter import apply_twin, is_twin_dir, TwinSpec
 from .adapter import TwinSpec, apply_twin, is_twin_dir
 from .checkpoint import LoadedModel, Weight, safetensors_files, build, iter_weights, portable_tensors, rename, to_module_names
 from .config import ModelConfig
@@ -225,6 +224,17 @@ def stored_quantization(source: Path) -> Quantization:
     return "none"
 
 
+def prepare_source(path: Path, cache_dir: Path | None) -> Path:
+    """The Hugging Face directory a model loads from: itself, or its GGUF's conversion (made once)."""
+    if path.is_file() and path.suffix == ".gguf":
+        target = converted_dir(path, cache_dir or path.parent / ".dualserve")
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            convert_gguf(path, target)
+        return target
+    return path
+
+
 def load_model(path: Path | str, *, name: str | None = None, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", cache_dir: Path | None = None,
                quantization: Quantization | Literal["auto"] = "none") -> LoadedModel:
@@ -239,14 +249,7 @@ def load_model(path: Path | str, *, name: str | None = None, dtype: torch.dtype 
     if is_twin_dir(path):
         return load_twin(path, name=name, dtype=dtype, device=device, cache_dir=cache_dir,
                          quantization=quantization)
-    if path.is_file() and path.suffix == ".gguf":
-        target = converted_dir(path, cache_dir or path.parent / ".dualserve")
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            convert_gguf(path, target)
-        source = target
-    else:
-        source = path
+    source = prepare_source(path, cache_dir)
     raw = json.loads((source / "config.json").read_text())
     if raw.get("architectures") == ["DiffusionGemmaForBlockDiffusion"]:
         return load_diffusion_gemma(source, dtype, device, name=name)

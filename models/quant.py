@@ -16,10 +16,12 @@ The portable layout (what the model cache stores, ``PORTABLE_KEYS``) is plain
 integers and float scales; the kernels' packed layouts are built at load time
 because they differ between CPU and CUDA builds.
 
-Activations are bf16: on CPU both kernels are about 10x faster with bf16
-activations than with fp32 (measured on the 576 -> 3072 projection of
-SmolLM2-135M, 2 threads: 66 vs 1502 us for int4), and their scales must be bf16
-to match. Every row of the output depends on its own input row only, with the
+The kernels take bf16 activations: on CPU both are about 10x faster with bf16
+inputs than with fp32 (measured on the 576 -> 3072 projection of SmolLM2-135M,
+2 threads: 66 vs 1502 us for int4), and their scales must be bf16 to match. Only
+the GEMM inputs are rounded: a layer returns its result in the caller's dtype,
+so the residual stream, norms and attention keep the model's compute dtype
+(fp32 on CPU), and eager and compiled forwards round at the same places. Every row of the output depends on its own input row only, with the
 same arithmetic for any number of rows, so greedy output does not depend on how
 requests are batched.
 
@@ -87,7 +89,7 @@ class Int4Linear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The float weight (out, in) this layer multiplies by (for tests and references)."""
@@ -128,7 +130,7 @@ class Int8Linear(nn.Module):
         y = torch.ops.aten._weight_int8pack_mm(_act(x).reshape(-1, self.in_features), self.qweight, self.scales)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         return self.qweight.float() * self.scales.float()[:, None]
@@ -140,7 +142,7 @@ class Int8Linear(nn.Module):
 class QuantEmbedding(nn.Module):
     """Token embeddings stored as int8 with one scale per group of columns; rows dequantize on lookup."""
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.num_embeddings, self.embedding_dim = q.shape
         self.dtype = dtype
@@ -148,7 +150,7 @@ class QuantEmbedding(nn.Module):
         self.register_buffer("scales", scales.float().contiguous())  # (rows, dim // group)
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> "QuantEmbedding":
+    def from_float(cls, w: torch.Tensor, dtype: torch.dtype = torch.float32) -> "QuantEmbedding":
         rows, dim = w.shape
         groups = w.float().view(rows, dim // GROUP, GROUP)
         scales = (groups.abs().amax(-1) / 127).clamp(min=1e-12)

@@ -45,7 +45,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, help="model cache (default: $DUALSERVE_CACHE or ~/.cache/dualserve)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--kv-memory-gb", type=float, default=1.0, help="memory for the shared KV block pool")
+    p.add_argument("--kv-memory-gb", type=float, default=None,
+                   help="memory for the shared KV block pool (default: 1/32 of the machine's memory, at most 1 GB)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight format: int8 (per channel) or int4 (groups of 32) weight-only, or none (--dtype); "
+                   "auto keeps what the checkpoint holds (int4 for a Q4_0/Q4_1 GGUF such as the default model)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="stay in eager mode (default: steps run through torch.compile'd graphs, built in the "
+                   "background at start-up and cached under the model cache)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (overrides --kv-memory-gb)")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block (default 16 on CPU, 256 on CUDA, as flash-attn's paged kernel needs)")
@@ -70,10 +77,10 @@ def bundled(choice: str, model_name: str, finder) -> Path | None:
 
 
 def load_deployment(args: argparse.Namespace):
-    from dualserve.decoders.deployment import PoolSpec, ServedSpec, build_deployment
+    from dualserve.decoders.deployment import CompileSpec, PoolSpec, ServedSpec, build_deployment
     from dualserve.decoders.engine.engine import EngineConfig
     from dualserve.models.assets import default_eagle_head, default_twin
-    from dualserve.models.loader import load_model
+    from dualserve.models.loader import load_model, load_twin
 
     log = logging.getLogger("dualserve")
     if args.threads:
@@ -81,14 +88,16 @@ def load_deployment(args: argparse.Namespace):
     cache = default_cache_dir(args.cache_dir)
     dtype = pick_dtype(args.dtype, args.device)
     name, path = resolve_model(args.model, cache)
-    loaded = load_model(path, name=name, dtype=dtype, device=args.device, cache_dir=cache)
-    log.info("loaded %s in %.2fs", name, loaded.load_seconds)
+    quantization, dtype, table = pick_format(args, Path(path), cache, dtype)
+    loaded = load_model(path, name=name, dtype=dtype, device=args.device, cache_dir=cache,
+                        quantization=quantization)
+    log.info("loaded %s in %.2fs (weights: %s)", name, loaded.load_seconds, loaded.quantization)
     specs = [ServedSpec(name, loaded)]
     if not loaded.config.is_diffusion:
         specs[0].eagle_head = bundled(args.eagle, name, default_eagle_head)
         twin_path = bundled(args.twin, name, default_twin)
         if twin_path is not None:
-            specs[0].twin = load_model(twin_path, name=name, dtype=dtype, device=args.device, cache_dir=cache)
+            specs[0].twin = load_twin(twin_path, name=name, base=loaded)
             log.info("loaded diffusion twin %s in %.2fs", twin_path, specs[0].twin.load_seconds)
     if args.diffusion:
         dname, dpath = resolve_model(args.diffusion, cache)
@@ -98,8 +107,49 @@ def load_deployment(args: argparse.Namespace):
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching)
     block_size = args.block_size or (256 if args.device.startswith("cuda") else 16)
-    pool = PoolSpec(block_size=block_size, num_blocks=args.num_blocks, memory_gb=args.kv_memory_gb)
-    return build_deployment(specs, cfg, pool, device=args.device)
+    pool = PoolSpec(block_size=block_size, num_blocks=args.num_blocks, memory_gb=kv_memory_gb(args.kv_memory_gb))
+    compile_spec = None if args.no_compile else CompileSpec(cache_dir=cache / "compile",
+                                                            background=args.command == "serve")
+    dep = build_deployment(specs, cfg, pool, device=args.device, compile=compile_spec)
+    dep.format_table = table
+    log.info("KV pool: %d blocks of %d tokens (%.2f GB)", dep.engine.config.num_blocks, block_size, pool.memory_gb)
+    return dep
+
+
+def pick_format(args: argparse.Namespace, path: Path, cache: Path, dtype: torch.dtype):
+    """--quantization, or with ``auto`` on a CPU, the decode format measured fastest on this host
+    (``models.formats``). Returns (quantization, dtype, the measured table or None)."""
+    import json
+
+    from dualserve.models.config import ModelConfig
+    from dualserve.models.formats import cached_measure, choose
+    from dualserve.models.loader import is_twin_dir, prepare_source, stored_quantization
+
+    if args.quantization != "auto" or is_twin_dir(path):
+        return args.quantization, dtype, None
+    source = prepare_source(path, cache)
+    raw = json.loads((source / "config.json").read_text())
+    if raw.get("architectures") == ["DiffusionGemmaForBlockDiffusion"]:
+        return "none", dtype, None
+    stored = stored_quantization(source)
+    if not args.device.startswith("cpu") or args.dtype != "auto":
+        return stored, dtype, None
+    table = cached_measure(ModelConfig.from_hf(raw), cache / "host")
+    quantization, candidate = choose(table, stored)
+    log = logging.getLogger("dualserve")
+    log.info("forward GEMM cost on this host (ms, 1 token / 8 tokens): %s -> %s",
+             ", ".join(f"{f} {a:.1f}/{b:.1f}" for f, a, b in table.as_rows()), candidate)
+    return quantization, torch.bfloat16 if candidate == "bf16" else dtype, table
+
+
+def kv_memory_gb(choice: float | None) -> float:
+    """The KV pool's memory: as given, else 1/32 of this machine's memory, between 0.25 and 1 GB."""
+    if choice is not None:
+        return choice
+    import os
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return min(1.0, max(0.25, total / 32))
 
 
 # A diffusion canvas is sized by max_tokens: a request that sets none must not get the whole context.
@@ -141,6 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     dep = load_deployment(args)
     served = served_models(dep, args.max_model_len)
     metrics = Metrics(node_cost_per_hour=args.node_cost_per_hour)
+    metrics.record_formats(dep.format_table, {n: m.quantization for n, m in dep.models.items()})
     policy = load_policy(args.router_policy)
     if args.calibrate_router:
         from .calibrate import calibrate
@@ -176,6 +227,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         ids = tok.encode(args.prompt, add_special_tokens=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    # A two-token run first: it builds (or loads) the compiled graphs, so the timing below is decoding only.
+    dep.engine.submit(name, args.decoder, ids, SamplingParams(max_tokens=2, ignore_eos=True), lambda *_: None)
+    dep.engine.run_until_idle()
     start = time.perf_counter()
     out = []
 

@@ -38,6 +38,15 @@ class Metrics:
     history: deque = field(default_factory=lambda: deque(maxlen=720))
     _recent: deque = field(default_factory=lambda: deque(maxlen=100_000))
 
+    def record_formats(self, table, chosen: dict[str, str]) -> None:
+        """The start-up format measurement (``models.formats.FormatTable``) and each model's choice."""
+        if table is not None:
+            for fmt, one, eight in table.as_rows():
+                self.forward_cost.labels(fmt, "1").set(one)
+                self.forward_cost.labels(fmt, "8").set(eight)
+        for model, fmt in chosen.items():
+            self.weight_format.labels(model, fmt).set(1)
+
     def __post_init__(self) -> None:
         r = self.registry
         self.requests = Counter("dualserve_requests", "Finished requests", ["decoder", "status"], registry=r)
@@ -56,6 +65,11 @@ class Metrics:
                                        buckets=(1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8), registry=r)
         self.pool_usage = Gauge("dualserve_kv_pool_usage", "Share of KV blocks in use", registry=r)
         self.pool_blocks = Gauge("dualserve_kv_pool_blocks", "KV blocks in the pool", registry=r)
+        self.forward_cost = Gauge("dualserve_forward_gemm_ms", "Start-up estimate of one forward's GEMM time on "
+                                  "this host, by weight format and tokens per forward", ["format", "tokens"],
+                                  registry=r)
+        self.weight_format = Gauge("dualserve_weight_format", "The weight format each model serves in (1)",
+                                   ["model", "format"], registry=r)
         self.utilisation = Gauge("dualserve_device_utilisation", "Share of wall time spent in engine steps",
                                  registry=r)
         self.running = Gauge("dualserve_requests_running", "Requests running", registry=r)

@@ -9,6 +9,9 @@ they need of the KV goes through the runner too: moving slots (EAGLE keeps an
 accepted path in place), scratch slots, and a KV cache plus backend for a draft
 head over the same blocks.
 
+With ``compile()``, steps run through torch.compile'd graphs with paged
+attention inside them (``compiled.py``); eager stays the fallback.
+
 Tokens that must not be stored (a diffusion canvas still being denoised) are
 written to a scratch block that no request owns, so one batch can mix stored
 and unstored sequences without a second kernel path.
@@ -17,12 +20,14 @@ and unstored sequences without a second kernel path.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from dualserve.models.transformer import Transformer
 
+from .compiled import CompiledStep
 from .paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache, SdpaPagedAttention, SeqAttention,
                               SeqMask, flash_available)
 
@@ -55,6 +60,12 @@ class ModelRunner:
         # flash-attn's paged kernel needs blocks of a multiple of 256 tokens (flash_attn_with_kvcache).
         flash = (use_flash if use_flash is not None else flash_available()) and block_size % 256 == 0
         self.backend = FlashPagedAttention if flash else SdpaPagedAttention
+        self.compiled: CompiledStep | None = None  # set by compile()
+
+    def compile(self, cache_dir: Path | None = None, background: bool = True) -> CompiledStep:
+        """Run steps through compiled graphs (``compiled.py``) once each shape's graph is built."""
+        self.compiled = CompiledStep(self.model, self.kv, self.scratch_slots, cache_dir, background)
+        return self.compiled
 
     def _as_tensor(self, x, dtype=torch.long) -> torch.Tensor:
         return x.to(self.device) if isinstance(x, torch.Tensor) else torch.tensor(list(x), dtype=dtype,
@@ -95,7 +106,12 @@ class ModelRunner:
         """Run one forward over all items; returns (hidden (tokens, hidden), aux hidden states)."""
         ids = torch.cat([self._as_tensor(it.token_ids) for it in items])
         pos = torch.cat([self._as_tensor(it.positions) for it in items])
-        attn = self.attention(self.kv, self.metadata(items))
+        meta = self.metadata(items)
+        if self.compiled is not None and inputs_embeds is None:
+            out = self.compiled(ids, pos, meta, aux_layers)
+            if out is not None:
+                return out
+        attn = self.attention(self.kv, meta)
         return self.model(ids, pos, attn, inputs_embeds=inputs_embeds, aux_layers=aux_layers)
 
     @torch.inference_mode()

@@ -1,0 +1,203 @@
+"""The compiled step: one torch.compile'd forward per step shape, with paged attention inside the graph.
+
+Eager PyTorch spends most of a batch-1 CPU forward in Python dispatch (about 35
+small ops per layer). Compiled by inductor, a layer becomes a few fused C++
+kernels around the weight-only GEMMs, and a forward costs about half as much.
+
+Attention must be in the graph, so ``PaddedPagedAttention`` expresses every
+step (decode batches, EAGLE trees, diffusion canvases, prefill chunks) in one
+tensor-only form: the S sequences of a step are padded to Q query rows and W
+cached slots,
+
+  rows      (S, Q)        row of each query in the flattened batch; padding -> a dummy row T
+  context   (S, W)        flat KV slot of each cached token; padding -> slot 0, masked out
+  mask      (S, Q, W + Q) what each query sees: valid cached slots, then its own new tokens
+
+and each layer stores its new keys/values at ``slot_mapping`` and attends with
+two batched matmuls. No Python runs per layer, so there is nothing to gather
+per sequence.
+
+Shapes are dynamic, so one graph serves every length; PyTorch still
+specialises sizes 0 and 1, so a step compiles into one of four graphs by
+whether it has one sequence and one query row (``StepShape``), and W is padded
+to at least 2. Compiling a graph takes seconds (warm cache) to minutes (cold,
+2 cores), so it happens on a background thread: until a shape's graph is
+ready, that shape runs eagerly, and the first compile of every shape is logged
+with its time. Inductor's caches live under the model cache (``cache_dir``),
+so a second start reuses the generated code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .paged_attention import AttentionMetadata, KVCache, mask_tensor
+
+log = logging.getLogger("dualserve.compile")
+
+
+class PaddedPagedAttention:
+    """Paged attention over a padded step; tensors only, so it traces into one graph."""
+
+    def __init__(self, cache: KVCache, slot_mapping: torch.Tensor, rows: torch.Tensor, context: torch.Tensor,
+                 mask: torch.Tensor):
+        self.k, self.v = cache.k, cache.v          # per layer (num_blocks, block_size, kv_heads, head_dim)
+        self.slot_mapping = slot_mapping           # (T,)
+        self.rows = rows                           # (S, Q)
+        self.context = context                     # (S, W)
+        self.mask = mask                           # (S, Q, W + Q) bool
+
+    @classmethod
+    def build(cls, cache: KVCache, meta: AttentionMetadata, device) -> "PaddedPagedAttention":
+        seqs = meta.seqs
+        total = sum(s.query_len for s in seqs)
+        S, Q = len(seqs), max(s.query_len for s in seqs)
+        W = max(2, max(s.context_len for s in seqs))
+        rows = torch.full((S, Q), total, dtype=torch.long)
+        context = torch.zeros(S, W, dtype=torch.long)
+        mask = torch.zeros(S, Q, W + Q, dtype=torch.bool)
+        start = 0
+        for i, s in enumerate(seqs):
+            rows[i, : s.query_len] = torch.arange(start, start + s.query_len)
+            start += s.query_len
+            idx = meta.context_index(i, "cpu")
+            if idx is not None:
+                context[i, : idx.numel()] = idx.cpu()
+                mask[i, : s.query_len, : idx.numel()] = True
+            new = mask_tensor(s, "cpu")
+            own = torch.ones(s.query_len, s.query_len, dtype=torch.bool) if new is None else new[:, -s.query_len:]
+            mask[i, : s.query_len, W: W + s.query_len] = own
+            mask[i, s.query_len:, W + s.query_len - 1] = True  # padded queries see one slot: no empty softmax
+        slots = meta.slot_mapping
+        return cls(cache, slots.to(device), rows.to(device), context.to(device), mask.to(device))
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kc = self.k[layer_idx].view(-1, *self.k[layer_idx].shape[2:])   # (slots, kv_heads, head_dim)
+        vc = self.v[layer_idx].view(-1, *self.v[layer_idx].shape[2:])
+        kc.index_copy_(0, self.slot_mapping, k.to(kc.dtype))
+        vc.index_copy_(0, self.slot_mapping, v.to(vc.dtype))
+        S, Q = self.rows.shape
+        T, heads, d = q.shape
+        kv_heads = k.shape[1]
+        group, W = heads // kv_heads, self.context.shape[1]
+        pad = q.new_zeros(1, heads, d)
+        qx = torch.cat([q, pad])[self.rows]                                  # (S, Q, heads, d)
+        kx = torch.cat([k, pad[:, :kv_heads]])[self.rows]                    # (S, Q, kv_heads, d)
+        vx = torch.cat([v, pad[:, :kv_heads]])[self.rows]
+        ks = torch.cat([kc[self.context].to(q.dtype), kx], 1)               # (S, W + Q, kv_heads, d)
+        vs = torch.cat([vc[self.context].to(q.dtype), vx], 1)
+        qg = qx.view(S, Q, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(S, kv_heads, group * Q, d)
+        scores = torch.matmul(qg, ks.permute(0, 2, 3, 1)) * (d ** -0.5)     # (S, kv_heads, group * Q, W + Q)
+        scores = scores.view(S, kv_heads, group, Q, W + Q).masked_fill(~self.mask[:, None, None], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(vs.dtype).view(S, kv_heads, group * Q, W + Q)
+        out = torch.matmul(probs, vs.permute(0, 2, 1, 3))                    # (S, kv_heads, group * Q, d)
+        out = out.view(S, kv_heads, group, Q, d).permute(0, 3, 1, 2, 4).reshape(S * Q, heads, d)
+        return q.new_zeros(T + 1, heads, d).index_copy_(0, self.rows.reshape(-1), out)[:T]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Which of the four graphs a step runs: PyTorch specialises sizes of one."""
+
+    many_seqs: bool
+    many_queries: bool
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> "StepShape":
+        return cls(len(meta.seqs) > 1, max(s.query_len for s in meta.seqs) > 1)
+
+
+Forward = Callable[..., tuple[torch.Tensor, list[torch.Tensor]]]
+
+
+class CompiledStep:
+    """Compiled forwards by step shape, built on a background thread; eager until each is ready."""
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache, scratch: Callable[[int], torch.Tensor],
+                 cache_dir: Path | None = None, background: bool = True):
+        if cache_dir is not None:
+            # Inductor reads its cache location from the environment; set once, before any compile.
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+        self.model = model
+        self.cache = cache
+        self.scratch = scratch
+        self.background = background
+        self.fn = torch.compile(self._forward, dynamic=True)
+        self.ready: set[tuple[StepShape, tuple[int, ...]]] = set()
+        self.failed = False
+        self.seconds: dict[str, float] = {}
+        self._pending: set[tuple[StepShape, tuple[int, ...]]] = set()
+        self._lock = threading.Lock()
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, attn: PaddedPagedAttention,
+                 aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.model(ids, pos, attn, aux_layers=aux_layers)
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+                 aux_layers: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """The compiled forward of this step, or None while its graph is not ready (run eager then)."""
+        key = (StepShape.of(meta), tuple(aux_layers))
+        if key not in self.ready:
+            self._request(key)
+            if key not in self.ready:
+                return None
+        attn = PaddedPagedAttention.build(self.cache, meta, ids.device)
+        return self.fn(ids, pos, attn, key[1])
+
+    def _request(self, key: tuple[StepShape, tuple[int, ...]]) -> None:
+        with self._lock:
+            if self.failed or key in self._pending:
+                return
+            self._pending.add(key)
+        if self.background:
+            threading.Thread(target=self._compile, args=(key,), name="dualserve-compile", daemon=True).start()
+        else:
+            self._compile(key)
+
+    def warm(self, keys: Sequence[tuple[StepShape, tuple[int, ...]]]) -> None:
+        """Compile these shapes now, on the calling thread (start-up, tests)."""
+        for key in keys:
+            with self._lock:
+                self._pending.add(key)
+            self._compile(key)
+
+    def _compile(self, key: tuple[StepShape, tuple[int, ...]]) -> None:
+        shape, aux = key
+        name = f"{'batch' if shape.many_seqs else 'single'}/{'multi' if shape.many_queries else 'one'}-token"
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                for n in (3, 5):  # two sizes: the graph must be the dynamic one
+                    ids, pos, meta = self._example(shape, n)
+                    attn = PaddedPagedAttention.build(self.cache, meta, self.cache.k[0].device)
+                    self.fn(ids, pos, attn, aux)
+        except Exception:  # noqa: BLE001 - any compiler failure leaves eager mode in charge
+            log.warning("compiling the %s forward failed; staying eager", name, exc_info=True)
+            with self._lock:
+                self.failed = True
+            return
+        self.seconds[name] = time.perf_counter() - start
+        log.info("compiled the %s forward in %.1f s", name, self.seconds[name])
+        with self._lock:
+            self.ready.add(key)
+
+    def _example(self, shape: StepShape, n: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A step of this shape over scratch slots only: compiling never touches live KV."""
+        from .paged_attention import SeqAttention
+
+        seqs_n = 2 if shape.many_seqs else 1
+        q = n if shape.many_queries else 1
+        device = self.cache.k[0].device
+        seqs = [SeqAttention(n, q, [], "causal", self.scratch(n)) for _ in range(seqs_n)]
+        slots = self.scratch(q * seqs_n)
+        ids = torch.zeros(q * seqs_n, dtype=torch.long, device=device)
+        pos = torch.arange(q * seqs_n, device=device) + n
+        return ids, pos, AttentionMetadata(seqs, slots, self.cache.block_size)

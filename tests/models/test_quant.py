@@ -1,0 +1,144 @@
+"""Quantized weights: GGUF blocks repacked without rounding, bounded error per layer and in the logits,
+the converted cache stored quantized, and the format choice on both sides of every branch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dualserve.models.attention import DenseAttention
+from dualserve.models.checkpoint import build
+from dualserve.models.config import ModelConfig
+from dualserve.models.formats import FormatTable, choose, measure
+from dualserve.models.loader import converted_dir, load_model
+from dualserve.models.quant import (Int4Linear, Int8Linear, QuantEmbedding, dequantize_portable, gguf_blocks,
+                                    quantize_int4)
+
+
+@pytest.fixture(scope="module")
+def gguf_reader(default_gguf: Path):
+    import gguf
+
+    return gguf.GGUFReader(str(default_gguf))
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_gguf_blocks_are_repacked_exactly(gguf_reader, kind: str) -> None:
+    from gguf import quants
+
+    t = next(t for t in gguf_reader.tensors if t.tensor_type.name == kind)
+    parts = gguf_blocks(np.asarray(t.data), kind)
+    want = quants.dequantize(t.data, t.tensor_type)
+    assert torch.equal(dequantize_portable(parts), torch.from_numpy(np.ascontiguousarray(want)))
+
+
+def test_q4_0_layout() -> None:
+    """A hand-made Q4_0 block: d = 0.5, nibbles 0..15 -> w = 0.5 * (q - 8)."""
+    q = np.arange(32) % 16
+    packed = (q[:16] | (q[16:] << 4)).astype(np.uint8)
+    block = np.concatenate([np.array([0.5], dtype=np.float16).view(np.uint8), packed])[None]
+    w = dequantize_portable(gguf_blocks(block, "Q4_0"))
+    assert torch.equal(w[0], torch.tensor(0.5 * (q - 8), dtype=torch.float32))
+
+
+def test_int4_and_int8_layers_multiply_by_their_dequantized_weights() -> None:
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 128), torch.randn(5, 128)
+    for layer in (Int4Linear.from_float(w), Int8Linear.from_float(w)):
+        got = layer(x)
+        assert got.dtype == x.dtype
+        ref = x.bfloat16().float() @ layer.dequantize().t()
+        torch.testing.assert_close(got, ref, rtol=0.02, atol=0.05)
+        # one row at a time gives the same bits: batching never changes a row
+        assert torch.equal(torch.cat([layer(x[i:i + 1]) for i in range(5)]), got)
+    q, scales, zeros = quantize_int4(w)
+    assert int(q.max()) <= 15 and int(q.min()) >= 0
+    assert (Int4Linear(q, scales, zeros).dequantize() - w).abs().max() < scales.max() * 0.51 + 0.05
+
+
+def test_quantized_embedding_lookup() -> None:
+    table = torch.randn(50, 64)
+    emb = QuantEmbedding.from_float(table)
+    ids = torch.tensor([0, 7, 49])
+    torch.testing.assert_close(emb(ids), table[ids], rtol=0, atol=float(table.abs().max()) / 127)
+
+
+@pytest.fixture(scope="module")
+def default_models(default_gguf: Path, cache_dir: Path):
+    return {q: load_model(default_gguf, cache_dir=cache_dir, quantization=q) for q in ("none", "int4", "int8")}
+
+
+def test_the_default_gguf_is_cached_quantized_and_loads_as_int4(default_gguf, cache_dir, default_models) -> None:
+    stored = converted_dir(default_gguf, cache_dir) / "model.safetensors"
+    assert stored.stat().st_size < 160 * 2**20, "the cache holds 4-bit weights, not fp32"
+    int4 = default_models["int4"].model
+    assert load_model(default_gguf, cache_dir=cache_dir, quantization="auto").quantization == "int4"
+    assert isinstance(int4.layers[0].self_attn.qkv_proj, Int4Linear)
+    assert isinstance(int4.lm_head, Int8Linear) and isinstance(int4.embed_tokens, QuantEmbedding)
+    # int4 is the file's own numbers: each layer dequantizes to the fp32 model's weight, up to bf16 scales.
+    fp32 = default_models["none"].model
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        ours = int4.layers[3].get_submodule(name).dequantize()
+        ref = fp32.layers[3].get_submodule(name).weight
+        assert (ours - ref).abs().max() <= ref.abs().max() * 2 ** -7, name
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_quantized_logits_stay_close_to_fp32(default_models, fmt: str) -> None:
+    tok = default_models["none"].tokenizer
+    ids = torch.tensor(tok.encode("The capital of France is Paris. The capital of Italy is", add_special_tokens=True))
+    pos = torch.arange(len(ids))
+    logits = {}
+    with torch.inference_mode():
+        for q in ("none", fmt):
+            m = default_models[q].model
+            hidden, _ = m(ids, pos, DenseAttention([len(ids)]))
+            logits[q] = m.logits(hidden)
+    cos = F.cosine_similarity(logits[fmt], logits["none"], dim=-1)
+    assert cos.min() > 0.99, cos
+    assert (logits[fmt].argmax(-1) == logits["none"].argmax(-1)).float().mean() >= 0.85
+
+
+def test_hf_weights_quantize_at_load() -> None:
+    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, intermediate_size=96, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    from dualserve.models.transformer import Transformer
+
+    ref = Transformer(cfg).eval()
+    ids = torch.arange(10)
+    want, _ = ref(ids, torch.arange(10), DenseAttention([10]))
+    for fmt in ("int8", "int4"):
+        model = build(cfg, dict(ref.state_dict()), torch.float32, "cpu", fmt)
+        got, _ = model(ids, torch.arange(10), DenseAttention([10]))
+        assert F.cosine_similarity(got, want, dim=-1).min() > 0.98, fmt
+
+
+def table(fp32: float, bf16: float, int8: float, int4: float) -> FormatTable:
+    return FormatTable("test", {"fp32": {"1": fp32, "8": fp32}, "bf16": {"1": bf16, "8": bf16},
+                                "int8": {"1": int8, "8": int8}, "int4": {"1": int4, "8": int4}})
+
+
+def test_format_choice_on_every_kind_of_host() -> None:
+    # a host with fast weight-only kernels keeps the file's int4
+    assert choose(table(40, 30, 12, 10), "int4") == ("int4", "int4")
+    # int8 barely faster than the stored int4: the exact format is kept
+    assert choose(table(40, 30, 9.5, 10), "int4") == ("int4", "int4")
+    # a host where the quantized kernels are slow (AVX2 only): fp32 wins
+    assert choose(table(20, 60, 45, 50), "int4") == ("none", "fp32")
+    # bf16 units make bf16 the fastest float format
+    assert choose(table(40, 15, 30, 30), "none") == ("none", "bf16")
+    # a float checkpoint on a host where int4 is far faster is quantized
+    assert choose(table(40, 30, 12, 10), "none") == ("int4", "int4")
+
+
+def test_measure_covers_every_format_and_token_count() -> None:
+    cfg = ModelConfig(family="llama", vocab_size=128, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=16, intermediate_size=96, tie_word_embeddings=True)
+    t = measure(cfg)
+    assert set(t.ms) == {"fp32", "bf16", "int8", "int4"}
+    assert all(set(v) == {"1", "8"} and min(v.values()) > 0 for v in t.ms.values())
