@@ -65,7 +65,10 @@ def server_url(default_gguf: Path, cache_dir: Path, tmp_path_factory: pytest.Tem
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "dualserve.log"
     cmd = [sys.executable, "-m", "dualserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--cache-dir", str(cache_dir)]
+           "--cache-dir", str(cache_dir),
+           # Eager: building the default model's compiled graphs takes minutes of CPU on a cold cache, which
+           # would compete with the tests; tests/decoders/engine/test_compiled.py covers the compiled step.
+           "--no-compile"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
