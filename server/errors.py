@@ -2,6 +2,7 @@
 
 Handlers raise ``APIError``, whose ``ErrorKind`` fixes the HTTP status and OpenAI's error type;
 the app's exception handlers turn it (and any validation or unexpected error) into that shape.
+A request the engine fails carries a ``FailureKind``, mapped to an ``ErrorKind`` here.
 No traceback reaches a client.
 """
 
@@ -12,6 +13,8 @@ import logging
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
+
+from dualserve.decoders.engine.request import FailureKind
 
 from .protocol import ErrorBody, ErrorResponse, encoder
 
@@ -59,6 +62,16 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(ErrorKind.INVALID_REQUEST, message, param, code)
+
+
+# What a client is told when the engine fails its request, by the engine's kind of failure.
+ENGINE_FAILURES = {FailureKind.CAPACITY: ErrorKind.NO_CAPACITY, FailureKind.BAD_REQUEST: ErrorKind.INVALID_REQUEST,
+                   FailureKind.INTERNAL: ErrorKind.INTERNAL}
+
+
+def engine_error(failure: FailureKind, message: str) -> APIError:
+    """A request the engine finished with an error (``Delta.failure``, ``Delta.error``)."""
+    return APIError(ENGINE_FAILURES[failure], message, None, "engine_error")
 
 
 def error_response(err: APIError) -> Response:

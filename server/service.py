@@ -21,16 +21,9 @@ from dualserve.decoders.engine.request import Delta
 from dualserve.decoders.engine.sampling import SamplingParams, TokenLogprob
 from dualserve.decoders.engine.scheduler import QueueFull
 
-from .errors import APIError, ErrorKind, bad_request
+from .errors import APIError, ErrorKind, bad_request, engine_error
 from .protocol import Hints
 from .router import DecoderTraits, Route, Router
-
-
-def engine_error(message: str) -> APIError:
-    """A request the engine finished with an error. The engine reports only a message: a prompt
-    that can never fit in the KV block pool is a capacity problem (503), anything else is ours (500)."""
-    kind = ErrorKind.NO_CAPACITY if "pool" in message else ErrorKind.INTERNAL
-    return APIError(kind, message, None, "engine_error")
 
 
 @dataclass
@@ -257,7 +250,7 @@ class Service:
                 except asyncio.TimeoutError:
                     raise APIError(ErrorKind.TIMEOUT, "the request timed out", None, "timeout") from None
                 if delta.error and delta.finish_reason == "error":
-                    raise engine_error(delta.error)
+                    raise engine_error(delta.failure, delta.error)
                 if delta.token_ids and index not in first:
                     first[index] = time.monotonic() - started
                 produced[index] = produced.get(index, 0) + len(delta.token_ids)

@@ -31,7 +31,7 @@ from .blocks import BlockPool
 from .decoder import Decoder
 from .detokenize import TextStream
 from .grammar import GrammarCompiler
-from .request import Delta, Request, Status
+from .request import Delta, FailureKind, Request, Status
 from .sampling import SamplingParams
 from .scheduler import QueueFull, Scheduled, Scheduler
 
@@ -195,10 +195,15 @@ class Engine:
                 self._num_held -= len(held)
                 del self._held[rid]
 
-    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+    def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.remove(req)
-        delta = req.finish(reason)
-        delta.error = error
+        self._deliver(req, req.finish(reason))
+
+    def _fail(self, req: Request, failure: FailureKind, error: str) -> None:
+        """Finish ``req`` with finish_reason "error", saying what kind of failure and why."""
+        self.scheduler.remove(req)
+        delta = req.finish("error")
+        delta.error, delta.failure = error, failure
         self._deliver(req, delta)
 
     def _deliver(self, req: Request, delta: Delta) -> None:
@@ -231,7 +236,7 @@ class Engine:
         for s in scheduled:
             req = s.request
             if req.finished:  # could never fit in the pool
-                self._finish(req, "error", error="the prompt does not fit in the KV block pool")
+                self._fail(req, FailureKind.CAPACITY, "the prompt does not fit in the KV block pool")
                 continue
             if not req.admitted and s.num_new_tokens:
                 req.admitted = True
@@ -244,7 +249,7 @@ class Engine:
                 log.exception("decoder %s failed", key)
                 for s in batch:
                     if not s.request.finished:
-                        self._finish(s.request, "error", error=f"internal error: {type(e).__name__}")
+                        self._fail(s.request, FailureKind.INTERNAL, f"internal error: {type(e).__name__}")
         if scheduled:
             self.stats.steps += 1
             elapsed = time.perf_counter() - started
@@ -264,18 +269,23 @@ class Engine:
                 self.step()
             except Exception as e:  # noqa: BLE001 - the server must keep answering
                 log.exception("engine step failed")
-                self._fail_all("error", f"internal error: {type(e).__name__}")
+                self._fail_all(f"internal error: {type(e).__name__}")
         self._drain_inbox()  # submissions that raced the shutdown get their final delta too
-        self._fail_all("abort")
+        self._fail_all(None)
 
-    def _fail_all(self, reason: str, error: str | None = None) -> None:
-        """Finish every queued, running and held request (shutdown, or a step that broke)."""
+    def _fail_all(self, error: str | None) -> None:
+        """Finish every queued, running and held request: failed with ``error`` when a step
+        broke, aborted (``error`` None) at shutdown."""
         held = [r for rs in self._held.values() for r in rs]
         self._held.clear()
         self._num_held = 0
         for req in list(self.scheduler.running) + list(self.scheduler.waiting) + held:
-            if not req.finished:
-                self._finish(req, reason, error=error)
+            if req.finished:
+                continue
+            if error is None:
+                self._finish(req, "abort")
+            else:
+                self._fail(req, FailureKind.INTERNAL, error)
 
     def run_until_idle(self) -> None:
         """Drive steps on the caller's thread until nothing is queued (tests and offline use)."""

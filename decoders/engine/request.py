@@ -30,6 +30,14 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+class FailureKind(enum.Enum):
+    """Why the engine finished a request with an error; the server maps each kind to an HTTP status."""
+
+    CAPACITY = "capacity"        # the KV block pool can never hold the request
+    BAD_REQUEST = "bad_request"  # the decoder cannot serve what the request asks
+    INTERNAL = "internal"        # a decoder or engine step raised
+
+
 @dataclass
 class Delta:
     """What one step produced for one request; the server turns it into OpenAI chunks."""
@@ -38,7 +46,8 @@ class Delta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"
-    error: str | None = None
+    error: str | None = None             # the message, with finish_reason "error"
+    failure: FailureKind = FailureKind.INTERNAL  # what kind of error, when ``error`` is set
     stats: dict | None = None            # decoder statistics, set on the final delta
     # Echo with logprobs: one entry per prompt token (None for the first), on the first delta.
     prompt_logprobs: list[TokenLogprob | None] | None = None

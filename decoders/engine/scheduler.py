@@ -129,7 +129,8 @@ class Scheduler:
             item = Scheduled(req, n, lookahead)
             if not self._try_allocate(item):
                 if not self.running and not out:
-                    # Nothing else holds memory: the request can never fit.
+                    # Nothing else holds memory: the request can never fit. The engine fails it
+                    # (FailureKind.CAPACITY) when it finds it finished in the step's list.
                     self.waiting.popleft()
                     req.finish_reason = "error"
                     req.status = Status.FINISHED

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dualserve.server.errors import APIError, ErrorKind, error_response
-from dualserve.server.service import engine_error
+from dualserve.decoders.engine.request import FailureKind
+from dualserve.server.errors import APIError, ErrorKind, engine_error, error_response
 
 
 def test_api_errors_take_status_and_type_from_their_kind():
@@ -17,6 +17,9 @@ def test_api_errors_take_status_and_type_from_their_kind():
 
 
 def test_engine_failures_are_503_when_the_pool_is_too_small_else_500():
-    full = engine_error("the prompt does not fit in the KV block pool")
+    full = engine_error(FailureKind.CAPACITY, "the prompt does not fit in the KV block pool")
     assert (full.kind, full.code) == (ErrorKind.NO_CAPACITY, "engine_error")
-    assert engine_error("internal error: RuntimeError").kind is ErrorKind.INTERNAL
+    assert engine_error(FailureKind.INTERNAL, "internal error: RuntimeError").kind is ErrorKind.INTERNAL
+    assert engine_error(FailureKind.BAD_REQUEST, "prompt logprobs need an autoregressive decoder").status == 400
+    # The kind, not the text, fixes the status.
+    assert engine_error(FailureKind.INTERNAL, "the KV block pool broke").kind is ErrorKind.INTERNAL

@@ -20,7 +20,7 @@ import torch
 
 from dualserve.decoders.ar import ARDecoder
 from dualserve.decoders.engine.engine import Engine, EngineConfig
-from dualserve.decoders.engine.request import Delta
+from dualserve.decoders.engine.request import Delta, FailureKind
 from dualserve.decoders.engine.runner import ModelRunner
 from dualserve.decoders.engine.sampling import SamplingParams
 from dualserve.decoders.engine.scheduler import QueueFull
@@ -275,6 +275,7 @@ def test_a_prompt_larger_than_the_pool_fails_cleanly(make_engine):
     engine.run_until_idle()
     final = client.final(rid)
     assert final.finish_reason == "error" and "pool" in final.error
+    assert final.failure is FailureKind.CAPACITY
     assert len(client.tokens(ok)) == GREEDY.max_tokens
 
 
@@ -498,6 +499,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_engine):
     for rid in rids:
         final = client.final(rid)
         assert final.finish_reason == "error" and "RuntimeError" in final.error
+        assert final.failure is FailureKind.INTERNAL
     after = client.submit([3, 4, 5])
     engine.run_until_idle()
     assert len(client.tokens(after)) == GREEDY.max_tokens
