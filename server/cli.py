@@ -19,6 +19,8 @@ import torch
 from dualserve.models.hub import ModelFetchError, default_cache_dir, pull_default_model, resolve_model
 
 if TYPE_CHECKING:
+    from dualserve.decoders.engine.decoder import Decoder
+
     from .router import DecoderTraits
     from .service import ServedModel
 
@@ -152,18 +154,12 @@ def kv_memory_gb(choice: float | None) -> float:
     return min(1.0, max(0.25, total / 32))
 
 
-# A diffusion canvas is sized by max_tokens: a request that sets none must not get the whole context.
-DIFFUSION_DEFAULT_MAX_TOKENS = 256
+def decoder_traits(decoder: Decoder) -> DecoderTraits:
+    """What routing and the handlers must know of one registered decoder, as it declares it."""
+    from .router import FIM_DECODERS, DecoderTraits
 
-
-def decoder_traits(name: str, decoder) -> DecoderTraits:
-    """What routing and the handlers must know of one registered decoder."""
-    from .router import DecoderTraits
-
-    if name != "diffusion":
-        return DecoderTraits()  # AR decoders infill with FIM tokens
-    return DecoderTraits(infill="native" if decoder.supports_infill else "none",
-                         default_max_tokens=DIFFUSION_DEFAULT_MAX_TOKENS)
+    infill = "native" if decoder.supports_infill else "fim" if decoder.name in FIM_DECODERS else "none"
+    return DecoderTraits(infill=infill, default_max_tokens=decoder.default_max_tokens)
 
 
 def served_models(dep, max_model_len: int) -> dict[str, ServedModel]:
@@ -176,7 +172,7 @@ def served_models(dep, max_model_len: int) -> dict[str, ServedModel]:
         served[name] = ServedModel(
             name=name, tokenizer=m.tokenizer,
             max_model_len=min(m.config.max_position_embeddings, max_model_len),
-            decoders=decoders, traits={d: decoder_traits(d, dep.engine.decoders[(name, d)]) for d in decoders})
+            decoders=decoders, traits={d: decoder_traits(dep.engine.decoders[(name, d)]) for d in decoders})
     return served
 
 

@@ -29,6 +29,8 @@ HINTS = DECODERS + ("auto",)
 Priority = Literal["interactive", "high_value", "batch"]
 PRIORITIES = ("interactive", "high_value", "batch")
 Infill = Literal["native", "fim", "none"]
+# Decoders that extend the prompt token by token, so a fill-in-the-middle prompt lets them infill.
+FIM_DECODERS = ("ar", "eagle")
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
+from dualserve.server.cli import decoder_traits
 from dualserve.server.errors import APIError
 from dualserve.server.router import DecoderTraits, Route, Router, RoutingPolicy, load_policy
 
@@ -118,6 +120,16 @@ def test_route_carries_the_decoders_traits():
     assert diffusion.default_max_tokens(16) == 16  # an endpoint's own default wins
     ar = Router().route("m", ALL, "ar", traits=traits)
     assert ar.traits == DecoderTraits() and ar.default_max_tokens(None) is None
+
+
+def test_traits_come_from_what_each_decoder_declares():
+    def decoder(name: str, supports_infill: bool, default_max_tokens: int | None):
+        return SimpleNamespace(name=name, supports_infill=supports_infill, default_max_tokens=default_max_tokens)
+
+    assert decoder_traits(decoder("ar", False, None)) == DecoderTraits(infill="fim")  # AR infills with FIM tokens
+    assert decoder_traits(decoder("eagle", False, None)) == DecoderTraits(infill="fim")
+    assert decoder_traits(decoder("diffusion", True, 256)) == DecoderTraits(infill="native", default_max_tokens=256)
+    assert decoder_traits(decoder("diffusion", False, 128)) == DecoderTraits(infill="none", default_max_tokens=128)
 
 
 def test_route_places_a_suffix_as_its_decoder_infills():
