@@ -26,6 +26,7 @@ from dualserve.models.formats import FormatTable
 from dualserve.models.loader import LoadedModel
 
 from .ar import ARDecoder
+from .engine.compiled import CompileWorker
 from .engine.engine import Engine, EngineConfig
 from .engine.paged_attention import KVCache
 from .engine.runner import ModelRunner
@@ -37,6 +38,12 @@ class CompileSpec:
 
     cache_dir: Path | None = None      # inductor's caches, kept under the model cache
     background: bool = True            # eager until each step shape's graph is ready
+    worker: CompileWorker = field(default_factory=CompileWorker)  # one compile thread for every runner
+
+    def apply(self, runner: ModelRunner) -> None:
+        step = runner.compile(self.cache_dir, self.worker if self.background else None)
+        if self.background:
+            step.prewarm()
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,7 @@ def blocks_for(models: list[LoadedModel], spec: PoolSpec, kv_dtype: torch.dtype)
     for m in models:
         c = m.config
         if isinstance(c, DiffusionGemmaConfig):  # per-layer KV shapes
-            per_block += c.kv_bytes_per_block(spec.block_size, kv_dtype)
+            per_block += KVCache.bytes_per_block_of_layers(c.kv_shapes, spec.block_size, kv_dtype)
         elif isinstance(c, ModelConfig):
             per_block += KVCache.bytes_per_block(c.num_layers, spec.block_size, c.num_kv_heads, c.head_dim, kv_dtype)
     return max(16, int(spec.memory_gb * 2**30 // max(per_block, 1)))
@@ -92,15 +99,15 @@ def blocks_for(models: list[LoadedModel], spec: PoolSpec, kv_dtype: torch.dtype)
 def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int, device: str,
              runners: dict[str, ModelRunner], compile: CompileSpec | None = None) -> None:
     base = spec.base
-    if isinstance(base.config, DiffusionGemmaConfig):
-        from .diffusion.gemma import register_diffusion_gemma
-
-        register_diffusion_gemma(engine, spec.name, base, device=device)
-        return
     runner = ModelRunner(base.model, num_blocks, block_size, device=device)
     runners[spec.name] = runner
+    if isinstance(base.config, DiffusionGemmaConfig):  # never compiled: see runner.py
+        from .diffusion.gemma import register_diffusion_gemma
+
+        register_diffusion_gemma(engine, spec.name, runner, base)
+        return
     if compile is not None:
-        runner.compile(compile.cache_dir, compile.background)
+        compile.apply(runner)
     if base.config.is_diffusion:
         from .diffusion.decoder import register_diffusion
 
@@ -121,7 +128,7 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
         twin_runner = ModelRunner(spec.twin.model, num_blocks, block_size, device=device)
         runners[f"{spec.name}:diffusion"] = twin_runner
         if compile is not None:
-            twin_runner.compile(compile.cache_dir, compile.background)
+            compile.apply(twin_runner)
         register_diffusion(engine, spec.name, twin_runner, spec.twin)
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -118,18 +119,41 @@ class StepShape:
 Forward = Callable[..., tuple[torch.Tensor, list[torch.Tensor]]]
 
 
+class CompileWorker:
+    """One background thread that runs compile jobs in the order they were asked for.
+
+    Shared by every runner of a deployment, so compiles never compete with each other for the cores."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._queue.put(job)
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="dualserve-compile", daemon=True)
+                self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            self._queue.get()()
+
+
 class CompiledStep:
     """Compiled forwards by step shape, built on a background thread; eager until each is ready."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, scratch: Callable[[int], torch.Tensor],
-                 cache_dir: Path | None = None, background: bool = True):
+                 cache_dir: Path | None = None, worker: CompileWorker | None = None):
+        """``worker``: compile in the background on it (eager until ready); None: compile on first use."""
         if cache_dir is not None:
             # Inductor reads its cache location from the environment; set once, before any compile.
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
         self.model = model
         self.cache = cache
         self.scratch = scratch
-        self.background = background
+        self.worker = worker
         self.fn = torch.compile(self._forward, dynamic=True)
         self.ready: set[tuple[StepShape, tuple[int, ...]]] = set()
         self.failed = False
@@ -157,10 +181,15 @@ class CompiledStep:
             if self.failed or key in self._pending:
                 return
             self._pending.add(key)
-        if self.background:
-            threading.Thread(target=self._compile, args=(key,), name="dualserve-compile", daemon=True).start()
-        else:
+        if self.worker is None:
             self._compile(key)
+        else:
+            self.worker.submit(lambda: self._compile(key))
+
+    def prewarm(self) -> None:
+        """Ask for the four plain shapes now, decode first, so they compile while the server starts."""
+        for shape in (StepShape(False, False), StepShape(False, True), StepShape(True, False), StepShape(True, True)):
+            self._request((shape, ()))
 
     def warm(self, keys: Sequence[tuple[StepShape, tuple[int, ...]]]) -> None:
         """Compile these shapes now, on the calling thread (start-up, tests)."""

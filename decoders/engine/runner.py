@@ -15,21 +15,30 @@ attention inside them (``compiled.py``); eager stays the fallback.
 Tokens that must not be stored (a diffusion canvas still being denoised) are
 written to a scratch block that no request owns, so one batch can mix stored
 and unstored sequences without a second kernel path.
+
+DiffusionGemma runs through the same runner: its KV cache has one shape per
+layer (``KVCache.of_layers``) and its backend is ``WindowedPagedAttention``
+(sliding layers, the model's own attention kernel). Its encoder and denoiser
+are two entry points rather than one ``forward``, so its decoder takes a
+step's inputs from ``inputs`` and calls the model itself; it is never compiled.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from dualserve.models.attention import AttentionBackend
+from dualserve.models.diffusion_gemma import DiffusionGemma, attend
 from dualserve.models.transformer import Transformer
 
-from .compiled import CompiledStep
+from .compiled import CompiledStep, CompileWorker
 from .paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache, SdpaPagedAttention, SeqAttention,
-                              SeqMask, flash_available)
+                              SeqMask, WindowedPagedAttention, flash_available)
 
 
 @dataclass
@@ -44,7 +53,7 @@ class ForwardItem:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int,
+    def __init__(self, model: Transformer | DiffusionGemma, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
                  use_flash: bool | None = None):
         cfg = model.config
@@ -53,17 +62,25 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.dtype = next(model.parameters()).dtype
+        self.backend: Callable[[KVCache, AttentionMetadata], AttentionBackend]
         # One extra block at the end is scratch space for tokens that are not stored.
-        self.kv = KVCache(cfg.num_layers, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim,
-                          kv_dtype or self.dtype, self.device)
+        if isinstance(model, DiffusionGemma):
+            self.kv = KVCache.of_layers(model.config.kv_shapes, num_blocks + 1, block_size, kv_dtype or self.dtype,
+                                        self.device)
+            self.backend = partial(WindowedPagedAttention, windows=model.config.windows, kernel=attend)
+        else:
+            self.kv = KVCache(cfg.num_layers, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim,
+                              kv_dtype or self.dtype, self.device)
+            # flash-attn's paged kernel needs blocks of a multiple of 256 tokens (flash_attn_with_kvcache).
+            flash = (use_flash if use_flash is not None else flash_available()) and block_size % 256 == 0
+            self.backend = FlashPagedAttention if flash else SdpaPagedAttention
         self._scratch_block = num_blocks
-        # flash-attn's paged kernel needs blocks of a multiple of 256 tokens (flash_attn_with_kvcache).
-        flash = (use_flash if use_flash is not None else flash_available()) and block_size % 256 == 0
-        self.backend = FlashPagedAttention if flash else SdpaPagedAttention
         self.compiled: CompiledStep | None = None  # set by compile()
 
     def compile(self, cache_dir: Path | None = None, background: bool = True) -> CompiledStep:
         """Run steps through compiled graphs (``compiled.py``) once each shape's graph is built."""
+        if not isinstance(self.model, Transformer):
+            raise TypeError("compiled steps run the transformer core's forward only")
         self.compiled = CompiledStep(self.model, self.kv, self.scratch_slots, cache_dir, background)
         return self.compiled
 
@@ -84,7 +101,7 @@ class ModelRunner:
         return KVCache(num_layers, self.kv.num_blocks, self.block_size, num_kv_heads, head_dim, self.kv.dtype,
                        self.device)
 
-    def attention(self, kv: KVCache, meta: AttentionMetadata) -> SdpaPagedAttention:
+    def attention(self, kv: KVCache, meta: AttentionMetadata) -> AttentionBackend:
         """The attention backend chosen at start-up, over ``kv`` (the model's or a head's)."""
         return self.backend(kv, meta)
 
@@ -113,6 +130,13 @@ class ModelRunner:
                 return out
         attn = self.attention(self.kv, meta)
         return self.model(ids, pos, attn, inputs_embeds=inputs_embeds, aux_layers=aux_layers)
+
+    def inputs(self, items: Sequence[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor, AttentionBackend]:
+        """(token ids, positions, attention backend over the model's KV) of one forward over
+        ``items``, for a decoder that calls its model's entry points itself (DiffusionGemma)."""
+        ids = torch.cat([self._as_tensor(it.token_ids) for it in items])
+        pos = torch.cat([self._as_tensor(it.positions) for it in items])
+        return ids, pos, self.attention(self.kv, self.metadata(items))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

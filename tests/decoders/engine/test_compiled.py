@@ -84,7 +84,7 @@ def engine_for(model: Transformer, compiled: bool) -> Engine:
     engine = Engine(EngineConfig(num_blocks=256, block_size=BLOCK, max_batched_tokens=24))
     runner = ModelRunner(model, 256, BLOCK, use_flash=False)
     if compiled:
-        step = runner.compile(background=False)
+        step = runner.compile()
         step.warm([(StepShape(s, q), ()) for s in (False, True) for q in (False, True)])
         assert not step.failed and len(step.ready) == 4
     engine.add_decoder("m", ARDecoder(runner, engine.pool), FakeTokenizer(), CFG.vocab_size)
