@@ -2,11 +2,10 @@
 
 DiffusionGemma (transformers ``models/diffusion_gemma``, checkpoint ``google/diffusiongemma-26B-A4B-it``)
 is uniform-noise block diffusion. An autoregressive **encoder** writes the KV of the prefix; a
-**denoiser** with the *same weights* refines a canvas of ``canvas_length`` tokens, attending
-bidirectionally to the cached prefix and to the whole canvas, and never writes the cache. Once a
-canvas is final the encoder encodes it at the same positions and the next canvas starts. There is
-no mask token: a canvas starts as uniformly random tokens. The sampler lives in
-``dualserve.decoders.diffusion_gemma``; this file is the network and its loader.
+**denoiser** with the *same weights* refines a canvas of ``canvas_length`` tokens (uniformly random
+at first: there is no mask token), attending to the cached prefix and to the whole canvas, and
+never writes the cache. A final canvas is encoded at the same positions, then the next starts.
+The sampler is ``dualserve.decoders.diffusion.gemma``; this file is the network and its loader.
 
 The layer (Gemma 4, ``Gemma4TextDecoderLayer``) differs from the Llama core in ``transformer.py``:
   * sandwich norms: RMSNorm before *and after* attention and the feed-forward, ``w`` not ``1 + w``;
@@ -16,15 +15,14 @@ The layer (Gemma 4, ``Gemma4TextDecoderLayer``) differs from the Llama core in `
     raw keys) and "proportional" RoPE that rotates only a quarter of the dimensions;
   * a per-layer ``layer_scalar``, the only thing the checkpoint stores for both stacks;
   * an input embedding scaled by sqrt(hidden), and the LM head tied to it with a tanh softcap of 30.
-The RoPE rotation itself is the Llama one (``transformer.apply_rope``). Every op follows the
-reference order and kernel choice (fp32 norms with ``pow(-0.5)``, fp32 router softmax,
-``grouped_mm`` experts, transformers' SDPA dispatch), so the logits are bit-identical to it.
+The RoPE rotation is the Llama one (``transformer.apply_rope``). Every op follows the reference's
+order and kernels (fp32 norms with ``pow(-0.5)``, fp32 router softmax, ``grouped_mm`` experts,
+transformers' SDPA dispatch), so the logits are bit-identical to it.
 
-What a token may see is the attention backend's business, as everywhere in dualserve; ``attend``
-and ``encoder_pattern`` below are the rules the backends apply (the encoder: causal, within W on
-sliding layers; the denoiser: the cached prefix, its last W-1 tokens on sliding layers, and the
-whole canvas). The backends, one dense and one over the paged block pool, are in
-``dualserve.decoders.diffusion_gemma``.
+What a token may see is the attention backend's business (the encoder: causal, within W on sliding
+layers; the denoiser: the cached prefix, its last W-1 tokens on sliding layers, and the whole
+canvas). The config gives each layer's KV shape and window; ``attend`` is the kernel the backends
+run (the engine's ``WindowedPagedAttention``, the decoder's ``DenseCache``).
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import AttentionBackend
 from .checkpoint import LoadedModel, iter_safetensors
 from .tokenizer import Tokenizer
 from .transformer import apply_rope
@@ -95,18 +94,14 @@ class DenoisingConfig:
 
     @classmethod
     def from_hf(cls, gen: dict[str, Any]) -> "DenoisingConfig":
-        base = cls()
-        sampler = gen.get("sampler_config") or {}
-
-        def pick(key: str, default: Any) -> Any:
-            return default if gen.get(key) is None else gen[key]
-
+        base, sampler = cls(), gen.get("sampler_config") or {}
+        given = {k: v for k, v in gen.items() if v is not None}  # null is unset
         return cls(
-            max_denoising_steps=int(pick("max_denoising_steps", base.max_denoising_steps)),
+            max_denoising_steps=int(given.get("max_denoising_steps", base.max_denoising_steps)),
             entropy_bound=float(sampler.get("entropy_bound", base.entropy_bound)),
-            t_min=float(pick("t_min", base.t_min)), t_max=float(pick("t_max", base.t_max)),
-            stability_threshold=pick("stability_threshold", base.stability_threshold),
-            confidence_threshold=pick("confidence_threshold", base.confidence_threshold))
+            t_min=float(given.get("t_min", base.t_min)), t_max=float(given.get("t_max", base.t_max)),
+            stability_threshold=given.get("stability_threshold", base.stability_threshold),
+            confidence_threshold=given.get("confidence_threshold", base.confidence_threshold))
 
 
 @dataclass(frozen=True)
@@ -133,22 +128,24 @@ class DiffusionGemmaConfig:
     pad_token_id: int | None = 0
     denoising: DenoisingConfig = field(default_factory=DenoisingConfig)
     family: ClassVar[str] = "diffusion_gemma"
+    is_diffusion: ClassVar[bool] = True
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_types)
 
-    @property
-    def is_diffusion(self) -> bool:
-        return True
-
     def rope(self, layer_type: LayerType) -> Rope:
         return self.rope_sliding if layer_type == "sliding_attention" else self.rope_full
 
-    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one pool block takes in this model's paged KV (every layer stores every token)."""
-        per_token = sum(2 * kv * hd for kv, hd in zip(self.kv_heads, self.head_dims))
-        return per_token * block_size * torch.finfo(dtype).bits // 8
+    @property
+    def kv_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Per layer (kv_heads, head_dim): the shape of its keys and values."""
+        return tuple(zip(self.kv_heads, self.head_dims))
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Per layer: the sliding window W, or None for a full layer."""
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> "DiffusionGemmaConfig":
@@ -227,6 +224,26 @@ class MLP(nn.Module):
         return gelu_mlp(x, self.gate_proj, self.up_proj, self.down_proj)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+           causal: bool = False) -> torch.Tensor:
+    """SDPA with scaling 1.0 (queries and keys are RMS-normed) and grouped-query attention.
+
+    q: (q_len, heads, d); k, v: (kv_len, kv_heads, d); mask: (q_len, kv_len) bool. Dispatches as
+    transformers' ``sdpa_attention_forward`` does (``enable_gqa`` only without a mask and for head
+    sizes up to 256, repeated kv heads otherwise), so the kernels, and the rounding, are the same.
+    """
+    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, len, d)
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and (mask is not None or k.shape[-1] > 256):
+        # transformers' repeat_kv: expand + reshape (a stride-0 view when there is one kv head).
+        n = q.shape[1] // k.shape[1]
+        k4, v4 = (t[:, :, None].expand(1, t.shape[1], n, *t.shape[2:]).reshape(1, -1, *t.shape[2:])
+                  for t in (k4, v4))
+        gqa = False
+    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=causal, scale=1.0, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
+
+
 class Attention(nn.Module):
     def __init__(self, config: DiffusionGemmaConfig, layer_idx: int):
         super().__init__()
@@ -244,7 +261,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps)
         self.v_norm = RMSNorm(self.head_dim, eps, with_scale=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         tokens = x.shape[0]
         q = apply_rope(self.q_norm(self.q_proj(x).view(tokens, self.num_heads, self.head_dim)), cos, sin)
         k = self.k_proj(x).view(tokens, self.kv_heads, self.head_dim)
@@ -284,13 +301,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) ->
             x.device.type == "cuda" and weight.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) >= (8, 0))):
         return F.grouped_mm(x.to(weight.dtype), weight.transpose(-2, -1), offs=ends)
-    out = x.new_zeros(x.shape[0], weight.shape[1], dtype=weight.dtype)
-    start = 0
-    for e, end in enumerate(ends.tolist()):
-        if end > start:
-            torch.mm(x[start:end].to(weight.dtype), weight[e].T, out=out[start:end])
-        start = end
-    return out
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()  # rows per expert
+    return torch.cat([rows.to(weight.dtype) @ weight[e].T for e, rows in enumerate(x.split(sizes))])
 
 
 class Experts(nn.Module):
@@ -336,7 +348,8 @@ class Layer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, stack: Stack) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
+                stack: Stack) -> torch.Tensor:
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attn))
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
         weights, ids = self.router(h)  # routes on the raw residual
@@ -372,8 +385,7 @@ class DiffusionGemma(nn.Module):
         self.layers = nn.ModuleList(Layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_conditioning = SelfConditioning(config)
-        # RoPE frequencies by (layer type, head dim, device): computed on first use, because the
-        # model is built on the meta device.
+        # RoPE frequencies by (layer type, head dim, device), made on first use: the model is built on meta.
         self._inv_freq: dict[tuple[str, int, str], torch.Tensor] = {}
 
     def inv_freq(self, layer_idx: int, device: torch.device) -> torch.Tensor:
@@ -387,7 +399,7 @@ class DiffusionGemma(nn.Module):
         scale = torch.tensor(self.config.hidden_size ** 0.5).to(self.embed_tokens.weight.dtype)
         return self.embed_tokens(ids) * scale
 
-    def _stack(self, x: torch.Tensor, positions: torch.Tensor, attn, stack: Stack) -> torch.Tensor:
+    def _stack(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, stack: Stack) -> torch.Tensor:
         rope: dict[LayerType, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, layer in enumerate(self.layers):
             kind = self.config.layer_types[i]
@@ -398,11 +410,11 @@ class DiffusionGemma(nn.Module):
             x = layer(x, *rope[kind], attn, stack)
         return x
 
-    def encode(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> None:
+    def encode(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> None:
         """Run the encoder over (tokens,) ids; its output is the KV the backend stores."""
         self._stack(self.embed(input_ids), positions, attn, "encoder")
 
-    def denoise(self, canvas_ids: torch.Tensor, positions: torch.Tensor, attn,
+    def denoise(self, canvas_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 self_conditioning_logits: torch.Tensor | None = None,
                 self_conditioning_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Denoiser logits (tokens, vocab), fp32 and softcapped, for flattened canvases.
@@ -430,46 +442,6 @@ class DiffusionGemma(nn.Module):
         """Tied head with Gemma's final softcap: cap * tanh(logits / cap), in fp32."""
         cap = self.config.final_logit_softcapping
         return torch.tanh(F.linear(hidden, self.embed_tokens.weight).float() / cap) * cap
-
-
-# ---- what a token may see -----------------------------------------------------------------------
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-           causal: bool = False) -> torch.Tensor:
-    """SDPA with scaling 1.0 (queries and keys are RMS-normed) and grouped-query attention.
-
-    q: (q_len, heads, d); k, v: (kv_len, kv_heads, d); mask: (q_len, kv_len) bool. Dispatches as
-    transformers' ``sdpa_attention_forward`` does (``enable_gqa`` only without a mask and for head
-    sizes up to 256, repeated kv heads otherwise), so the kernels, and the rounding, are the same.
-    """
-    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, len, d)
-    gqa = q.shape[1] != k.shape[1]
-    if gqa and (mask is not None or k.shape[-1] > 256):
-        # transformers' repeat_kv: expand + reshape (a stride-0 view when there is one kv head).
-        n = q.shape[1] // k.shape[1]
-        k4, v4 = (t[:, :, None].expand(1, t.shape[1], n, *t.shape[2:]).reshape(1, -1, *t.shape[2:])
-                  for t in (k4, v4))
-        gqa = False
-    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=causal, scale=1.0, enable_gqa=gqa)
-    return out[0].transpose(0, 1)
-
-
-def encoder_pattern(num_keys: int, q_len: int, end: int, window: int | None,
-                    device=None) -> tuple[torch.Tensor | None, bool]:
-    """What an encoder chunk sees: (bool mask or None, is_causal) for SDPA.
-
-    The keys are the ``num_keys`` positions ending at ``end`` (cached, then the chunk's own), the
-    queries the last ``q_len``. Causal; on sliding layers a query at p sees keys p - W < j <= p.
-    Like transformers' ``_ignore_causal_mask_sdpa``, no mask is built when SDPA's flags say the same.
-    """
-    if (q_len == 1 or num_keys == q_len) and (window is None or num_keys < window):
-        return None, q_len > 1
-    query_pos = torch.arange(end - q_len, end, device=device)
-    key_pos = torch.arange(end - num_keys, end, device=device)
-    ok = key_pos[None, :] <= query_pos[:, None]
-    if window is not None:
-        ok &= key_pos[None, :] > query_pos[:, None] - window
-    return ok, False
 
 
 # ---- checkpoint names and the loader -------------------------------------------------------------
@@ -506,27 +478,22 @@ def read_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def build(config: DiffusionGemmaConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-          device: torch.device | str) -> DiffusionGemma:
-    """Build on meta, assign the tensors (strict: a missing or extra one is an error)."""
-    with torch.device("meta"):
-        model = DiffusionGemma(config)
-    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=True, assign=True)
-    return model.eval().requires_grad_(False)
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def load_diffusion_gemma(path: Path | str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                          *, name: str | None = None, tokenizer: Tokenizer | None = None) -> LoadedModel:
-    """Load a ``DiffusionGemmaForBlockDiffusion`` directory (safetensors only) for text."""
+    """Load a ``DiffusionGemmaForBlockDiffusion`` directory (safetensors only) for text: built on
+    meta, then the tensors assigned (strict: a missing or extra one is an error)."""
     start = time.perf_counter()
     path = Path(path)
     config = DiffusionGemmaConfig.from_hf(_read_json(path / "config.json"),
                                           _read_json(path / "generation_config.json"))
-    model = build(config, read_state(path), dtype, device)
-    return LoadedModel(name=name or path.name, path=path, config=config, model=model,  # type: ignore[arg-type]
-                       tokenizer=tokenizer or Tokenizer.from_hf_dir(path),
+    with torch.device("meta"):
+        model = DiffusionGemma(config)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in read_state(path).items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return LoadedModel(name=name or path.name, path=path, config=config,  # type: ignore[arg-type]
+                       model=model.eval().requires_grad_(False), tokenizer=tokenizer or Tokenizer.from_hf_dir(path),
                        load_seconds=time.perf_counter() - start)

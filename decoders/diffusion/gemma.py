@@ -23,12 +23,16 @@ Serving (``DiffusionGemmaDecoder``): a request alternates two phases, each step 
   * *encode*: a chunk of not-yet-cached tokens (the prompt, possibly in several chunks, or the
     canvas just committed) goes through the encoder, whose keys/values are written to the shared
     paged block pool; when the chunk completes the prefix a new canvas starts in the same step;
-  * *denoise*: one denoiser forward over the canvas, reading the pool (never writing it).
-Encoder chunks of all requests share one forward, canvases of all requests another. A finished
-canvas goes out through ``Request.commit`` (EOS, stop strings, max_tokens, logprobs applied
-there, exactly), then is encoded at the same positions before the next canvas. The pool holds
-the prefix for every layer, sliding ones included, because the pool's block ids index one
-layout per model; sliding layers simply read only the last W-1 cached tokens, as the
+  * *denoise*: one denoiser forward over the canvas, reading the pool (its own keys/values go
+    to the runner's scratch block, never read).
+Both run through the model's ``ModelRunner``: it owns the KV (one shape per layer) and builds the
+windowed backend; the decoder describes each forward as ``ForwardItem``s (an encoder chunk
+"causal", a canvas "bidirectional") and calls the model's ``encode`` or ``denoise`` on the
+runner's ``inputs``. Encoder chunks of all requests share one forward, canvases of all requests
+another. A finished canvas goes out through ``Request.commit`` (EOS, stop strings, max_tokens,
+logprobs applied there, exactly), then is encoded at the same positions before the next canvas.
+The pool holds the prefix for every layer, sliding ones included, because the pool's block ids
+index one layout per model; sliding layers simply read only the last W-1 cached tokens, as the
 reference's ``DynamicSlidingWindowLayer`` keeps. Encoder KV is exact and causal, so full
 blocks go to the prefix cache like an AR model's. ``num_forwards`` counts denoiser passes
 (the reference's ``tokens_per_forward`` denominator); ``steps_per_block`` the passes per canvas.
@@ -51,13 +55,14 @@ from typing import Sequence
 
 import torch
 
-from dualserve.models.diffusion_gemma import (DenoisingConfig, DiffusionGemma, DiffusionGemmaConfig, attend,
-                                              encoder_pattern)
+from dualserve.models.diffusion_gemma import DenoisingConfig, DiffusionGemma, DiffusionGemmaConfig, attend
 from dualserve.models.loader import LoadedModel
 
 from ..ar import pending_tokens
 from ..engine.blocks import BlockPool
-from ..engine.request import Request
+from ..engine.paged_attention import window_pattern
+from ..engine.request import DecoderState, Request
+from ..engine.runner import ForwardItem, ModelRunner
 from ..engine.sampling import SamplingParams, token_logprobs, truncated_probs
 from ..engine.scheduler import Scheduled
 from .decoder import DiffusionCounters
@@ -93,7 +98,7 @@ def entropy_bounded_accept(entropy: torch.Tensor, bound: float) -> torch.Tensor:
 
 
 @dataclass
-class Canvas:
+class Canvas(DecoderState):
     """One request's canvas while it is denoised (batch dimension 1 kept, as in the reference)."""
 
     tokens: torch.Tensor                # (1, C) the noisy canvas fed to the next step
@@ -180,15 +185,12 @@ class DenseCache:
     def length(self) -> int:
         return self.seen[0]
 
-    def _window(self, layer_idx: int) -> int | None:
-        return self.config.sliding_window if self.config.layer_types[layer_idx] == "sliding_attention" else None
-
     def _write(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cached_k, cached_v = self.k[layer_idx], self.v[layer_idx]
         kk = k if cached_k is None else torch.cat([cached_k, k])
         vv = v if cached_v is None else torch.cat([cached_v, v])
-        window = self._window(layer_idx)
-        mask, causal = encoder_pattern(kk.shape[0], q.shape[0], self.seen[layer_idx] + q.shape[0], window, q.device)
+        window = self.config.windows[layer_idx]
+        mask, causal = window_pattern(kk.shape[0], q.shape[0], self.seen[layer_idx] + q.shape[0], window, q.device)
         out = attend(q, kk, vv, mask, causal)
         keep = kk.shape[0] if window is None else window - 1
         self.k[layer_idx], self.v[layer_idx] = kk[-keep:], vv[-keep:]
@@ -234,93 +236,13 @@ def generate(model: DiffusionGemma, prompt_ids: Sequence[int], max_new_tokens: i
     return out
 
 
-# ---- paged keys/values and the attention over them ----------------------------------------------
-
-
-class GemmaKVCache:
-    """Keys and values of one DiffusionGemma model for every block of the shared pool.
-
-    Per layer (num_blocks, block_size, kv_heads, head_dim); layers differ in shape (full layers
-    have their own head size and kv heads), hence a list rather than ``KVCache``'s one shape.
-    """
-
-    def __init__(self, config: DiffusionGemmaConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str):
-        self.block_size = block_size
-        self.k = [torch.zeros(num_blocks, block_size, kv, hd, dtype=dtype, device=device)
-                  for kv, hd in zip(config.kv_heads, config.head_dims)]
-        self.v = [torch.zeros_like(k) for k in self.k]
-
-    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(num_slots, kv_heads, head_dim) views of one layer's keys and values."""
-        return self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)
-
-
-@dataclass
-class Span:
-    """One sequence's part of a forward: ``query_len`` new tokens after ``context_len`` cached ones."""
-
-    context_len: int
-    query_len: int
-    block_table: list[int]
-    slots: torch.Tensor | None  # encoder chunk: where its keys/values go; a canvas: None (never stored)
-
-
-class PagedGemmaAttention:
-    """The ``AttentionBackend`` for one forward: all encoder chunks, or all canvases.
-
-    An encoder chunk stores its keys/values, then sees the cached prefix and itself causally
-    (sliding layers: the last W-1 cached tokens, and a window of W). A canvas sees the cached
-    prefix (sliding layers: its last W-1 tokens) and the whole canvas, with no mask.
-    """
-
-    def __init__(self, cache: GemmaKVCache, config: DiffusionGemmaConfig, spans: Sequence[Span]):
-        self.cache = cache
-        self.spans = list(spans)
-        self.windows = [config.sliding_window if t == "sliding_attention" else None for t in config.layer_types]
-        self.store = all(s.slots is not None for s in self.spans)
-        self.slots = torch.cat([s.slots for s in self.spans]) if self.store else None
-        self._plans: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor | None, bool]] = {}
-
-    def _plan(self, i: int, window: int | None, device) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-        """(slot ids of the visible cached tokens, mask, is_causal) for span i, shared by layers."""
-        key = (i, window)
-        if key not in self._plans:
-            span, bs = self.spans[i], self.cache.block_size
-            first = 0 if window is None else max(0, span.context_len - (window - 1))
-            pos = torch.arange(first, span.context_len)
-            table = torch.tensor(span.block_table, dtype=torch.long)
-            index = (table[pos // bs] * bs + pos % bs).to(device)
-            mask, causal = None, False
-            if self.store:
-                end = span.context_len + span.query_len
-                mask, causal = encoder_pattern(len(pos) + span.query_len, span.query_len, end, window, device)
-            self._plans[key] = (index, mask, causal)
-        return self._plans[key]
-
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_flat, v_flat = self.cache.flat(layer_idx)
-        if self.slots is not None:
-            k_flat.index_copy_(0, self.slots, k.to(k_flat.dtype))
-            v_flat.index_copy_(0, self.slots, v.to(v_flat.dtype))
-        outs, start = [], 0
-        for i, span in enumerate(self.spans):
-            rows = slice(start, start + span.query_len)
-            start += span.query_len
-            index, mask, causal = self._plan(i, self.windows[layer_idx], q.device)
-            kk = torch.cat([k_flat.index_select(0, index).to(k.dtype), k[rows]])
-            vv = torch.cat([v_flat.index_select(0, index).to(v.dtype), v[rows]])
-            outs.append(attend(q[rows], kk, vv, mask, causal))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
 # ---- the engine decoder --------------------------------------------------------------------------
 
 
 def _unsupported(req: Request) -> str | None:
     if req.suffix_ids:
         return "DiffusionGemma cannot infill: its canvas sees only the text before it"
-    if getattr(req, "constraint", None) is not None or getattr(req, "needs_prompt_logprobs", False):
+    if req.constraint is not None or req.needs_prompt_logprobs:
         return "structured output and prompt logprobs need an autoregressive decoder"
     return None
 
@@ -331,18 +253,20 @@ class DiffusionGemmaDecoder:
     shares_prompt_blocks = True
     default_max_tokens = 256  # a canvas is sized by max_tokens
 
-    @property
-    def kv_owner(self) -> "DiffusionGemmaDecoder":
-        return self  # its own KV cache
-
-    def __init__(self, model: DiffusionGemma, pool: BlockPool, cache: GemmaKVCache,
-                 denoising: DenoisingConfig | None = None):
+    def __init__(self, runner: ModelRunner, pool: BlockPool, denoising: DenoisingConfig | None = None):
+        model = runner.model
+        if not isinstance(model, DiffusionGemma):
+            raise TypeError(f"the DiffusionGemma decoder needs a DiffusionGemma runner, not {type(model).__name__}")
+        self.runner = runner
         self.model = model
         self.config = model.config
         self.pool = pool
-        self.cache = cache
         self.denoising = denoising or model.config.denoising
         self.device = model.embed_tokens.weight.device
+
+    @property
+    def kv_owner(self) -> ModelRunner:
+        return self.runner
 
     def plan(self, req: Request, budget: int) -> tuple[int, int]:
         """(tokens to encode, slots to reserve) or, while denoising, (canvas compute, the rest).
@@ -393,16 +317,13 @@ class DiffusionGemmaDecoder:
 
     @torch.inference_mode()
     def _encode(self, batch: Sequence[Scheduled]) -> None:
-        spans, ids, positions = [], [], []
+        items = []
         for s in batch:
             req, start = s.request, s.request.num_computed
             end = start + s.num_new_tokens
-            ids += req.all_ids[start:end]
-            positions += range(start, end)
-            slots = torch.tensor(self.pool.slot_mapping(req.table, start, end), device=self.device)
-            spans.append(Span(start, end - start, list(req.table.blocks), slots))
-        self.model.encode(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                          PagedGemmaAttention(self.cache, self.config, spans))
+            items.append(ForwardItem(req.all_ids[start:end], range(start, end), start, list(req.table.blocks),
+                                     self.pool.slot_mapping(req.table, start, end), mask="causal"))
+        self.model.encode(*self.runner.inputs(items))
         for s in batch:
             req = s.request
             done = req.num_computed + s.num_new_tokens
@@ -413,12 +334,12 @@ class DiffusionGemmaDecoder:
     @torch.inference_mode()
     def _denoise(self, reqs: Sequence[Request], emit) -> None:
         size = self.config.canvas_length
-        states: list[Canvas] = [r.decoder_state for r in reqs]
-        ids = torch.cat([st.tokens[0] for st in states]).to(self.device)
-        positions = torch.cat([torch.arange(r.num_tokens, r.num_tokens + size) for r in reqs]).to(self.device)
-        spans = [Span(r.num_tokens, size, list(r.table.blocks), None) for r in reqs]
+        states = [r.decoder_state for r in reqs if isinstance(r.decoder_state, Canvas)]
+        # A canvas sees its whole self and the cached prefix; its keys/values are never stored.
+        items = [ForwardItem(st.tokens[0], range(r.num_tokens, r.num_tokens + size), r.num_tokens,
+                             list(r.table.blocks), None, mask="bidirectional") for r, st in zip(reqs, states)]
         sc, rows = self._self_conditioning(states)
-        logits = self.model.denoise(ids, positions, PagedGemmaAttention(self.cache, self.config, spans), sc, rows)
+        logits = self.model.denoise(*self.runner.inputs(items), sc, rows)
         for i, (req, st) in enumerate(zip(reqs, states)):
             denoise_update(st, logits[i * size:(i + 1) * size][None], self.denoising, req.params,
                            self._generator(req), keep_logits=req.params.logprobs is not None)
@@ -448,14 +369,9 @@ class DiffusionGemmaDecoder:
         emit(req, req.commit(tokens, logprobs))
 
 
-def register_diffusion_gemma(engine, name: str, loaded: LoadedModel, *, device: torch.device | str | None = None,
-                             denoising: DenoisingConfig | None = None,
-                             kv_dtype: torch.dtype | None = None) -> DiffusionGemmaDecoder:
-    """Serve a loaded DiffusionGemma as ``name``'s ``diffusion`` decoder, its KV in the engine's pool."""
-    model: DiffusionGemma = loaded.model  # type: ignore[assignment]
-    weight = model.embed_tokens.weight
-    cache = GemmaKVCache(model.config, engine.pool.num_blocks, engine.pool.block_size, kv_dtype or weight.dtype,
-                         device or weight.device)
-    decoder = DiffusionGemmaDecoder(model, engine.pool, cache, denoising)
-    engine.add_decoder(name, decoder, loaded.tokenizer, model.config.vocab_size)
+def register_diffusion_gemma(engine, name: str, runner: ModelRunner, loaded: LoadedModel,
+                             denoising: DenoisingConfig | None = None) -> DiffusionGemmaDecoder:
+    """Serve a loaded DiffusionGemma as ``name``'s ``diffusion`` decoder, through its runner's KV."""
+    decoder = DiffusionGemmaDecoder(runner, engine.pool, denoising)
+    engine.add_decoder(name, decoder, loaded.tokenizer, loaded.config.vocab_size)
     return decoder

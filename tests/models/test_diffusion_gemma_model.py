@@ -8,7 +8,8 @@ draws from them, and any rounding difference can flip a multinomial draw. Covere
 * prompts shorter and longer than the sliding window (a masked encoder, a trimmed cache);
 * a first step (no self-conditioning) and a later one (self-conditioning logits);
 * a canvas after another canvas was encoded at the canvas positions (the encoder with a cache);
-* the paged backend's keys/values of the same prompt equal the dense cache's.
+* the runner's paged keys/values of the same prompt equal the dense cache's, and a canvas over
+  them gives the dense cache's logits.
 The config is read as ``DiffusionGemmaTextConfig`` resolves it (per-layer head sizes and kv
 heads, RoPE per layer type; the RoPE frequencies equal the reference's buffers). The name table
 takes every tensor of the file, accepts encoder-side names, refuses unknown names and tied copies
@@ -24,7 +25,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dualserve.decoders.diffusion.gemma import DenseCache, GemmaKVCache, PagedGemmaAttention, Span
+from dualserve.decoders.diffusion.gemma import DenseCache
+from dualserve.decoders.engine.paged_attention import KVCache
+from dualserve.decoders.engine.runner import ForwardItem, ModelRunner
 from dualserve.models.diffusion_gemma import DiffusionGemmaConfig, load_diffusion_gemma, read_state
 from tiny_checkpoints import write_tiny_diffusion_gemma
 
@@ -71,7 +74,8 @@ def test_config_reads_per_layer_shapes_and_rope(tiny: Path, reference, ours) -> 
     assert cfg.final_logit_softcapping == text.final_logit_softcapping == 30.0
     assert cfg.eos_token_ids == (1,) and cfg.pad_token_id == 0 and cfg.bos_token_id == 2
     assert cfg.denoising.max_denoising_steps == 48 and cfg.denoising.entropy_bound == 0.1  # global defaults
-    assert cfg.kv_bytes_per_block(4, torch.float32) == 4 * 4 * 2 * (16 + 32)
+    assert cfg.kv_shapes == ((1, 16), (1, 32)) and cfg.windows == (8, None)
+    assert KVCache.bytes_per_block_of_layers(cfg.kv_shapes, 4, torch.float32) == 4 * 4 * 2 * (16 + 32)
     rotary = reference.model.decoder.rotary_emb
     for i, kind in enumerate(cfg.layer_types):
         assert torch.equal(ours.model.inv_freq(i, torch.device("cpu")), getattr(rotary, f"{kind}_inv_freq"))
@@ -109,18 +113,23 @@ def test_logits_equal_transformers(reference, ours, prompt_len: int) -> None:
 
 
 def test_paged_cache_holds_the_dense_cache_keys(ours) -> None:
-    cfg, prompt = ours.config, ids(13, 4)
-    dense, paged = DenseCache(cfg), GemmaKVCache(cfg, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu")
+    cfg, prompt, canvas = ours.config, ids(13, 4), ids(8, 5)
+    dense, runner = DenseCache(cfg), ModelRunner(ours.model, num_blocks=8, block_size=4)
     table = [5, 2, 7, 0]
     slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(13)])
     with torch.inference_mode():
         ours.model.encode(prompt, torch.arange(13), dense.writer())
-        ours.model.encode(prompt, torch.arange(13), PagedGemmaAttention(paged, cfg, [Span(0, 13, table, slots)]))
+        ours.model.encode(*runner.inputs([ForwardItem(prompt, torch.arange(13), 0, table, slots)]))
+        want = ours.model.denoise(canvas, torch.arange(13, 21), dense.reader())
+        item = ForwardItem(canvas, torch.arange(13, 21), 13, table, None, mask="bidirectional")
+        got = ours.model.denoise(*runner.inputs([item]))
     for layer in range(cfg.num_layers):
-        keys = paged.flat(layer)[0][slots]
+        keys = runner.kv.flat(layer)[0][slots]
+        assert keys.shape[1:] == (cfg.kv_heads[layer], cfg.head_dims[layer])  # per-layer KV shapes
         kept = dense.k[layer].shape[0]  # the sliding layer keeps the last W-1 = 7
         assert kept == (7 if cfg.layer_types[layer] == "sliding_attention" else 13)
         assert torch.equal(keys[-kept:], dense.k[layer])
+    assert torch.equal(got, want)
 
 
 def test_name_table_takes_every_tensor_and_either_side_of_the_ties(tiny: Path, tmp_path: Path, ours) -> None:

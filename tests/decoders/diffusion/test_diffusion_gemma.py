@@ -30,10 +30,11 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
 from dualserve.decoders.deployment import PoolSpec, build_deployment
-from dualserve.decoders.diffusion.gemma import (Canvas, GemmaKVCache, PagedGemmaAttention, Span,
-                                                entropy_bounded_accept, generate, register_diffusion_gemma,
-                                                schedule_temperature, stable_and_confident, token_entropy)
+from dualserve.decoders.diffusion.gemma import (Canvas, DiffusionGemmaDecoder, entropy_bounded_accept, generate,
+                                                register_diffusion_gemma, schedule_temperature,
+                                                stable_and_confident, token_entropy)
 from dualserve.decoders.engine.engine import Engine, EngineConfig
+from dualserve.decoders.engine.runner import ForwardItem, ModelRunner
 from dualserve.decoders.engine.sampling import SamplingParams
 from dualserve.models.diffusion_gemma import DenoisingConfig, load_diffusion_gemma
 from dualserve.models.loader import LoadedModel
@@ -147,7 +148,8 @@ def make_engine(loaded: LoadedModel, num_steps: int, *, num_blocks: int = 64, bl
                 max_batched_tokens: int = 64, max_num_seqs: int = 16) -> Engine:
     engine = Engine(EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                                  max_batched_tokens=max_batched_tokens))
-    register_diffusion_gemma(engine, "dg", loaded, denoising=steps(num_steps))
+    runner = ModelRunner(loaded.model, num_blocks, block_size)
+    register_diffusion_gemma(engine, "dg", runner, loaded, denoising=steps(num_steps))
     return engine
 
 
@@ -245,25 +247,36 @@ def test_greedy_temperature_and_refusals(loaded) -> None:
 
 def test_batched_canvases_see_only_their_own_prefix(loaded) -> None:
     """Two canvases in one paged forward give what each gives alone (mixed self-conditioning)."""
-    model, cfg = loaded.model, loaded.config
-    cache = GemmaKVCache(cfg, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu")
+    model = loaded.model
+    runner = ModelRunner(model, num_blocks=8, block_size=4)
     tables, lens = [[0, 1], [2, 3, 4, 5]], [5, 13]
-    def paged(spans):
-        return PagedGemmaAttention(cache, cfg, spans)
+    canvases = [torch.arange(20, 28), torch.arange(40, 48)]
+
+    def canvas(i: int) -> ForwardItem:  # a canvas is never stored: no slots
+        return ForwardItem(canvases[i], torch.arange(lens[i], lens[i] + CANVAS), lens[i], tables[i], None,
+                           mask="bidirectional")
 
     with torch.inference_mode():
         for table, n in zip(tables, lens):
             slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(n)])
-            model.encode(torch.arange(3, 3 + n), torch.arange(n), paged([Span(0, n, table, slots)]))
-        canvases = [torch.arange(20, 28), torch.arange(40, 48)]
-        positions = [torch.arange(n, n + CANVAS) for n in lens]
+            model.encode(*runner.inputs([ForwardItem(torch.arange(3, 3 + n), torch.arange(n), 0, table, slots)]))
         sc = torch.randn(CANVAS, VOCAB, generator=torch.Generator().manual_seed(1)) * 5
-        alone = [model.denoise(canvases[0], positions[0], paged([Span(5, CANVAS, tables[0], None)])),
-                 model.denoise(canvases[1], positions[1], paged([Span(13, CANVAS, tables[1], None)]), sc)]
-        spans = [Span(n, CANVAS, t, None) for n, t in zip(lens, tables)]
-        both = model.denoise(torch.cat(canvases), torch.cat(positions), paged(spans),
+        alone = [model.denoise(*runner.inputs([canvas(0)])), model.denoise(*runner.inputs([canvas(1)]), sc)]
+        both = model.denoise(*runner.inputs([canvas(0), canvas(1)]),
                              torch.cat([torch.zeros(CANVAS, VOCAB), sc]), torch.tensor([False] * 8 + [True] * 8))
     assert torch.allclose(both[:8], alone[0], atol=1e-4) and torch.allclose(both[8:], alone[1], atol=1e-4)
+
+
+def test_runs_through_the_model_runner(loaded) -> None:
+    """The decoder's KV is its runner's, one shape per layer; compiled steps are refused."""
+    decoder = make_engine(loaded, 4).decoders[("dg", "diffusion")]
+    assert isinstance(decoder, DiffusionGemmaDecoder)
+    runner = decoder.kv_owner
+    cfg = loaded.config
+    assert isinstance(runner, ModelRunner) and runner.model is loaded.model
+    assert [k.shape[2:] for k in runner.kv.k] == [torch.Size(s) for s in zip(cfg.kv_heads, cfg.head_dims)]
+    with pytest.raises(TypeError):
+        runner.compile()
 
 
 def test_deployment_registers_the_decoder(reference, tiny: Path, tmp_path: Path) -> None:
@@ -276,7 +289,7 @@ def test_deployment_registers_the_decoder(reference, tiny: Path, tmp_path: Path)
     loaded = load_diffusion_gemma(tmp_path, name="dg")
     assert loaded.tokenizer.eos_token_ids == (EOS,)
     dep = build_deployment([loaded], EngineConfig(max_batched_tokens=64), PoolSpec(block_size=4, num_blocks=32))
-    assert dep.decoders("dg") == ["diffusion"]
+    assert dep.decoders("dg") == ["diffusion"] and dep.runners["dg"].model is loaded.model
     outs: list[int] = []
     dep.engine.submit("dg", "diffusion", SHORT, SamplingParams(max_tokens=8, seed=0),
                       lambda i, d: outs.extend(d.token_ids))
