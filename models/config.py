@@ -25,8 +25,7 @@ Family = Literal["llama", "qwen2", "mistral", "llada", "dream", "block_diffusion
 # its config.json has none.
 FAST_DLLM_V2_MASK_ID = 151665
 
-# Which decoders a family's checkpoint can serve on its own.
-AR_FAMILIES = frozenset({"llama", "qwen2", "mistral"})
+# The families whose checkpoints are diffusion models (the rest are autoregressive).
 DIFFUSION_FAMILIES = frozenset({"llada", "dream", "block_diffusion"})
 
 

@@ -1,6 +1,6 @@
 """llama.cpp's ``POST /infill`` (llama.vscode and similar plugins): prefix, suffix, extra files -> a plan.
 
-The llama.cpp fields map onto OpenAI-style sampling hints; the routed decoder decides how the
+The llama.cpp fields map onto OpenAI-style sampling fields; the routed decoder decides how the
 suffix is placed (``Route.infill``, prompts built in ``fim``), and the response keeps
 llama.cpp's shape.
 """
@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from .protocol import Hints, InfillRequest
+from .protocol import InfillRequest, SamplingFields
 from .responses import infill_body, infill_stream
 from .service import ChoiceResult, Job, Plan, Service
 
 DEFAULT_MAX_TOKENS = 64
 
 
-def infill_hints(body: InfillRequest) -> Hints:
-    """llama.cpp's /infill fields as OpenAI-style sampling hints."""
-    return Hints(model=body.model, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                 stop=body.stop, seed=body.seed, decoder=body.decoder)
+def sampling_fields(body: InfillRequest) -> SamplingFields:
+    """llama.cpp's /infill fields as OpenAI-style sampling fields."""
+    return SamplingFields(model=body.model, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                          stop=body.stop, seed=body.seed, decoder=body.decoder)
 
 
 class InfillHandler:
@@ -31,11 +31,11 @@ class InfillHandler:
     def plan(self) -> Plan:
         service, body = self.service, self.body
         model = service.model(body.model)
-        hints = infill_hints(body)
-        route = service.route(model, hints, hints.decoder or self.header_decoder, infill=True)
+        fields = sampling_fields(body)
+        route = service.route(model, fields, fields.decoder or self.header_decoder, infill=True)
         prompt = route.infill(model.tokenizer, body.input_prefix + body.prompt, body.input_suffix,
                               body.input_extra)
-        params = service.sampling_params(hints, body.n_predict or body.max_tokens or DEFAULT_MAX_TOKENS, None,
+        params = service.sampling_params(fields, body.n_predict or body.max_tokens or DEFAULT_MAX_TOKENS, None,
                                          len(prompt.prefix_ids) + len(prompt.suffix_ids), model,
                                          default_max=route.default_max_tokens(DEFAULT_MAX_TOKENS))
         return Plan(model, route, [prompt.prefix_ids], params, 1, prompt.suffix_ids)

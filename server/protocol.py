@@ -30,7 +30,7 @@ class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
 
 
-class Hints(Struct, kw_only=True):
+class SamplingFields(Struct, kw_only=True):
     """Fields shared by both generation endpoints: sampling, stopping and dualserve's hints."""
 
     model: str | None = None
@@ -56,7 +56,7 @@ class Hints(Struct, kw_only=True):
     latency_budget_ms: float | None = None
 
 
-class CompletionRequest(Hints, kw_only=True):
+class CompletionRequest(SamplingFields, kw_only=True):
     # str | list[str] | list[int] | list[list[int]]: checked in the service (msgspec allows one array type).
     prompt: str | list[Any] | None = None
     suffix: str | None = None
@@ -89,7 +89,7 @@ class ResponseFormat(Struct, kw_only=True):
     json_schema: dict[str, Any] | None = None
 
 
-class ChatCompletionRequest(Hints, kw_only=True):
+class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage] | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -22,7 +22,7 @@ from dualserve.decoders.engine.sampling import SamplingParams, TokenLogprob
 from dualserve.decoders.engine.scheduler import QueueFull
 
 from .errors import APIError, ErrorKind, bad_request, engine_error
-from .protocol import Hints
+from .protocol import SamplingFields
 from .router import DecoderTraits, Route, Router
 
 
@@ -148,7 +148,7 @@ class Service:
             raise bad_request(f"token ids must be in [0, {vocab})", "prompt", "invalid_value")
         return list(ids)
 
-    def sampling_params(self, body: Hints, max_tokens: int | None, logprobs: int | None,
+    def sampling_params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         prompt_len: int, model: ServedModel, default_max: int | None) -> SamplingParams:
         room = model.max_model_len - prompt_len
         if room <= 0:
@@ -288,7 +288,7 @@ class Service:
             r.prompt_logprobs = delta.prompt_logprobs or r.prompt_logprobs
         return results
 
-    def route(self, model: ServedModel, body: Hints, decoder: str | None, *, infill: bool = False,
+    def route(self, model: ServedModel, body: SamplingFields, decoder: str | None, *, infill: bool = False,
               structured: bool = False) -> Route:
         """Route a request whose client asked for ``decoder`` (body field, else header; None: the
         policy's default). ``infill``: it has a suffix to fill up to."""
