@@ -8,7 +8,7 @@ model answers with ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 When the model's own template renders ``tools`` we let it; when it does not
 (SmolLM2's template ignores them) the family's system prompt is added. With
 ``tool_choice`` ``required`` or a named function, the call is *enforced* by a
-grammar (see ``dualserve.decoders.grammar``), so even a small model produces a
+grammar (see ``dualserve.decoders.engine.grammar``), so even a small model produces a
 well-formed call.
 
 To add a family: write a ``ToolFamily`` (system prompt, call grammar, parser)
