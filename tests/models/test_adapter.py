@@ -151,3 +151,23 @@ def test_recorded_threshold_is_the_decoders_default() -> None:
     plain = TwinSpec(block_size=4, mask_token_id=4, base_model="m", rank=2, alpha=2.0)
     assert "threshold" not in plain.config_keys()["dualserve_diffusion"]
     assert default_config(ModelConfig.from_hf(base | plain.config_keys())).policy.tau == 0.9
+
+
+def test_twin_shares_a_quantized_base(default_gguf, cache_dir) -> None:
+    """On int4 weights the twin adds only its adapter: every base projection, norm and the head are the AR
+    model's own objects, and its block-causal logits follow the merged fp32 twin's."""
+    from dualserve.models.adapter import LoRA, MaskedEmbedding
+
+    base = load_model(default_gguf, cache_dir=cache_dir, quantization="int4")
+    twin = load_twin(DEFAULT_TWIN_DIR, base=base).model
+    layer, own = twin.layers[2], base.model.layers[2]
+    assert isinstance(layer.mlp.down_proj, LoRA) and layer.mlp.down_proj.base is own.mlp.down_proj
+    assert layer.input_layernorm is own.input_layernorm and twin.lm_head is base.model.lm_head
+    assert isinstance(twin.embed_tokens, MaskedEmbedding) and twin.embed_tokens.base is base.model.embed_tokens
+    merged = load_twin(DEFAULT_TWIN_DIR, base=load_model(default_gguf, cache_dir=cache_dir)).model
+    ids = torch.tensor([1, 504, 3575, 282, 4649, 314] + [merged.config.mask_token_id] * 4)
+    attn = DenseAttention([len(ids)], "block_causal", merged.config.diffusion_block_size)
+    with torch.inference_mode():
+        got = twin.logits(twin(ids, torch.arange(len(ids)), attn)[0])
+        want = merged.logits(merged(ids, torch.arange(len(ids)), attn)[0])
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.98
