@@ -113,5 +113,9 @@ def test_compiled_engine_decodes_the_eager_tokens_in_any_batch(quantization: str
     prompts = [[rng.randrange(3, CFG.vocab_size) for _ in range(rng.randrange(2, 14))] for _ in range(8)]
     eager = [decode(engine_for(model, False), [p], 1)[0] for p in prompts]
     compiled = engine_for(model, True)
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
     assert [decode(compiled, [p], 1)[0] for p in prompts] == eager, "one at a time"
     assert decode(compiled, prompts, 3) == eager, "batched in waves"
+    assert counters["stats"]["unique_graphs"] == graphs, "a step recompiled on the engine thread"
