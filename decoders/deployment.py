@@ -83,6 +83,12 @@ def kv_models(specs: list[ServedSpec]) -> list[LoadedModel]:
     return out
 
 
+def kv_dtype_of(model: LoadedModel) -> torch.dtype:
+    """Quantized models keep keys and values in bf16, the precision their GEMMs already take inputs
+    in, which halves the pool's memory; float models keep their own dtype."""
+    return torch.bfloat16 if model.quantization != "none" else next(model.model.parameters()).dtype
+
+
 def blocks_for(models: list[LoadedModel], spec: PoolSpec, kv_dtype: torch.dtype) -> int:
     if spec.num_blocks:
         return spec.num_blocks
@@ -99,7 +105,7 @@ def blocks_for(models: list[LoadedModel], spec: PoolSpec, kv_dtype: torch.dtype)
 def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int, device: str,
              runners: dict[str, ModelRunner], compile: CompileSpec | None = None) -> None:
     base = spec.base
-    runner = ModelRunner(base.model, num_blocks, block_size, device=device)
+    runner = ModelRunner(base.model, num_blocks, block_size, kv_dtype=kv_dtype_of(base), device=device)
     runners[spec.name] = runner
     if isinstance(base.config, DiffusionGemmaConfig):  # never compiled: see runner.py
         from .diffusion.gemma import register_diffusion_gemma
@@ -125,7 +131,8 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
     if spec.twin is not None:
         from .diffusion.decoder import register_diffusion
 
-        twin_runner = ModelRunner(spec.twin.model, num_blocks, block_size, device=device)
+        twin_runner = ModelRunner(spec.twin.model, num_blocks, block_size, kv_dtype=kv_dtype_of(spec.twin),
+                                  device=device)
         runners[f"{spec.name}:diffusion"] = twin_runner
         if compile is not None:
             compile.apply(twin_runner)
@@ -138,7 +145,7 @@ def build_deployment(models: list[LoadedModel] | list[ServedSpec], engine_config
     """One pool for all models; each served name gets the decoders its parts allow."""
     specs = [m if isinstance(m, ServedSpec) else ServedSpec(m.name, m) for m in models]
     loaded = kv_models(specs)
-    kv_dtype = next(loaded[0].model.parameters()).dtype
+    kv_dtype = kv_dtype_of(loaded[0])
     num_blocks = blocks_for(loaded, pool, kv_dtype)
     cfg = engine_config or EngineConfig()
     cfg = EngineConfig(num_blocks=num_blocks, block_size=pool.block_size, max_num_seqs=cfg.max_num_seqs,
