@@ -32,7 +32,7 @@ from .tokenizer import Tokenizer
 from .transformer import Transformer
 
 if TYPE_CHECKING:
-    from .diffusion_gemma import DiffusionGemma
+    from .diffusion_gemma import DiffusionGemma, DiffusionGemmaConfig
 
 Weight = Union[torch.Tensor, dict]  # a tensor, or a portable quantized entry
 
@@ -41,7 +41,7 @@ Weight = Union[torch.Tensor, dict]  # a tensor, or a portable quantized entry
 class LoadedModel:
     name: str
     path: Path
-    config: ModelConfig
+    config: "ModelConfig | DiffusionGemmaConfig"
     model: "Transformer | DiffusionGemma"
     tokenizer: Tokenizer
     load_seconds: float

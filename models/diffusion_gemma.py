@@ -494,6 +494,6 @@ def load_diffusion_gemma(path: Path | str, dtype: torch.dtype = torch.float32, d
         model = DiffusionGemma(config)
     state = {k: v.to(device=device, dtype=dtype) for k, v in read_state(path).items()}
     model.load_state_dict(state, strict=True, assign=True)
-    return LoadedModel(name=name or path.name, path=path, config=config,  # type: ignore[arg-type]
+    return LoadedModel(name=name or path.name, path=path, config=config,
                        model=model.eval().requires_grad_(False), tokenizer=tokenizer or Tokenizer.from_hf_dir(path),
                        load_seconds=time.perf_counter() - start)

@@ -53,3 +53,39 @@ def calibrate(engine, model: str, tokenizer, policy: RoutingPolicy,
         "router calibrated on %s: %s -> interactive=%s, high_value=%s", model,
         ", ".join(f"{d} {s:.1f} tok/s" for d, s in speeds.items()), tuned.interactive, tuned.high_value)
     return tuned, speeds
+
+
+# What a step of each speculative decoder yields per target forward, as last measured on the bundled
+# artifacts (README: the bundled EAGLE head and diffusion twin): EAGLE's mean acceptance length and the
+# twin's tokens per forward at its default threshold. ``--calibrate-router`` measures instead of assuming.
+PRIOR_TOKENS_PER_FORWARD = {"eagle": 1.55, "diffusion": 1.21}
+# Tokens a forward of each computes: a draft tree, a block of 4 plus its anchor.
+FORWARD_TOKENS = {"eagle": 8, "diffusion": 5}
+
+
+def fit_to_forward_costs(policy: RoutingPolicy, table, fmt: str, decoders: list[str]) -> RoutingPolicy:
+    """The policy with slower-than-``ar`` decoders taken out of ``interactive`` and ``high_value``.
+
+    ``table`` is the start-up format measurement (``models.formats.FormatTable``); a forward of n
+    tokens is interpolated between its 1- and 8-token costs. A decoder's expected speed relative
+    to ``ar`` is its tokens per forward over its forward's cost relative to a one-token forward.
+    """
+    one, eight = table.ms[fmt]["1"], table.ms[fmt]["8"]
+
+    def relative(decoder: str) -> float:
+        if decoder not in PRIOR_TOKENS_PER_FORWARD:
+            return 1.0
+        n = FORWARD_TOKENS[decoder]
+        cost = (one + (eight - one) * (n - 1) / 7) / one
+        return PRIOR_TOKENS_PER_FORWARD[decoder] / cost
+
+    speeds = {d: relative(d) for d in decoders}
+    fastest = max(speeds, key=speeds.get)
+    lossless = [d for d in speeds if d in LOSSLESS]
+    tuned = dataclasses.replace(policy, interactive=fastest,
+                                high_value=max(lossless, key=speeds.get) if lossless else policy.high_value)
+    logging.getLogger("dualserve").info(
+        "router fitted to forward costs (%s, 8 tokens cost %.1fx one): %s -> interactive=%s, high_value=%s",
+        fmt, eight / one, ", ".join(f"{d} {s:.2f}x ar" for d, s in speeds.items()), tuned.interactive,
+        tuned.high_value)
+    return tuned

@@ -155,6 +155,10 @@ def pick_format(args: argparse.Namespace, path: Path, cache: Path, dtype: torch.
     return quantization, torch.bfloat16 if candidate == "bf16" else dtype, table
 
 
+def dtype_of(loaded) -> torch.dtype:
+    return next(loaded.model.parameters()).dtype
+
+
 def kv_memory_gb(choice: float | None) -> float:
     """The KV pool's memory: as given, else 1/64 of this machine's memory, between 0.25 and 1 GB."""
     if choice is not None:
@@ -200,6 +204,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     metrics = Metrics(node_cost_per_hour=args.node_cost_per_hour)
     metrics.record_formats(dep.format_table, {n: m.quantization for n, m in dep.models.items()})
     policy = load_policy(args.router_policy)
+    if dep.format_table is not None and args.router_policy is None:
+        from .calibrate import fit_to_forward_costs
+
+        name = next(iter(dep.models))
+        fmt = dep.models[name].quantization
+        fmt = fmt if fmt != "none" else ("bf16" if dtype_of(dep.models[name]) == torch.bfloat16 else "fp32")
+        policy = fit_to_forward_costs(policy, dep.format_table, fmt, dep.engine.decoders_for(name))
     if args.calibrate_router:
         from .calibrate import calibrate
 

@@ -64,11 +64,15 @@ def server_url(default_gguf: Path, cache_dir: Path, tmp_path_factory: pytest.Tem
     """Base URL (no /v1) of a dualserve server on the default model."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "dualserve.log"
+    # The routing defaults as written, on every host: without a policy file the server fits the
+    # policy to this host's measured forward costs (tests/server/test_router.py covers that).
+    policy = log.parent / "policy.json"
+    policy.write_text("{}")
     cmd = [sys.executable, "-m", "dualserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--cache-dir", str(cache_dir),
            # Eager: building the default model's compiled graphs takes minutes of CPU on a cold cache, which
            # would compete with the tests; tests/decoders/engine/test_compiled.py covers the compiled step.
-           "--no-compile"]
+           "--no-compile", "--router-policy", str(policy)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -142,3 +142,22 @@ def test_route_places_a_suffix_as_its_decoder_infills():
     assert native.infill(tok, "a", "b", []).suffix_ids == tok.encode("b")
     assert Route("ar", "requested").infill(tok, "a", "b", []).suffix_ids == []
 
+
+
+def test_policy_fitted_to_forward_costs() -> None:
+    """Start-up format measurements decide whether speculation pays on this host."""
+    from dualserve.models.formats import FormatTable
+    from dualserve.server.calibrate import fit_to_forward_costs
+    from dualserve.server.router import RoutingPolicy
+
+    def table(one: float, eight: float) -> FormatTable:
+        return FormatTable("test", {"int4": {"1": one, "8": eight}})
+
+    # 8 tokens cost 2.6x one (a small CPU): neither speculative decoder beats plain AR
+    slow = fit_to_forward_costs(RoutingPolicy(), table(7.0, 18.3), "int4", ALL)
+    assert (slow.interactive, slow.high_value) == ("ar", "ar")
+    # multi-token forwards cost about one (AMX, GPUs): speculation pays, lossless EAGLE for high value
+    flat = fit_to_forward_costs(RoutingPolicy(), table(7.0, 7.4), "int4", ALL)
+    assert (flat.interactive, flat.high_value) == ("eagle", "eagle")
+    assert fit_to_forward_costs(RoutingPolicy(), table(7.0, 7.4), "int4", ["ar", "diffusion"]).interactive == \
+        "diffusion"
