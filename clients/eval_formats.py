@@ -15,7 +15,9 @@ Reported per format:
 - **identical to fp32**: share of outputs equal to fp32's token for token, and the mean share of
   fp32's tokens matched position by position before the first difference (prefix agreement).
 
-Eager forwards: quality does not depend on compiling. ``--json PATH`` writes the summary and
+A tok/s column is printed for orientation only (eager, formats run one after another, so load on
+a shared machine can skew it); ``bench_forward`` is the speed measurement. Eager forwards: quality
+does not depend on compiling. ``--json PATH`` writes the summary and
 every output text.
 """
 
