@@ -46,11 +46,12 @@ def mask_for(mode: MaskMode, length: int, block_size: int | None = None, device=
     return None
 
 
-# Below this many query tokens, two batched matmuls beat SDPA's kernels on CPU: decode
-# steps and draft trees are tiny, and SDPA's grouped-query path has a high fixed cost there.
-SMALL_QUERY = 16
-
-
+# On CPU every query length takes the same explicit-matmul path (``small_query_attention``):
+# a token's attention then sums the same terms in the same order whether it is computed in a
+# long prefill, in a short chunk after a prefix-cache hit, or as a decode step, so prefix caching
+# and chunking do not move greedy output at near-ties (SDPA's flash kernel for long queries
+# blocks its sums differently). Its one cost is a (query, key) score matrix per kv head, which a
+# prefill chunk of at most ``max_batched_tokens`` rows bounds.
 def small_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           mask: torch.Tensor | None) -> torch.Tensor:
     """Grouped-query attention as explicit matmuls, for a handful of queries.
@@ -78,7 +79,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     query heads without materialising copies.
     """
     q_len = q.shape[0]
-    if q_len <= SMALL_QUERY and q.device.type == "cpu":
+    if q.device.type == "cpu":
         if causal and mask is None and q_len > 1:
             kv_len = k.shape[0]
             mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)

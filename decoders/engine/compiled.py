@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .paged_attention import AttentionMetadata, KVCache, mask_tensor
+from .paged_attention import AttentionMetadata, KVCache, as_stored, mask_tensor
 
 log = logging.getLogger("dualserve.compile")
 
@@ -85,6 +85,7 @@ class PaddedPagedAttention:
         vc = self.v[layer_idx].view(-1, *self.v[layer_idx].shape[2:])
         kc.index_copy_(0, self.slot_mapping, k.to(kc.dtype))
         vc.index_copy_(0, self.slot_mapping, v.to(vc.dtype))
+        k, v = as_stored(k, kc), as_stored(v, vc)
         S, Q = self.rows.shape
         T, heads, d = q.shape
         kv_heads = k.shape[1]

@@ -141,6 +141,12 @@ def mask_tensor(seq: SeqAttention, device) -> torch.Tensor | None:
     return torch.cat([torch.ones(q, c, dtype=torch.bool, device=device), new], dim=1)
 
 
+def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """New keys/values rounded as the cache holds them (bf16 KV under fp32 compute): a token then
+    attends to the same numbers whether its neighbours were computed in this step or cached."""
+    return x if x.dtype == cache.dtype else x.to(cache.dtype).to(x.dtype)
+
+
 class SdpaPagedAttention:
     """Gather cached keys/values and run attention (the CPU path).
 
@@ -174,6 +180,7 @@ class SdpaPagedAttention:
         if meta.slot_mapping is not None:
             k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
             v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+        k, v = as_stored(k, k_flat), as_stored(v, v_flat)
         if self._masks is None:
             self._plan(q.device)
         if self._decode is not None and not self._rest:

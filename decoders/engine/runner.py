@@ -77,11 +77,12 @@ class ModelRunner:
         self._scratch_block = num_blocks
         self.compiled: CompiledStep | None = None  # set by compile()
 
-    def compile(self, cache_dir: Path | None = None, background: bool = True) -> CompiledStep:
-        """Run steps through compiled graphs (``compiled.py``) once each shape's graph is built."""
+    def compile(self, cache_dir: Path | None = None, worker: CompileWorker | None = None) -> CompiledStep:
+        """Run steps through compiled graphs (``compiled.py``) once each shape's graph is built: on
+        ``worker``'s thread (eager until then), or, with no worker, on first use."""
         if not isinstance(self.model, Transformer):
             raise TypeError("compiled steps run the transformer core's forward only")
-        self.compiled = CompiledStep(self.model, self.kv, self.scratch_slots, cache_dir, background)
+        self.compiled = CompiledStep(self.model, self.kv, self.scratch_slots, cache_dir, worker)
         return self.compiled
 
     def _as_tensor(self, x, dtype=torch.long) -> torch.Tensor:
