@@ -60,9 +60,15 @@ def small_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     query axis, so each kv head is read once: (kv_heads, group * q_len, d) @ (kv_heads, d, kv_len).
     """
     q_len, heads, d = q.shape
+    if q_len == 1:
+        # One query is computed as two identical ones: the batched GEMMs then take the kernel a chunk's
+        # rows take (a single row takes a matrix-vector kernel that rounds differently), so a decode
+        # step equals the same token's row in a prefill or a verify.
+        pair = small_query_attention(q.expand(2, heads, d), k, v, None if mask is None else mask.expand(2, -1))
+        return pair[:1]
     kv_heads = k.shape[1]
     group = heads // kv_heads
-    qg = q.view(q_len, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, d)
+    qg = q.reshape(q_len, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, d)
     scores = torch.bmm(qg, k.permute(1, 2, 0)) * (d ** -0.5)  # (kv_heads, group * q_len, kv_len)
     if mask is not None:
         scores = scores.view(kv_heads, group, q_len, -1).masked_fill(~mask, float("-inf")).view_as(scores)

@@ -218,45 +218,49 @@ def query_starts(meta: AttentionMetadata) -> list[int]:
 class DecodeBatch:
     """Sequences with one new token each, attended in one batched call.
 
-    Each row's cached slots are padded to the longest context; padding is masked
-    out. Built once per step and shared by every layer."""
+    Each row holds its cached slots, then its new token, then padding up to the
+    longest row (masked out): the same layout as the sequence alone, with masked
+    entries only at the end, so batching adds nothing to a row's sums. Built once
+    per step and shared by every layer."""
 
-    def __init__(self, rows: torch.Tensor, index: torch.Tensor, valid: torch.Tensor):
+    def __init__(self, rows: torch.Tensor, index: torch.Tensor, lens: torch.Tensor, valid: torch.Tensor):
         self.rows = rows      # (n,) rows of the flattened batch
-        self.index = index    # (n, width) flat slot ids, 0 where padded
-        self.valid = valid    # (n, width + 1) bool: real cached slots, then the new token
+        self.index = index    # (n, width + 1) flat slot ids of cached tokens, 0 elsewhere
+        self.lens = lens      # (n,) cached tokens per row: where the new token goes
+        self.valid = valid    # (n, width + 1) bool: cached slots and the new token
 
     @classmethod
     def build(cls, meta: AttentionMetadata, seq_ids: list[int], starts: list[int], device) -> "DecodeBatch":
         slots = [meta.context_index(i, device) for i in seq_ids]
-        lens = [0 if x is None else int(x.numel()) for x in slots]
-        width = max(lens)
-        index = torch.zeros(len(seq_ids), width, dtype=torch.long, device=device)
+        lens = torch.tensor([0 if x is None else int(x.numel()) for x in slots], device=device)
+        width = int(lens.max())
+        index = torch.zeros(len(seq_ids), width + 1, dtype=torch.long, device=device)
         for r, x in enumerate(slots):
             if x is not None:
                 index[r, : x.numel()] = x
-        valid = torch.arange(width + 1, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
-        valid[:, width] = True
+        valid = torch.arange(width + 1, device=device)[None, :] <= lens[:, None]
         rows = torch.tensor([starts[i] for i in seq_ids], dtype=torch.long, device=device)
-        return cls(rows, index, valid)
+        return cls(rows, index, lens, valid)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor,
                  v_flat: torch.Tensor) -> torch.Tensor:
-        n, width = self.index.shape
+        n, width1 = self.index.shape
         _, heads, d = q.shape
         kv_heads = k.shape[1]
         group = heads // kv_heads
         flat = self.index.view(-1)
-        kk = torch.cat([k_flat.index_select(0, flat).view(n, width, kv_heads, d).to(k.dtype),
-                        k.index_select(0, self.rows)[:, None]], 1)          # (n, width + 1, kv_heads, d)
-        vv = torch.cat([v_flat.index_select(0, flat).view(n, width, kv_heads, d).to(v.dtype),
-                        v.index_select(0, self.rows)[:, None]], 1)
-        qg = q.index_select(0, self.rows).view(n, kv_heads, group, d)       # (n, kv_heads, group, d)
-        scores = torch.matmul(qg, kk.permute(0, 2, 3, 1)) * (d ** -0.5)     # (n, kv_heads, group, width + 1)
+        at = (torch.arange(n, device=q.device), self.lens)
+        kk = k_flat.index_select(0, flat).view(n, width1, kv_heads, d).to(k.dtype)   # (n, width + 1, kv_heads, d)
+        vv = v_flat.index_select(0, flat).view(n, width1, kv_heads, d).to(v.dtype)
+        kk[at] = k.index_select(0, self.rows)
+        vv[at] = v.index_select(0, self.rows)
+        # Each query twice, as in ``small_query_attention``: the GEMMs take the kernel a chunk's rows take.
+        qg = q.index_select(0, self.rows).view(n, kv_heads, group, d).repeat(1, 1, 2, 1)  # (n, kv_heads, 2g, d)
+        scores = torch.matmul(qg, kk.permute(0, 2, 3, 1)) * (d ** -0.5)     # (n, kv_heads, 2g, width + 1)
         scores = scores.masked_fill(~self.valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(vv.dtype)
-        out = torch.matmul(probs, vv.permute(0, 2, 1, 3))                   # (n, kv_heads, group, d)
-        return out.reshape(n, heads, d)
+        out = torch.matmul(probs, vv.permute(0, 2, 1, 3))                   # (n, kv_heads, 2g, d)
+        return out[:, :, :group].reshape(n, heads, d)
 
 
 class FlashPagedAttention(SdpaPagedAttention):
