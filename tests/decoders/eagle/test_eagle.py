@@ -298,26 +298,11 @@ def test_sampling_matches_plain_sampling() -> None:
 
 # ---- the real default model with its bundled head -------------------------------------
 
-def tie_margin(model, ids: list[int]) -> float:
-    """Gap between the two best next-token logits after ``ids``, relative to the best (no cache)."""
-    from dualserve.models.attention import DenseAttention
-
-    with torch.inference_mode():
-        hidden, _ = model(torch.tensor(ids), torch.arange(len(ids)), DenseAttention([len(ids)]))
-        top = model.logits(hidden[-1:])[0].topk(2).values
-    return float((top[0] - top[1]) / top[0].abs())
-
-
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_default_model_greedy_identical(default_gguf: Path, cache_dir: Path, quantization: str) -> None:
     """The bundled SmolLM2 head: the greedy tokens of plain AR on a few benchmark prompts, in fp32 and in the
-    default model's own int4.
-
-    Verify attends over a tree and decode over one token, so the two sum the same terms in a different
-    order; where AR's two best logits are closer than that rounding, either token is AR's answer. In int4
-    any divergence must therefore be such a tie, checked on AR's own logits at that position (one of these
-    prompts has one); in fp32 these prompts have none and the tokens must be identical.
-    """
+    default model's own int4 (one of these prompts has a near-tie in int4 that a verify computed with other
+    kernels than decode would flip)."""
     from dualserve.decoders.deployment import PoolSpec, build_deployment
     from dualserve.decoders.eagle.decoder import eagle_decoder
     from dualserve.models.loader import load_model
@@ -343,10 +328,6 @@ def test_default_model_greedy_identical(default_gguf: Path, cache_dir: Path, qua
             dep.engine.run_until_idle()
             outs[d] = deltas
         ar, eagle = tokens(outs["ar"]), tokens(outs["eagle"])
-        if quantization == "none":
-            assert eagle == ar
-        elif eagle != ar:
-            at = next(i for i, (a, b) in enumerate(zip(ar, eagle)) if a != b)
-            assert tie_margin(loaded.model, ids + ar[:at]) < 2e-3, f"EAGLE left AR's greedy path at {at}"
+        assert eagle == ar
         accept.append(outs["eagle"][-1].stats["mean_accept_length"])
     assert sum(accept) / len(accept) > 1.2  # trained: drafts get accepted (a random head stays at 1.0)
