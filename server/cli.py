@@ -4,28 +4,21 @@ Configuration is read here, once, from flags (with ``DUALSERVE_CACHE`` as the
 only environment fallback, for the model cache) and passed down as frozen
 objects; nothing deeper reads the environment.
 
-OpenMP's threads wait passively (``OMP_WAIT_POLICY=PASSIVE``, unless the caller
-set it): with the default busy-waiting, a CPU-bound neighbour on a shared
-machine makes every parallel region wait for a descheduled spinning thread, and
-decoding collapsed (on 2 cores: 128 ms per forward beside busy processes against
-33 ms with passive waiting, same load). It must be set before torch loads the
-OpenMP runtime, hence here, above ``import torch``.
+Without ``--threads`` the engine picks its thread count by timing real steps
+(``decoders/engine/threads.py``), so a busy neighbour costs a share of the
+machine, not a collapse.
 """
 
 from __future__ import annotations
 
-import os
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import argparse  # noqa: E402
-import logging  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING  # noqa: E402
-
-import torch  # noqa: E402
+import torch
 
 from dualserve.models.hub import ModelFetchError, default_cache_dir, pull_default_model, resolve_model
 
@@ -73,8 +66,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=512)
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores); "
-                   "use 1 when the machine is shared with other busy processes")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores or one "
+                   "fewer, whichever steps measure faster, rechecked as the server runs)")
 
 
 def bundled(choice: str, model_name: str, finder) -> Path | None:
@@ -125,6 +118,11 @@ def load_deployment(args: argparse.Namespace):
                                                             background=args.command == "serve")
     dep = build_deployment(specs, cfg, pool, device=args.device, compile=compile_spec)
     dep.format_table = table
+    if not args.threads:
+        from dualserve.decoders.engine.threads import ThreadTuner
+
+        dep.engine.threads = ThreadTuner(torch.get_num_threads())
+        log.info("threads: tuned between %s by timing steps", dep.engine.threads.candidates)
     log.info("KV pool: %d blocks of %d tokens (%.2f GB)", dep.engine.config.num_blocks, block_size, pool.memory_gb)
     return dep
 
