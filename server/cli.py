@@ -3,10 +3,6 @@
 Configuration is read here, once, from flags (with ``DUALSERVE_CACHE`` as the
 only environment fallback, for the model cache) and passed down as frozen
 objects; nothing deeper reads the environment.
-
-Without ``--threads`` the engine picks its thread count by timing real steps
-(``decoders/engine/threads.py``), so a busy neighbour costs a share of the
-machine, not a collapse.
 """
 
 from __future__ import annotations
@@ -66,8 +62,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=512)
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores or one "
-                   "fewer, whichever steps measure faster, rechecked as the server runs)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores); on a "
+                   "machine shared with busy processes, one fewer than the cores (see README: Threads)")
 
 
 def bundled(choice: str, model_name: str, finder) -> Path | None:
@@ -118,11 +114,6 @@ def load_deployment(args: argparse.Namespace):
                                                             background=args.command == "serve")
     dep = build_deployment(specs, cfg, pool, device=args.device, compile=compile_spec)
     dep.format_table = table
-    if not args.threads:
-        from dualserve.decoders.engine.threads import ThreadTuner
-
-        dep.engine.threads = ThreadTuner(torch.get_num_threads())
-        log.info("threads: tuned between %s by timing steps", dep.engine.threads.candidates)
     log.info("KV pool: %d blocks of %d tokens (%.2f GB)", dep.engine.config.num_blocks, block_size, pool.memory_gb)
     return dep
 

@@ -34,7 +34,6 @@ from .grammar import GrammarCompiler
 from .request import Delta, FailureKind, Request, Status
 from .sampling import SamplingParams
 from .scheduler import QueueFull, Scheduled, Scheduler
-from .threads import ThreadTuner
 
 log = logging.getLogger("dualserve.engine")
 
@@ -61,7 +60,6 @@ class Engine:
         self.pool = pool or BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_batched_tokens, config.max_waiting)
         self.decoders: dict[tuple[str, str], Decoder] = {}
-        self.threads: ThreadTuner | None = None  # set by the deployment when no thread count is fixed
         self.tokenizers: dict[str, object] = {}
         self.vocab_sizes: dict[str, int] = {}
         self.kv_namespaces: dict[tuple[str, str], str] = {}
@@ -233,8 +231,6 @@ class Engine:
         """One scheduling step; public so tests can drive the engine without its thread."""
         self._drain_inbox()
         started = time.perf_counter()
-        if self.threads is not None:
-            self.threads.before_step()
         scheduled = self.scheduler.schedule(self._plan)
         groups: dict[tuple[str, str], list[Scheduled]] = {}
         for s in scheduled:
@@ -254,8 +250,6 @@ class Engine:
                 for s in batch:
                     if not s.request.finished:
                         self._fail(s.request, FailureKind.INTERNAL, f"internal error: {type(e).__name__}")
-        if self.threads is not None:
-            self.threads.after_step(sum(s.num_new_tokens for s in scheduled))
         if scheduled:
             self.stats.steps += 1
             elapsed = time.perf_counter() - started
