@@ -54,7 +54,7 @@ def mask_for(mode: MaskMode, length: int, block_size: int | None = None, device=
 # prefill chunk of at most ``max_batched_tokens`` rows bounds.
 def small_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           mask: torch.Tensor | None) -> torch.Tensor:
-    """Grouped-query attention as explicit matmuls, for a handful of queries.
+    """Grouped-query attention as explicit matmuls (every query length on CPU; see above).
 
     The ``heads // kv_heads`` query heads that share a kv head are stacked along the
     query axis, so each kv head is read once: (kv_heads, group * q_len, d) @ (kv_heads, d, kv_len).

@@ -121,7 +121,10 @@ def _quantize_into(model: Transformer, state: dict[str, Weight], fmt: Quantizati
         swapped["embed_tokens"] = QuantEmbedding.from_float(table.to(device), dtype)
     done: dict[str, torch.Tensor] = {}
     for name, module in swapped.items():
-        model.set_submodule(name, module) if "." in name else setattr(model, name, module)
+        if "." in name:
+            model.set_submodule(name, module)
+        else:  # lm_head may be None on a tied model, which set_submodule refuses to replace
+            setattr(model, name, module)
         done.update({f"{name}.{k}": t for k, t in module.state_dict().items()})
     return done
 

@@ -260,18 +260,3 @@ def linear_weight(module: nn.Module) -> torch.Tensor:
     if isinstance(module, nn.Linear):
         return module.weight
     return module.dequantize()
-
-
-def quantized_matmul_ok(device: torch.device | str = "cpu") -> bool:
-    """Whether this torch build has the weight-only kernels on ``device``."""
-    try:
-        lin = Int4Linear.from_float(torch.randn(8, GROUP, device=device))
-        lin(torch.randn(1, GROUP, device=device))
-        Int8Linear.from_float(torch.randn(8, GROUP, device=device))(torch.randn(1, GROUP, device=device))
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
-def module_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))

@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .paged_attention import AttentionMetadata, KVCache, as_stored, mask_tensor
+from .paged_attention import AttentionMetadata, KVCache, SeqAttention, as_stored, mask_tensor
 
 log = logging.getLogger("dualserve.compile")
 
@@ -115,9 +115,6 @@ class StepShape:
     @classmethod
     def of(cls, meta: AttentionMetadata) -> "StepShape":
         return cls(len(meta.seqs) > 1, max(s.query_len for s in meta.seqs) > 1)
-
-
-Forward = Callable[..., tuple[torch.Tensor, list[torch.Tensor]]]
 
 
 class CompileWorker:
@@ -221,8 +218,6 @@ class CompiledStep:
 
     def _example(self, shape: StepShape, n: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """A step of this shape over scratch slots only: compiling never touches live KV."""
-        from .paged_attention import SeqAttention
-
         seqs_n = 2 if shape.many_seqs else 1
         q = n if shape.many_queries else 1
         device = self.cache.k[0].device
