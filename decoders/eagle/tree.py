@@ -242,6 +242,8 @@ def accept_sampled(tree: DraftTree, probs_at: Dist, generator: torch.Generator) 
             p[x] = 0.0
             total = p.sum()
             if total <= 0:
+                # All the mass was on x (rejected only by rounding): drawing from p gives x.
+                accepted = c
                 break
             p = p / total
         if accepted is None:

@@ -69,15 +69,19 @@ class PenaltyState:
 
     Built once from the tokens so far, then updated with each committed token,
     so a decode step costs a few vector operations, not a pass over the sequence.
+    The state outlives the step that builds it (often under ``torch.inference_mode``)
+    and is updated by ``Request.commit`` outside it, so its tensors are made as
+    normal tensors: an inference tensor refuses in-place updates outside that mode.
     """
 
     def __init__(self, prompt_ids: Sequence[int], output_ids: Sequence[int], vocab: int,
                  device: torch.device | str = "cpu"):
         self.vocab = vocab
-        self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)  # (vocab,)
-        ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
-        self.in_prompt[ids[(ids >= 0) & (ids < vocab)]] = True
-        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)  # (vocab,) output occurrences
+        with torch.inference_mode(False):
+            self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)  # (vocab,)
+            ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
+            self.in_prompt[ids[(ids >= 0) & (ids < vocab)]] = True
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)  # (vocab,) output occurrences
         self.add(output_ids)
 
     def add(self, token_ids: Sequence[int]) -> None:
@@ -93,7 +97,11 @@ class PenaltyState:
             seen = self.in_prompt | (self.counts > 0)
             penalised = torch.where(logits > 0, logits / params.repetition_penalty,
                                     logits * params.repetition_penalty)
-            logits.copy_(torch.where(seen, penalised, logits))
+            # A penalty near 0 (or one the logits' dtype rounds to 0) must not turn a finite logit
+            # into inf or nan: bound the result, and leave -inf (masked tokens) as it was.
+            limit = torch.finfo(logits.dtype).max / 4
+            penalised = penalised.nan_to_num(0.0).clamp(-limit, limit)
+            logits.copy_(torch.where(seen & torch.isfinite(logits), penalised, logits))
         if params.presence_penalty or params.frequency_penalty:
             counts = self.counts.to(logits.dtype)
             logits -= params.frequency_penalty * counts
@@ -128,8 +136,11 @@ def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
     logits: (..., vocab) -> probabilities of the same shape. EAGLE's lossless
     rejection sampling compares target and draft under exactly this distribution.
+    Logits are shifted so that the largest is 0 before the temperature divides
+    them (a huge logit cannot overflow to inf), and +inf logits (a limit no finite
+    logit reaches) share the mass between them: every row stays a distribution.
     """
-    logits = logits / max(params.temperature, 1e-5)
+    logits = stable_logits(logits) / max(params.temperature, 1e-5)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -144,6 +155,18 @@ def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         floor = params.min_p * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs / probs.sum(-1, keepdim=True)
+
+
+def stable_logits(logits: torch.Tensor) -> torch.Tensor:
+    """(..., vocab) logits with the row maximum at 0: nan counts as -inf, and where a row has
+    +inf entries they become 0 and the rest -inf. A row that is all -inf stays so (the caller's
+    error: nothing is allowed)."""
+    logits = logits.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    top = logits.amax(-1, keepdim=True)
+    pos_inf = torch.isposinf(top)
+    logits = torch.where(pos_inf, torch.where(torch.isposinf(logits), 0.0, float("-inf")), logits)
+    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return logits - shift
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -163,7 +186,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     logits are on, so a seed gives the same tokens on any backend and in any batch.
     """
     if params.greedy:
-        return int(torch.argmax(logits))
+        return int(torch.argmax(logits.nan_to_num(nan=float("-inf"))))
     probs = truncated_probs(logits.float(), params)
     cdf = probs.cumsum(-1)  # (vocab,)
     u = torch.rand(1, generator=generator, device=generator.device).to(cdf.device) * cdf[-1]

@@ -129,6 +129,26 @@ def test_n_choices_are_separate_requests(llada: LoadedModel) -> None:
     assert outs[0].tokens != outs[1].tokens
 
 
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 0.5}, {"frequency_penalty": -1.0},
+                                     {"repetition_penalty": 1.3}])
+def test_penalties_apply_and_spare_neighbours(llada: LoadedModel, twin: LoadedModel, penalty: dict) -> None:
+    """The penalty state is built inside the step's inference mode and updated by commit outside
+    it (issue 15): penalised requests and their batch neighbours all finish."""
+    for loaded, config in ((llada, CONFIG), (twin, None)):
+        alone = run(make_engine(loaded, config), [prompt(6)], PARAMS)[0]
+        engine = make_engine(loaded, config)
+        penalised = replace(PARAMS, temperature=0.7, seed=5, **penalty)
+        outs = [Outcome(), Outcome()]
+        for out, params in zip(outs, (penalised, PARAMS)):
+            def sink(_: int, delta, out: Outcome = out) -> None:
+                out.tokens += delta.token_ids
+                out.finish_reason, out.error = delta.finish_reason, delta.error
+            engine.submit("m", "diffusion", prompt(6), params, sink)
+        engine.run_until_idle()
+        assert [o.finish_reason for o in outs] == ["length", "length"], outs[0].error
+        assert outs[1].tokens == alone.tokens
+
+
 def test_infill_sees_the_suffix(llada: LoadedModel) -> None:
     config = DiffusionConfig(block_length=4, policy=LowConfidence(), schedule=LinearSchedule(4), cache=NoCache())
     p, suffix = prompt(5), prompt(4, seed=20)

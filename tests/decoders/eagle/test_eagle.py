@@ -177,6 +177,30 @@ def test_accept_sampled_is_lossless() -> None:
         assert abs(counts.get(seq, 0) / n - p) < 5 * sigma + 1e-3, seq
 
 
+def test_accept_sampled_never_draws_from_an_empty_distribution() -> None:
+    """All the mass on a drafted child that rounding rejects: the child is accepted, never a
+    multinomial over zeros."""
+    tree = DraftTree([3, 1], [-1, 0])
+    p = torch.tensor([0.0, 0.5, 0.0, 0.0])  # the whole (unnormalised) mass on the child
+    for seed in range(20):
+        path, bonus = accept_sampled(tree, lambda node, acc: p if node == 0 else torch.full((4,), 0.25),
+                                     torch.Generator().manual_seed(seed))
+        assert path == [1]
+
+
+def test_extreme_repetition_penalty_samples_and_spares_neighbours() -> None:
+    """A penalty of 1e-300 rounds to 0 in fp32: sampling stays defined and the batch finishes."""
+    target = tiny_target(3, 0.3)
+    engine = make_engine(target, oracle_head(target, noise=0.1), TreeConfig(depth=2, top_k=2, num_nodes=4))
+    odd = SamplingParams(max_tokens=8, temperature=0.8, repetition_penalty=1e-300, seed=1, ignore_eos=True)
+    jobs = [("eagle", PROMPTS[0], odd)] + [("eagle", p, GREEDY) for p in PROMPTS[1:]]
+    outs = run(engine, jobs)
+    assert all(o[-1].finish_reason == "length" for o in outs)
+    assert len(tokens(outs[0])) == 8
+    assert [tokens(o) for o in outs[1:]] == [tokens(o) for o in run(engine, [("ar", p, GREEDY)
+                                                                              for p in PROMPTS[1:]])]
+
+
 # ---- the decoder in the engine ----------------------------------------------------
 
 def test_oracle_head_accepts_long_paths() -> None:

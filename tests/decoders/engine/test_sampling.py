@@ -143,3 +143,37 @@ def test_token_logprobs_are_the_raw_log_softmax():
     assert [t for t, _ in out[0].top] == [2, 1]
     assert out[0].top[0][1] == pytest.approx(ref[0, 2].item(), abs=1e-6)
     assert token_logprobs(logits, [0, 0], top_n=0)[0].top == []
+
+
+# ---- robustness (issue 15: a request's own values never break sampling) -------------------
+
+def test_penalty_state_built_in_inference_mode_is_updated_outside_it():
+    """Diffusion builds the state inside its inference-mode step and commit updates it outside."""
+    with torch.inference_mode():
+        state = PenaltyState([1, 2], [3], 10)
+        state.apply(torch.zeros(10), SamplingParams(presence_penalty=0.5))
+    state.add([4, 4])
+    assert state.counts[4] == 2 and state.counts[3] == 1
+    with torch.inference_mode():
+        state.add([5])
+    assert state.counts[5] == 1
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-30, 1e30, 1e300])
+def test_extreme_repetition_penalty_keeps_logits_finite_and_sampling_defined(penalty):
+    params = SamplingParams(temperature=0.7, repetition_penalty=penalty)
+    logits = torch.tensor([2.0, -1.0, 0.5, float("-inf")])
+    out = apply_penalties(logits.clone(), [0, 1, 3], [], params)
+    assert torch.isfinite(out[:3]).all() and out[3] == float("-inf")  # a masked token stays masked
+    probs = truncated_probs(out, params)
+    assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5 and probs[3] == 0
+    assert sample_token(out, params, make_generator(0)) in (0, 1, 2)
+
+
+def test_infinite_logits_share_the_mass_and_nan_is_never_sampled():
+    logits = torch.tensor([float("inf"), 1.0, float("inf"), float("nan")])
+    probs = truncated_probs(logits, SamplingParams(temperature=1e-3))
+    assert torch.allclose(probs, torch.tensor([0.5, 0.0, 0.5, 0.0]))
+    assert sample_token(torch.tensor([float("nan"), 1.0, 2.0]), SamplingParams(temperature=0.0), None) == 2
+    huge = torch.tensor([3e38, 1e38, 0.0])
+    assert torch.isfinite(truncated_probs(huge, SamplingParams(temperature=1e-5))).all()
