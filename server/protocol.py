@@ -101,6 +101,43 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class ResponsesTextFormat(Struct, kw_only=True):
+    """``text.format`` of a /v1/responses request: plain text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponsesText(Struct, kw_only=True):
+    format: ResponsesTextFormat | None = None
+    verbosity: str | None = None
+
+
+class ResponsesRequest(SamplingFields, kw_only=True):
+    """POST /v1/responses. ``input`` items (messages, ``function_call``, ``function_call_output``)
+    and ``tools`` keep OpenAI's shapes and are checked item by item in ``server.responses_input``."""
+
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponsesText | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    metadata: dict[str, str] | None = None
+    truncation: str | None = None
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+
+
 class InfillRequest(Struct, kw_only=True):
     """llama.cpp's POST /infill body (as sent by llama.vscode and similar plugins)."""
 
@@ -225,6 +262,65 @@ class ChatCompletionChunk(Struct, kw_only=True):
     usage: Usage | None = None
 
 
+class OutputText(Struct, kw_only=True, tag="output_text", tag_field="type"):
+    text: str
+    annotations: list[Any] = field(default_factory=list)
+    logprobs: list[ChatTokenLogprob] = field(default_factory=list)
+
+
+class OutputMessage(Struct, kw_only=True, tag="message", tag_field="type"):
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+    role: str = "assistant"
+
+
+class FunctionCallItem(Struct, kw_only=True, tag="function_call", tag_field="type"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+class ResponsesUsage(Struct, kw_only=True, omit_defaults=True):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens_details: dict[str, int]
+    # dualserve extension: decoder statistics, as in chat's ``usage.dualserve``
+    dualserve: dict[str, Any] | None = None
+
+
+class ResponseObject(Struct, kw_only=True):
+    """The body of a /v1/responses answer (and of ``response.*`` stream events)."""
+
+    id: str
+    created_at: int
+    model: str
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    output: list[OutputMessage | FunctionCallItem]
+    object: str = "response"
+    error: dict[str, str] | None = None
+    incomplete_details: dict[str, str] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    text: dict[str, Any] = field(default_factory=lambda: {"format": {"type": "text"}})
+    store: bool = True
+    truncation: str = "disabled"
+    background: bool = False
+    metadata: dict[str, str] = field(default_factory=dict)
+    user: str | None = None
+    usage: ResponsesUsage | None = None
+
+
 class ModelCard(Struct, kw_only=True):
     id: str
     created: int
@@ -255,3 +351,4 @@ encoder = msgspec.json.Encoder()
 completion_decoder = msgspec.json.Decoder(CompletionRequest)
 chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 infill_decoder = msgspec.json.Decoder(InfillRequest)
+responses_decoder = msgspec.json.Decoder(ResponsesRequest)
