@@ -1,8 +1,8 @@
 """The HTTP surface: litestar routes over ``Service``, with authentication and errors.
 
-The three generation endpoints share one path (``generate``): decode the body
+The generation endpoints share one path (``generate``): decode the body
 into a msgspec Struct, let the endpoint's handler (``completions``, ``chat``,
-``infill``) build a plan, submit it, and encode the result (JSON, or SSE from an
+``responses_api``, ``infill``) build a plan, submit it, and encode the result (JSON, or SSE from an
 async generator). Every generation response names the decoder that served it
 and why in ``x-dualserve-decoder`` / ``x-dualserve-route-reason``. A client that
 disconnects aborts its engine requests, which frees their blocks within a step.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Awaitable, Callable
 
 import msgspec
@@ -28,7 +29,9 @@ from .handler import HandlerType
 from .infill import InfillHandler
 from .metrics import Metrics
 from .protocol import (DECODER_HEADER, ROUTE_REASON_HEADER, ModelCard, ModelList, chat_decoder, completion_decoder,
-                       encoder, infill_decoder)
+                       encoder, infill_decoder, responses_decoder)
+from .response_store import ResponseStore
+from .responses_api import ResponsesHandler, delete_response, retrieve_response
 from .router import Route
 from .service import Service
 from .status import render_page
@@ -41,6 +44,7 @@ class AppState:
     api_key: str | None = None       # Bearer token required on /v1/*, /infill and /metrics when set
     on_shutdown: list[Callable[[], Any]] = field(default_factory=list)
     body_limit: int = 8 * 1024 * 1024
+    response_store: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses with store=true
 
 
 def decode(raw: bytes, decoder: msgspec.json.Decoder) -> Any:
@@ -142,6 +146,13 @@ async def chat_completions(request: Request, state: State) -> Response | Stream:
     return await generate(request, state, chat_decoder, ChatHandler)
 
 
+@post("/v1/responses", status_code=200)
+async def responses(request: Request, state: State) -> Response | Stream:
+    """OpenAI's Responses API, served through the chat path (see ``responses_api``)."""
+    handler = partial(ResponsesHandler, store=state.app_state.response_store)
+    return await generate(request, state, responses_decoder, handler)
+
+
 @post("/infill", status_code=200)
 async def infill(request: Request, state: State) -> Response | Stream:
     """llama.cpp-compatible infill (llama.vscode and similar plugins)."""
@@ -175,8 +186,8 @@ def create_app(app_state: AppState) -> Litestar:
             fn()
 
     return Litestar(
-        route_handlers=[health, list_models, completions, chat_completions, infill, metrics, status_page,
-                        status_json],
+        route_handlers=[health, list_models, completions, chat_completions, responses, retrieve_response,
+                        delete_response, infill, metrics, status_page, status_json],
         before_request=check_api_key,
         state=State({"app_state": app_state}),
         exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception,
