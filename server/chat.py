@@ -118,7 +118,8 @@ class ChatHandler:
         ids = self.prompt_ids()
         grammar = response_grammar(body)
         if self.use_tools and (self.forced or body.tool_choice == "required"):
-            grammar = GrammarSpec("lark", self.family.call_grammar(body.tools or [], self.forced))
+            max_calls = 1 if body.parallel_tool_calls is False else None
+            grammar = GrammarSpec("lark", self.family.call_grammar(body.tools or [], self.forced, max_calls))
         route = self.service.route(self.model, body, body.decoder or self.header_decoder,
                                    structured=grammar is not None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None

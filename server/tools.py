@@ -40,7 +40,7 @@ class ToolFamily:
     name: str
     open_tag: str
     system_prompt: Callable[[list[dict[str, Any]]], str]
-    call_grammar: Callable[[list[dict[str, Any]], str | None], str]   # (tools, forced name) -> Lark
+    call_grammar: Callable[[list[dict[str, Any]], str | None, int | None], str]  # (tools, forced, max calls)
     parse: Callable[[str], tuple[str, list[ToolCall]]]
 
 
@@ -69,8 +69,9 @@ def hermes_parse(text: str) -> tuple[str, list[ToolCall]]:
     return content, calls
 
 
-def hermes_call_grammar(tools: list[dict[str, Any]], forced: str | None) -> str:
-    """Lark grammar: one or more <tool_call> blocks whose JSON matches a tool's parameter schema."""
+def hermes_call_grammar(tools: list[dict[str, Any]], forced: str | None, max_calls: int | None = None) -> str:
+    """Lark grammar: <tool_call> blocks (one or more, at most ``max_calls``) whose JSON matches a tool's
+    parameter schema."""
     alternatives = []
     for i, tool in enumerate(tools):
         fn = tool.get("function", tool)
@@ -83,7 +84,8 @@ def hermes_call_grammar(tools: list[dict[str, Any]], forced: str | None) -> str:
         alternatives.append((f"call{i}", json.dumps(schema)))
     rules = "\n".join(f"{name}: %json {schema}" for name, schema in alternatives)
     body = " | ".join(name for name, _ in alternatives)
-    return f'start: ("<tool_call>\\n" ({body}) "\\n</tool_call>")+\n{rules}\n'
+    repeat = "" if max_calls == 1 else "+"
+    return f'start: ("<tool_call>\\n" ({body}) "\\n</tool_call>"){repeat}\n{rules}\n'
 
 
 HERMES = ToolFamily("hermes", "<tool_call>", hermes_system, hermes_call_grammar, hermes_parse)
