@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from .engine.blocks import BlockPool
+from .engine.isolation import guard
 from .engine.request import Request
 from .engine.runner import ForwardItem, ModelRunner
 from .engine.sampling import process_logits, sample_token, token_logprobs
@@ -57,8 +58,9 @@ def sample_one(row: torch.Tensor, req: Request) -> int:
     return tok
 
 
-def sample_next(runner: ModelRunner, reqs: Sequence[Request], hidden: torch.Tensor):
-    """Sample one token per request from its last hidden state; returns [(token, logprobs or None)]."""
+def sample_and_emit(runner: ModelRunner, reqs: Sequence[Request], hidden: torch.Tensor, emit) -> None:
+    """Sample one token per request from its last hidden state and commit it; a request whose
+    sampling, grammar or commit raises is failed alone (``guard``)."""
     logits = runner.logits(hidden)  # (len(reqs), vocab)
     tokens: list[int | None] = [None] * len(reqs)
     # Plain greedy rows (the common case) share one argmax; argmax is exact, so this
@@ -68,14 +70,13 @@ def sample_next(runner: ModelRunner, reqs: Sequence[Request], hidden: torch.Tens
     if plain:
         for i, tok in zip(plain, logits[plain].argmax(-1).tolist()):
             tokens[i] = tok
-    out = []
     for i, req in enumerate(reqs):
-        tok = tokens[i] if tokens[i] is not None else sample_one(logits[i], req)
-        lp = None
-        if req.params.logprobs is not None:
-            lp = token_logprobs(logits[i: i + 1], [tok], req.params.logprobs)
-        out.append((tok, lp))
-    return out
+        with guard(req, emit, "sampling"):
+            tok = tokens[i] if tokens[i] is not None else sample_one(logits[i], req)
+            lp = None
+            if req.params.logprobs is not None:
+                lp = token_logprobs(logits[i: i + 1], [tok], req.params.logprobs)
+            emit(req, req.commit([tok], lp))
 
 
 def fill_prompt_logprobs(runner: ModelRunner, req: Request, hidden: torch.Tensor, start: int) -> None:
@@ -124,16 +125,16 @@ class ARDecoder:
         offset = 0
         for s in batch:
             req, n = s.request, s.num_new_tokens
-            start = req.num_computed
-            if req.needs_prompt_logprobs:
-                fill_prompt_logprobs(self.runner, req, hidden[offset: offset + n], start)
+            rows = hidden[offset: offset + n]
             offset += n
-            self.pool.mark_written(req.table, req.all_ids, start + n)
-            req.num_forwards += 1
-            if start + n == req.num_tokens:
+            start = req.num_computed
+            with guard(req, emit, "prefill") as g:
+                if req.needs_prompt_logprobs:
+                    fill_prompt_logprobs(self.runner, req, rows, start)
+                self.pool.mark_written(req.table, req.all_ids, start + n)
+                req.num_forwards += 1
+            if not g.failed and start + n == req.num_tokens:
                 last_rows.append(offset - 1)
                 ready.append(req)
-        if not ready:
-            return
-        for req, (tok, lp) in zip(ready, sample_next(self.runner, ready, hidden[last_rows])):
-            emit(req, req.commit([tok], lp))
+        if ready:
+            sample_and_emit(self.runner, ready, hidden[last_rows], emit)

@@ -61,6 +61,7 @@ from .cache import (CacheState, CacheStrategy, DualCache, ExactCache, Frame, NoC
                               prefill_chunk)
 from .policies import Confidence, LinearSchedule, Policy, Schedule, Threshold, confidence, propose
 from ..engine.grammar import Constraint
+from ..engine.isolation import guard
 from ..engine.request import DecoderCounters, DecoderState, Request
 from ..engine.runner import ForwardItem, ModelRunner
 from ..engine.sampling import TokenLogprob, process_logits, token_logprobs
@@ -272,15 +273,16 @@ class DiffusionDecoder:
             req = s.request
             if s.num_new_tokens <= 0:
                 continue
-            if req.decoder_state is None:
-                req.decoder_state = self._new_state(req, req.constraint)
-            st: DiffusionState = req.decoder_state
-            if st.error is not None or st.unit >= len(st.units):
-                delta = req.finish("error" if st.error else "length")
-                delta.error = st.error
-                emit(req, delta)
-                continue
-            live.append((req, self._planned_work(st, s.num_new_tokens)))
+            with guard(req, emit, "diffusion plan"):
+                if req.decoder_state is None:
+                    req.decoder_state = self._new_state(req, req.constraint)
+                st: DiffusionState = req.decoder_state
+                if st.error is not None or st.unit >= len(st.units):
+                    delta = req.finish("error" if st.error else "length")
+                    delta.error = st.error
+                    emit(req, delta)
+                    continue
+                live.append((req, self._planned_work(st, s.num_new_tokens)))
         if not live:
             return
         items = [self._items(req, work) for req, work in live]
@@ -291,7 +293,8 @@ class DiffusionDecoder:
             for it in group:
                 rows.append(hidden[offset: offset + len(it.token_ids)])
                 offset += len(it.token_ids)
-            self._after_forward(req, work, rows, emit)
+            with guard(req, emit, "denoising"):
+                self._after_forward(req, work, rows, emit)
 
     def _planned_work(self, st: DiffusionState, granted: int) -> Work:
         """The work ``plan`` sized: the same state within the granted tokens gives the same work

@@ -44,6 +44,7 @@ from dualserve.models.loader import LoadedModel
 
 from ..ar import fill_prompt_logprobs
 from ..engine.blocks import BlockPool, slot_of
+from ..engine.isolation import guard
 from ..engine.paged_attention import AttentionMetadata, SeqAttention
 from ..engine.request import DecoderCounters, DecoderState, Request
 from ..engine.runner import ForwardItem, ModelRunner
@@ -131,7 +132,13 @@ class EagleDecoder:
         decode = [s for s in batch if s.request.num_computed == s.request.num_tokens - 1]
         started = time.perf_counter()
         self._catch_up([s.request for s in decode])
-        trees = {id(s.request): self._draft(s) for s in decode}
+        trees = {}
+        for s in decode:
+            with guard(s.request, emit, "drafting"):
+                trees[id(s.request)] = self._draft(s)
+        batch = [s for s in batch if not s.request.finished]  # a failed draft leaves the step
+        if not batch:
+            return
         draft_time = time.perf_counter() - started
         started = time.perf_counter()
         items = [self._item(s, trees.get(id(s.request))) for s in batch]
@@ -144,13 +151,14 @@ class EagleDecoder:
             rows = slice(offset, offset + n)
             offset += n
             tree = trees.get(id(req))
-            if tree is None:
-                self._prefilled(req, n, final[rows], [a[rows] for a in aux])
-                continue
-            counters = req.counters_of(EagleCounters)
-            counters.draft_seconds += draft_time
-            self._verify(req, tree, final[rows], [a[rows] for a in aux], emit)
-            counters.verify_seconds += time.perf_counter() - started
+            with guard(req, emit, "verify"):
+                if tree is None:
+                    self._prefilled(req, n, final[rows], [a[rows] for a in aux])
+                    continue
+                counters = req.counters_of(EagleCounters)
+                counters.draft_seconds += draft_time
+                self._verify(req, tree, final[rows], [a[rows] for a in aux], emit)
+                counters.verify_seconds += time.perf_counter() - started
 
     def _item(self, s: Scheduled, tree: DraftTree | None) -> ForwardItem:
         req = s.request

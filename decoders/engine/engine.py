@@ -13,8 +13,9 @@ An aborted request leaves at the start of the next step, blocks and all.
 Overload is refused at the door: ``submit`` raises ``QueueFull`` once the
 bounded waiting queue (``max_waiting`` choices not yet running) is full, and the
 server answers 429 with Retry-After. Per-request timeouts are the server's: it
-aborts what it stops waiting for. A step that raises fails the requests it
-touched (or, if the scheduler itself broke, every request) and the thread goes on.
+aborts what it stops waiting for. A request whose plan, sampling, grammar, drafting or
+forward raises is failed alone and its neighbours go on (``isolation.py``); only a
+scheduler failure that names no request fails every request. The thread goes on.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .blocks import BlockPool
 from .decoder import Decoder
 from .detokenize import TextStream
 from .grammar import GrammarCompiler
+from .isolation import internal_error, run_isolated
 from .request import Delta, FailureKind, Request, Status
 from .sampling import SamplingParams
 from .scheduler import QueueFull, Scheduled, Scheduler
@@ -76,6 +78,8 @@ class Engine:
         # then join and share those blocks instead of recomputing the prompt.
         self._held: dict[str, list[Request]] = {}
         self._num_held = 0  # their count, read by submit on the server's thread
+        self._unplanned: list[tuple[Request, str]] = []  # requests whose plan raised this step
+        self._current: Request | None = None  # the request the scheduler is serving, while it schedules
 
     # ---- registration and lifecycle ------------------------------------------
 
@@ -202,9 +206,7 @@ class Engine:
     def _fail(self, req: Request, failure: FailureKind, error: str) -> None:
         """Finish ``req`` with finish_reason "error", saying what kind of failure and why."""
         self.scheduler.remove(req)
-        delta = req.finish("error")
-        delta.error, delta.failure = error, failure
-        self._deliver(req, delta)
+        self._deliver(req, req.fail(error, failure))
 
     def _deliver(self, req: Request, delta: Delta) -> None:
         if delta.finish_reason is not None:
@@ -225,13 +227,26 @@ class Engine:
         self._deliver(req, delta)
 
     def _plan(self, req: Request, budget: int) -> tuple[int, int]:
-        return self.decoders[(req.model, req.decoder)].plan(req, budget)
+        """The request's decoder's plan; one that raises gives no work, and the request is failed
+        after scheduling (``_unplanned``) while the others are scheduled as usual."""
+        self._current = req  # named as the culprit if the scheduler breaks while serving it
+        try:
+            return self.decoders[(req.model, req.decoder)].plan(req, budget)
+        except Exception as e:  # noqa: BLE001 - fail this request alone
+            log.exception("plan failed for request %s", req.request_id)
+            self._unplanned.append((req, internal_error(e)))
+            return 0, 0
 
     def step(self) -> None:
         """One scheduling step; public so tests can drive the engine without its thread."""
         self._drain_inbox()
         started = time.perf_counter()
         scheduled = self.scheduler.schedule(self._plan)
+        self._current = None
+        for req, error in self._unplanned:
+            if not req.finished:
+                self._fail(req, FailureKind.INTERNAL, error)
+        self._unplanned.clear()
         groups: dict[tuple[str, str], list[Scheduled]] = {}
         for s in scheduled:
             req = s.request
@@ -243,13 +258,8 @@ class Engine:
                 req.cached_prompt_tokens = req.table.num_cached_tokens
             groups.setdefault((req.model, req.decoder), []).append(s)
         for key, batch in groups.items():
-            try:
-                self.decoders[key].step(batch, self.emit)
-            except Exception as e:  # noqa: BLE001 - fail the batch, keep serving others
-                log.exception("decoder %s failed", key)
-                for s in batch:
-                    if not s.request.finished:
-                        self._fail(s.request, FailureKind.INTERNAL, f"internal error: {type(e).__name__}")
+            # A request that raises fails alone; its neighbours finish the step (isolation.py).
+            run_isolated(self.decoders[key].step, batch, self.emit, self._fail)
         if scheduled:
             self.stats.steps += 1
             elapsed = time.perf_counter() - started
@@ -269,7 +279,11 @@ class Engine:
                 self.step()
             except Exception as e:  # noqa: BLE001 - the server must keep answering
                 log.exception("engine step failed")
-                self._fail_all(f"internal error: {type(e).__name__}")
+                culprit, self._current = self._current, None
+                if culprit is not None and not culprit.finished:
+                    self._fail(culprit, FailureKind.INTERNAL, internal_error(e))  # the scheduler broke on it
+                else:  # nothing names a culprit: the scheduler's state cannot be trusted
+                    self._fail_all(internal_error(e))
         self._drain_inbox()  # submissions that raced the shutdown get their final delta too
         self._fail_all(None)
 

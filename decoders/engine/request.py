@@ -200,3 +200,8 @@ class Request:
         self.finish_reason = self.finish_reason or reason
         tail = self.stream.flush() if reason in ("stop", "length") and self.stream.stopped is None else ""
         return Delta(tail, [], None, self.finish_reason)
+
+    def fail(self, error: str, failure: FailureKind = FailureKind.INTERNAL) -> Delta:
+        """The final delta of a request that failed: finish_reason "error", saying why."""
+        self.finish_reason = "error"
+        return Delta("", [], None, "error", error=error, failure=failure)

@@ -1,0 +1,138 @@
+"""Failure isolation in the engine: a request that raises fails alone, its neighbours finish.
+
+A tiny random Llama-style model with a stand-in tokenizer runs real steps. Faults are injected
+where the engine meets a decoder: a plan that raises for one request, a forward that raises
+whenever one request is in the batch (the engine cannot tell which: it bisects), and sampling
+that raises for one request's own values. The reference for the neighbours is the same
+requests run without the bad one: isolation must not change a single token.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from dualserve.decoders.ar import ARDecoder
+from dualserve.decoders.engine.engine import Engine, EngineConfig
+from dualserve.decoders.engine.request import Delta, FailureKind
+from dualserve.decoders.engine.runner import ModelRunner
+from dualserve.decoders.engine.sampling import SamplingParams
+from dualserve.models.config import ModelConfig
+from dualserve.models.transformer import Transformer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 64
+POISON = 2  # a sequence holding this token makes the injected faults fire (the good ones never do)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17]]
+
+
+class Tok:
+    eos_token_ids = [0]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+class PlanFails(ARDecoder):
+    def plan(self, req, budget):
+        if POISON in req.prompt_ids:
+            raise RuntimeError("plan broke")
+        return super().plan(req, budget)
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, intermediate_size=48)
+    return Transformer(cfg).eval().requires_grad_(False)
+
+
+def make_engine(model: Transformer, decoder_type=ARDecoder, poison_forward: bool = False) -> Engine:
+    engine = Engine(EngineConfig(num_blocks=128, block_size=4))
+    runner = ModelRunner(model, 128, 4, use_flash=False)
+    if poison_forward:
+        forward = runner.forward
+
+        def poisoned(items, *args, **kwargs):
+            if any(POISON in list(map(int, it.token_ids)) for it in items):
+                raise RuntimeError("forward broke")
+            return forward(items, *args, **kwargs)
+
+        runner.forward = poisoned
+    engine.add_decoder("m", decoder_type(runner, engine.pool), Tok(), VOCAB)
+    return engine
+
+
+def run(engine: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> list[list[Delta]]:
+    outs: list[list[Delta]] = [[] for _ in jobs]
+    for i, (prompt, params) in enumerate(jobs):
+        engine.submit("m", "ar", prompt, params, lambda _, d, i=i: outs[i].append(d))
+    engine.run_until_idle()
+    assert engine.pool.num_used_blocks == 0 or engine.pool.enable_prefix_caching
+    engine.pool.check()
+    return outs
+
+
+def tokens(deltas: list[Delta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def check_isolated(engine: Engine, reference: Engine, bad: tuple[list[int], SamplingParams]) -> Delta:
+    """One bad request in the middle of good ones: it fails alone, they match the reference."""
+    good = [(p, GREEDY) for p in PROMPTS]
+    outs = run(engine, good[:2] + [bad] + good[2:])
+    failed = outs.pop(2)
+    assert failed[-1].finish_reason == "error" and failed[-1].failure is FailureKind.INTERNAL
+    assert "internal error" in failed[-1].error
+    expected = run(reference, good)
+    assert [o[-1].finish_reason for o in outs] == ["length"] * len(PROMPTS)
+    assert [tokens(o) for o in outs] == [tokens(o) for o in expected]
+    return failed[-1]
+
+
+def test_a_plan_that_raises_fails_only_its_request(model: Transformer) -> None:
+    check_isolated(make_engine(model, PlanFails), make_engine(model), ([POISON, 3, 4], GREEDY))
+
+
+def test_a_forward_that_raises_is_bisected_to_its_request(model: Transformer) -> None:
+    """The forward fails whenever the bad request is in the batch; the others still finish, both
+    when it breaks at once (prefill) and when it breaks later (its prompt decodes into POISON)."""
+    engine = make_engine(model, poison_forward=True)
+    check_isolated(engine, make_engine(model), ([3, 4, POISON], GREEDY))
+    late = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={POISON: 100.0})
+    check_isolated(engine, make_engine(model), ([3, 4], late))  # fails on its first decode step
+
+
+def test_sampling_that_raises_fails_only_its_request(model: Transformer) -> None:
+    """A logit bias outside the vocabulary (the server refuses it; the engine must not trust that)."""
+    bad = SamplingParams(max_tokens=8, temperature=0.5, seed=1, logit_bias={10 ** 6: 1.0})
+    check_isolated(make_engine(model), make_engine(model), ([3, 4, 5], bad))
+
+
+def test_a_failure_in_one_request_never_stops_the_engine_thread(model: Transformer) -> None:
+    """On the engine's own thread: the bad request's error is delivered, later requests are served."""
+    engine = make_engine(model, PlanFails)
+    engine.start()
+    try:
+        done: dict[int, Delta] = {}
+        finished = threading.Event()
+
+        def sink(i: int):
+            def put(_: int, d: Delta) -> None:
+                if d.finish_reason is not None:
+                    done[i] = d
+                    if len(done) == 3:
+                        finished.set()
+            return put
+
+        for i, prompt in enumerate([[POISON], PROMPTS[0], PROMPTS[1]]):
+            engine.submit("m", "ar", prompt, GREEDY, sink(i))
+        assert finished.wait(60)
+        assert [done[i].finish_reason for i in range(3)] == ["error", "length", "length"]
+    finally:
+        engine.shutdown()
