@@ -20,6 +20,7 @@ from dualserve.server.errors import APIError, engine_error
 from dualserve.server.protocol import ResponseObject, ResponsesRequest, encoder
 from dualserve.server.response_store import ResponseStore
 from dualserve.server.responses_api import ResponsesHandler
+from dualserve.server.service import ChoiceResult
 
 # The SDK's event classes by their ``type`` literal (its union is discriminated by the SDK, not by pydantic).
 EVENTS = {typing.get_args(cls.model_fields["type"].annotation)[0]: cls
@@ -122,3 +123,15 @@ def test_engine_failure_mid_stream_ends_with_response_failed():
     assert events[-1]["type"] == "response.failed"
     failed = Response.model_validate(events[-1]["response"])
     assert failed.status == "failed" and failed.error.code == "server_error" and "step failed" in failed.error.message
+
+
+def test_body_cut_by_max_output_tokens_matches_the_sdk_type():
+    service = FakeService([])
+    handler = ResponsesHandler(service, ResponsesRequest(input="hi", max_output_tokens=2), None, ResponseStore())
+    job = SimpleNamespace(id="job1", model=service.served, prompts=[[1, 2, 3]])
+    r = Response.model_validate_json(encoder.encode(handler.respond(job, [ChoiceResult(
+        text="Hello", token_ids=[5, 6], finish_reason="length", stats={"cached_prompt_tokens": 2})])))
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].status == "incomplete" and r.output_text == "Hello"
+    assert r.usage.input_tokens_details.cached_tokens == 2 and r.usage.total_tokens == 5
+    assert handler.store.get(r.id).messages[-1] == {"role": "assistant", "content": "Hello"}
