@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 from .blocks import BlockPool
 from .decoder import Decoder
 from .detokenize import TextStream
-from .grammar import GrammarCompiler
+from .grammar import Constraint, GrammarCompiler
 from .isolation import internal_error, run_isolated
 from .request import Delta, FailureKind, Request, Status
 from .sampling import SamplingParams
@@ -77,9 +77,12 @@ class Engine:
         # n > 1: choices 1..n-1 wait until choice 0 has its prompt in the prefix cache,
         # then join and share those blocks instead of recomputing the prompt.
         self._held: dict[str, list[Request]] = {}
-        self._num_held = 0  # their count, read by submit on the server's thread
+        self._num_held = 0
         self._unplanned: list[tuple[Request, str]] = []  # requests whose plan raised this step
         self._current: Request | None = None  # the request the scheduler is serving, while it schedules
+        # Choices not yet running (waiting or held), as of the last step plus what the inbox took
+        # in since; guarded by ``_wake``, so the server's thread never reads the scheduler's queues.
+        self._num_queued = 0
 
     # ---- registration and lifecycle ------------------------------------------
 
@@ -127,9 +130,11 @@ class Engine:
 
     def submit(self, model: str, decoder: str, prompt_ids: list[int], params: SamplingParams,
                sink: Callable[[int, Delta], None], n: int = 1, suffix_ids: Sequence[int] = (),
-               request_id: str | None = None) -> str:
+               request_id: str | None = None, constraint: Constraint | None = None) -> str:
         """Queue a request (n choices); returns its id.
 
+        ``constraint``: ``params.grammar`` already compiled (the server compiles it off its event
+        loop); else it is compiled here. Either way once per request: each choice gets a copy.
         Raises QueueFull when overloaded (the bound counts every choice not yet
         running: waiting, in the inbox, or held back for prefix sharing) and
         ValueError for an empty prompt, max_tokens < 1 or n < 1.
@@ -138,25 +143,35 @@ class Engine:
             raise KeyError(f"model {model!r} has no decoder {decoder!r}")
         if not prompt_ids or params.max_tokens < 1 or n < 1:
             raise ValueError("a request needs a non-empty prompt, max_tokens >= 1 and n >= 1")
-        if len(self.scheduler.waiting) + len(self._inbox) + self._num_held + n > self.config.max_waiting:
+        if self.num_queued() + n > self.config.max_waiting:
             raise QueueFull("the waiting queue is full")
+        if params.grammar and constraint is None:
+            constraint = self.grammar_compiler(model).constraint(params.grammar)
         rid = request_id or f"req-{next(self._ids)}"
         tok = self.tokenizers[model]
         eos = frozenset(tok.eos_token_ids)
         reqs = []
         for i in range(n):
             stream = TextStream(tok, params.stop, skip_special_tokens=params.skip_special_tokens)
-            constraint = self.grammar_compiler(model).constraint(params.grammar) if params.grammar else None
             reqs.append(Request(request_id=rid, prompt_ids=list(prompt_ids), params=params, decoder=decoder,
                                 stream=stream, eos_token_ids=eos, sink=sink, model=model, index=i,
-                                suffix_ids=list(suffix_ids), constraint=constraint))
+                                suffix_ids=list(suffix_ids),
+                                constraint=constraint.copy() if constraint is not None and i else constraint))
             reqs[-1].table.namespace = self.kv_namespaces[(model, decoder)]
         with self._wake:
+            if self._num_queued + n > self.config.max_waiting:  # rechecked: another thread may have queued
+                raise QueueFull("the waiting queue is full")
+            self._num_queued += n
             self._requests[rid] = reqs
             for r in reqs:
                 self._inbox.append(("add", r))
             self._wake.notify()
         return rid
+
+    def num_queued(self) -> int:
+        """Choices submitted and not yet running (waiting, in the inbox, or held); safe from any thread."""
+        with self._wake:
+            return self._num_queued
 
     def abort(self, request_id: str) -> None:
         with self._wake:
@@ -260,10 +275,16 @@ class Engine:
         for key, batch in groups.items():
             # A request that raises fails alone; its neighbours finish the step (isolation.py).
             run_isolated(self.decoders[key].step, batch, self.emit, self._fail)
+        self._count_queued()
         if scheduled:
             self.stats.steps += 1
             elapsed = time.perf_counter() - started
             self.stats.busy_seconds += elapsed
+
+    def _count_queued(self) -> None:
+        with self._wake:
+            self._num_queued = len(self.scheduler.waiting) + self._num_held + sum(
+                1 for kind, _ in self._inbox if kind == "add")
 
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self._inbox) or bool(self._held)
@@ -300,6 +321,7 @@ class Engine:
                 self._finish(req, "abort")
             else:
                 self._fail(req, FailureKind.INTERNAL, error)
+        self._count_queued()
 
     def run_until_idle(self) -> None:
         """Drive steps on the caller's thread until nothing is queued (tests and offline use)."""
