@@ -11,6 +11,7 @@ disconnects aborts its engine requests, which frees their blocks within a step.
 from __future__ import annotations
 
 import asyncio
+import hmac
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Awaitable, Callable
@@ -41,9 +42,10 @@ from .status import render_page
 class AppState:
     service: Service
     metrics: Metrics = field(default_factory=Metrics)
-    api_key: str | None = None       # Bearer token required on /v1/*, /infill and /metrics when set
+    api_key: str | None = None       # Bearer token required on everything but OPEN_PATHS when set
     on_shutdown: list[Callable[[], Any]] = field(default_factory=list)
     body_limit: int = 8 * 1024 * 1024
+    draining: bool = False           # set by the shutdown drain (lifecycle.Drain): new requests get 503
     response_store: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses with store=true
 
 
@@ -94,24 +96,31 @@ def sse_response(gen, headers: dict[str, str]) -> Stream:
                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
 
-OPEN_PATHS = ("/health", "/", "/status.json")
+# The page at / is open (it holds no data, and asks for the key when /status.json wants one).
+OPEN_PATHS = ("/health", "/")
 
 
-def check_api_key(request: Request) -> Response | None:
-    """Bearer authentication for everything but the health check and the status page."""
-    key = request.app.state.app_state.api_key
-    if not key or request.url.path in OPEN_PATHS:
+def check_request(request: Request) -> Response | None:
+    """Refuse new work while draining (503, Retry-After), then Bearer authentication for everything
+    but OPEN_PATHS: exactly "Bearer KEY", compared in constant time."""
+    app: AppState = request.app.state.app_state
+    if app.draining and request.url.path != "/health":
+        return error_response(APIError(ErrorKind.NO_CAPACITY, "The server is shutting down; retry shortly.", None,
+                                       "server_shutting_down", headers={"Retry-After": "5"}))
+    if not app.api_key or request.url.path in OPEN_PATHS:
         return None
-    header = request.headers.get("authorization", "")
-    if header.startswith("Bearer ") and header[7:].strip() == key:
+    header = request.headers.get("authorization", "").encode()
+    if hmac.compare_digest(header, b"Bearer " + app.api_key.encode()):
         return None
     return error_response(APIError(ErrorKind.UNAUTHENTICATED, "Incorrect or missing API key. Send it as "
                                    "'Authorization: Bearer KEY'.", None, "invalid_api_key"))
 
 
 @route("/health", http_method=["GET", "HEAD"], sync_to_thread=False)
-def health() -> dict[str, str]:
-    return {"status": "ok"}
+def health(state: State) -> Response:
+    if state.app_state.draining:  # load balancers stop sending work here
+        return Response(content={"status": "draining"}, status_code=503, headers={"Retry-After": "5"})
+    return Response(content={"status": "ok"})
 
 
 @get("/v1/models", sync_to_thread=False)
@@ -128,7 +137,9 @@ async def generate(request: Request, state: State, body_decoder: msgspec.json.De
     service: Service = state.app_state.service
     body = decode(await request.body(), body_decoder)
     handler = handler_type(service, body, request.headers.get(DECODER_HEADER))
-    job = service.start(handler.plan())
+    # Tokenizing, templating and compiling a grammar take a thread; the event loop keeps answering.
+    plan = await asyncio.to_thread(lambda: service.prepare(handler.plan()))
+    job = service.start(plan)
     headers = route_headers(job.route)
     if body.stream:
         return sse_response(handler.stream(job), headers)
@@ -162,8 +173,8 @@ async def infill(request: Request, state: State) -> Response | Stream:
 @get("/metrics", sync_to_thread=False)
 def metrics(state: State) -> Response:
     app: AppState = state.app_state
-    return Response(content=app.metrics.render(app.service.engine),
-                    media_type="text/plain; version=0.0.4; charset=utf-8")
+    # Prometheus' text format 0.0.4; litestar appends the charset.
+    return Response(content=app.metrics.render(app.service.engine), media_type="text/plain; version=0.0.4")
 
 
 @get("/", sync_to_thread=False)
@@ -188,7 +199,7 @@ def create_app(app_state: AppState) -> Litestar:
     return Litestar(
         route_handlers=[health, list_models, completions, chat_completions, responses, retrieve_response,
                         delete_response, infill, metrics, status_page, status_json],
-        before_request=check_api_key,
+        before_request=check_request,
         state=State({"app_state": app_state}),
         exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception,
                             Exception: handle_unexpected},

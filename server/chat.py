@@ -18,6 +18,7 @@ from .errors import bad_request
 from .protocol import ChatCompletion, ChatCompletionRequest
 from .responses import chat_body, chat_stream
 from .service import ChoiceResult, Job, Plan, Service
+from .streaming import ended_cleanly
 from .tools import ToolStream, family_for, inject_tools, template_renders_tools
 
 DEFAULT_MAX_TOKENS: int | None = None  # OpenAI's: the rest of the context, unless the decoder has its own
@@ -109,6 +110,7 @@ class ChatHandler:
             text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **extra)
         except ChatTemplateError as e:
             raise bad_request(f"could not apply the chat template: {e}", "messages", "invalid_messages") from None
+        self.service.check_length(self.model, [text], "messages")
         return tok.encode(text, add_special_tokens=False)
 
     def plan(self) -> Plan:
@@ -137,4 +139,4 @@ class ChatHandler:
     def stream(self, job: Job) -> AsyncIterator[bytes]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         tool_stream = (lambda: ToolStream(self.family)) if self.use_tools else None
-        return chat_stream(self.service, job, self.body.logprobs, include_usage, tool_stream)
+        return ended_cleanly(chat_stream(self.service, job, self.body.logprobs, include_usage, tool_stream))

@@ -14,6 +14,7 @@ from .errors import bad_request
 from .protocol import Completion, CompletionRequest
 from .responses import completion_body, completion_stream
 from .service import ChoiceResult, Job, Plan, Service
+from .streaming import ended_cleanly
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
@@ -51,4 +52,4 @@ class CompletionHandler:
 
     def stream(self, job: Job) -> AsyncIterator[bytes]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
-        return completion_stream(self.service, job, self.echo, include_usage)
+        return ended_cleanly(completion_stream(self.service, job, self.echo, include_usage))

@@ -69,6 +69,11 @@ ENGINE_FAILURES = {FailureKind.CAPACITY: ErrorKind.NO_CAPACITY, FailureKind.BAD_
                    FailureKind.INTERNAL: ErrorKind.INTERNAL}
 
 
+def overloaded() -> APIError:
+    return APIError(ErrorKind.OVERLOADED, "The server is overloaded; retry shortly.", None, "server_overloaded",
+                    headers={"Retry-After": "1"})
+
+
 def engine_error(failure: FailureKind, message: str) -> APIError:
     """A request the engine finished with an error (``Delta.failure``, ``Delta.error``)."""
     return APIError(ENGINE_FAILURES[failure], message, None, "engine_error")

@@ -12,6 +12,10 @@ from typing import Any, AsyncIterator
 from .protocol import InfillRequest, SamplingFields
 from .responses import infill_body, infill_stream
 from .service import ChoiceResult, Job, Plan, Service
+from .streaming import ended_cleanly
+
+# llama.cpp's stream has no [DONE]: it ends with a chunk whose "stop" is true.
+STREAM_END = b'data: {"content":"","stop":true}\n\n'
 
 DEFAULT_MAX_TOKENS = 64
 
@@ -33,6 +37,8 @@ class InfillHandler:
         model = service.model(body.model)
         fields = sampling_fields(body)
         route = service.route(model, fields, fields.decoder or self.header_decoder, infill=True)
+        service.check_length(model, [body.input_prefix + body.prompt + body.input_suffix + "".join(
+            str(e.get("filename", "")) + str(e.get("text", "")) for e in body.input_extra)], "input_prefix")
         prompt = route.infill(model.tokenizer, body.input_prefix + body.prompt, body.input_suffix,
                               body.input_extra)
         params = service.sampling_params(fields, body.n_predict or body.max_tokens or DEFAULT_MAX_TOKENS, None,
@@ -44,4 +50,4 @@ class InfillHandler:
         return infill_body(job, results[0])
 
     def stream(self, job: Job) -> AsyncIterator[bytes]:
-        return infill_stream(self.service, job)
+        return ended_cleanly(infill_stream(self.service, job), STREAM_END)

@@ -10,18 +10,20 @@ usage accounting and the logprob formats. It talks to the engine through
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, AsyncIterator
 
 from dualserve.decoders.engine.engine import Engine
-from dualserve.decoders.engine.grammar import GrammarError
+from dualserve.decoders.engine.grammar import Constraint, GrammarError
 from dualserve.decoders.engine.request import Delta
 from dualserve.decoders.engine.sampling import SamplingParams, TokenLogprob
 from dualserve.decoders.engine.scheduler import QueueFull
 
-from .errors import APIError, ErrorKind, bad_request, engine_error
+from .errors import APIError, ErrorKind, bad_request, engine_error, overloaded
 from .protocol import SamplingFields
 from .router import DecoderTraits, Route, Router
 
@@ -40,6 +42,14 @@ class ServedModel:
         """Whether one of its decoders fills between a prefix and a suffix itself."""
         return any(t.infill == "native" for t in self.traits.values())
 
+    @cached_property
+    def max_prompt_chars(self) -> int:
+        """Characters beyond which a text cannot fit the context, whatever it says: no token spells more
+        than the longest vocabulary entry (doubled for normalizers that fold several characters into
+        one). Checked before tokenizing, so an 8 MB prompt is refused at once."""
+        longest = max((len(t) for t in self.tokenizer.backend.get_vocab()), default=1)
+        return self.max_model_len * (2 * longest + 1)
+
 
 @dataclass(frozen=True)
 class ServiceLimits:
@@ -48,6 +58,7 @@ class ServiceLimits:
     max_stop: int = 16
     max_logprobs: int = 20
     request_timeout: float | None = 600.0
+    max_buffered_deltas: int = 512  # per choice, for a reader slower than generation
 
 
 @dataclass(frozen=True)
@@ -60,9 +71,10 @@ class Plan:
     params: SamplingParams
     n: int = 1
     suffix_ids: list[int] | None = None  # fixed right context, for a decoder that infills natively
+    constraint: Constraint | None = None  # params.grammar compiled, set by Service.prepare off the event loop
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the service keeps a set of live jobs
 class Job:
     """One API request: its engine submissions, their outputs, and the decision that routed it."""
 
@@ -75,6 +87,8 @@ class Job:
     queue: asyncio.Queue
     engine_ids: list[str] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
+    unfinished: int = 0       # choices whose final delta has not arrived; set by Service.start
+    overflowed: bool = False  # the reader fell more than the buffer bound behind
 
     @property
     def num_choices(self) -> int:
@@ -94,6 +108,11 @@ class ChoiceResult:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs
 
 
+# Queue items that are not deltas, put by the service itself.
+CLOSED = (-1, None)    # end every unfinished choice now (shutdown drain)
+OVERFLOW = (-2, None)  # the reader is too slow; its engine requests were aborted
+
+
 class Service:
     def __init__(self, engine: Engine, models: dict[str, ServedModel], router: Router,
                  limits: ServiceLimits = ServiceLimits(), metrics=None):
@@ -103,6 +122,7 @@ class Service:
         self.router = router
         self.limits = limits
         self.default_model = next(iter(models))
+        self.live: set[Job] = set()  # started and not yet ended; the shutdown drain waits on them
 
     # ---- validation ----------------------------------------------------------
 
@@ -134,6 +154,7 @@ class Service:
                               "lists of token ids, and must not be empty", "prompt", "invalid_type")
         if len(prompts) > self.limits.max_prompts:
             raise bad_request(f"at most {self.limits.max_prompts} prompts per request", "prompt")
+        self.check_length(model, prompts, "prompt")
         out = []
         for text in prompts:
             ids = tok.encode(text, add_special_tokens=True)
@@ -141,6 +162,13 @@ class Service:
                 ids = [tok.bos_token_id] if tok.bos_token_id is not None else [tok.eos_token_id]
             out.append(ids)
         return out
+
+    def check_length(self, model: ServedModel, texts: list[str], param: str) -> None:
+        """Refuse, before tokenizing, a text that cannot fit the context whatever its tokens."""
+        if any(len(t) > model.max_prompt_chars for t in texts):
+            raise bad_request(f"This model's maximum context length is {model.max_model_len} tokens, and the "
+                              f"{param} is far longer ({max(map(len, texts))} characters).", param,
+                              "context_length_exceeded")
 
     def _check_ids(self, model: ServedModel, ids: list[int]) -> list[int]:
         vocab = model.tokenizer.vocab_size
@@ -203,34 +231,80 @@ class Service:
 
     def start(self, plan: Plan) -> Job:
         model, route, prompts, params, n = plan.model, plan.route, plan.prompts, plan.params, plan.n
-        if len(prompts) * n > self.engine.config.max_waiting:
-            raise bad_request(f"this request asks for {len(prompts) * n} completions (prompts x n); at most "
-                              f"{self.engine.config.max_waiting} can be queued", "n", "invalid_value")
+        self.admit(len(prompts) * n)
+        plan = self.prepare(plan)
+        # One compiled grammar per request: each prompt gets a pristine copy (the engine copies it per choice).
+        constraints = [plan.constraint] + [plan.constraint.copy() if plan.constraint else None
+                                           for _ in prompts[1:]]
         loop = asyncio.get_running_loop()
         job = Job(id=uuid.uuid4().hex[:24], model=model, route=route, prompts=prompts, n=n, params=params,
-                  queue=asyncio.Queue())
+                  queue=asyncio.Queue(), unfinished=len(prompts) * n)
+        limit = self.limits.max_buffered_deltas * job.num_choices
+
+        def offer(item: tuple[int, Delta]) -> None:  # on the event loop
+            if item[1].finish_reason is not None:
+                job.unfinished -= 1
+                if not job.unfinished:
+                    self.live.discard(job)
+            if job.overflowed:
+                return
+            if job.queue.qsize() >= limit:  # a slow reader: stop buffering for it
+                job.overflowed = True
+                job.queue.put_nowait(OVERFLOW)
+                self.cancel(job)
+                return
+            job.queue.put_nowait(item)
+
         for p_idx, ids in enumerate(prompts):
             base = p_idx * n
 
             def sink(index: int, delta: Delta, base: int = base) -> None:
-                loop.call_soon_threadsafe(job.queue.put_nowait, (base + index, delta))
+                loop.call_soon_threadsafe(offer, (base + index, delta))
 
             try:
                 job.engine_ids.append(self.engine.submit(model.name, route.decoder, ids, params, sink, n=n,
-                                                         suffix_ids=plan.suffix_ids or ()))
-            except GrammarError as e:
-                self.cancel(job)
-                raise bad_request(f"invalid grammar or schema: {e}", "response_format", "invalid_schema") from None
+                                                         suffix_ids=plan.suffix_ids or (),
+                                                         constraint=constraints[p_idx]))
             except QueueFull:
                 self.cancel(job)
-                raise APIError(ErrorKind.OVERLOADED, "The server is overloaded; retry shortly.", None,
-                               "server_overloaded", headers={"Retry-After": "1"}) from None
+                raise overloaded() from None
             except Exception:
                 self.cancel(job)
                 raise
+        self.live.add(job)
         return job
 
+    def admit(self, choices: int) -> None:
+        """Admission, fair between requests: one request may ask for at most half the waiting queue,
+        and one of several choices only while a quarter of the queue stays free, kept for requests
+        of one choice, so that one client's prompts x n never takes every place."""
+        bound = self.engine.config.max_waiting
+        most = max(1, bound // 2)
+        if choices > most:
+            raise bad_request(f"this request asks for {choices} completions (prompts x n); at most {most} "
+                              "per request", "n", "invalid_value")
+        kept = 0 if choices == 1 else bound // 4
+        if self.engine.num_queued() + choices > bound - kept:
+            raise overloaded()
+
+    def prepare(self, plan: Plan) -> Plan:
+        """Compile the plan's grammar once for the request; the app calls it off the event loop."""
+        if plan.params.grammar is None or plan.constraint is not None:
+            return plan
+        try:
+            constraint = self.engine.grammar_compiler(plan.model.name).constraint(plan.params.grammar)
+        except GrammarError as e:
+            raise bad_request(f"invalid grammar or schema: {e}", "response_format", "invalid_schema") from None
+        return dataclasses.replace(plan, constraint=constraint)
+
+    def close(self, job: Job) -> None:
+        """End a job now (shutdown): abort its engine requests; its stream ends each unfinished
+        choice with finish_reason "abort" even if the engine never answers."""
+        self.cancel(job)
+        job.queue.put_nowait(CLOSED)
+
     def cancel(self, job: Job) -> None:
+        """Abort the job's engine requests (each then delivers a final "abort" delta)."""
         for rid in job.engine_ids:
             self.engine.abort(rid)
 
@@ -241,6 +315,7 @@ class Service:
         first: dict[int, float] = {}
         produced: dict[int, int] = {}
         done: set[int] = set()
+        ended = "abort"  # the metrics status of choices that never finish: client gone, unless set below
         deadline = None if self.limits.request_timeout is None else started + self.limits.request_timeout
         try:
             while remaining:
@@ -248,8 +323,17 @@ class Service:
                 try:
                     index, delta = await asyncio.wait_for(job.queue.get(), timeout)
                 except asyncio.TimeoutError:
+                    ended = "timeout"
                     raise APIError(ErrorKind.TIMEOUT, "the request timed out", None, "timeout") from None
+                if (index, delta) == OVERFLOW:
+                    raise APIError(ErrorKind.OVERLOADED, "the client read the stream too slowly; the request was "
+                                   "ended", None, "slow_reader")
+                if (index, delta) == CLOSED:
+                    for i in sorted(set(range(job.num_choices)) - done):
+                        yield i, Delta("", [], None, "abort")
+                    return
                 if delta.error and delta.finish_reason == "error":
+                    ended = "error"
                     raise engine_error(delta.failure, delta.error)
                 if delta.token_ids and index not in first:
                     first[index] = time.monotonic() - started
@@ -260,12 +344,13 @@ class Service:
                     self._observe(job, index, delta, first.get(index), produced[index], started)
                 yield index, delta
         finally:
+            self.live.discard(job)
             if remaining:
                 self.cancel(job)
                 if self.metrics is not None:
                     for index in range(job.num_choices):
                         if index not in done:
-                            self.metrics.observe_request(job.route.decoder, "abort", 0, produced.get(index, 0),
+                            self.metrics.observe_request(job.route.decoder, ended, 0, produced.get(index, 0),
                                                          first.get(index), time.monotonic() - started, None)
 
     def _observe(self, job: Job, index: int, delta: Delta, ttft: float | None, tokens: int,

@@ -2,7 +2,8 @@
 
 A single self-contained HTML page (no external assets: deployments are often
 air-gapped) that polls ``/status.json`` and draws three small line charts on
-canvases.
+canvases. The page itself is open; its data is not: with ``--api-key`` set, the
+page asks for the key once and keeps it in the tab's session storage.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ PAGE = """<!doctype html>
 <body>
 <h1>dualserve</h1>
 <div class="sub" id="summary">models: __MODELS__ &middot; node cost: __COST__ per hour</div>
+<form id="keyform" hidden>This server needs its API key: <input id="key" type="password" autocomplete="off">
+ <button>Show</button></form>
 <div class="grid">
  <div class="card"><h2>Throughput (tokens / busy second)</h2><canvas id="tput"></canvas><div class="legend" id="lg1"></div></div>
  <div class="card"><h2>Utilisation and KV pool usage</h2><canvas id="util"></canvas><div class="legend" id="lg2"></div></div>
@@ -49,8 +52,14 @@ function draw(id, series, legend, fmt) {
   }
   document.getElementById(legend).innerHTML = html;
 }
+document.getElementById("keyform").onsubmit = e => { e.preventDefault();
+  sessionStorage.setItem("dualserve-key", document.getElementById("key").value); refresh(); };
 async function refresh() {
-  const r = await fetch("status.json"); const data = await r.json(); const hist = data.history;
+  const key = sessionStorage.getItem("dualserve-key");
+  const r = await fetch("status.json", key ? {headers: {Authorization: "Bearer " + key}} : {});
+  document.getElementById("keyform").hidden = r.status !== 401;
+  if (!r.ok) return;
+  const data = await r.json(); const hist = data.history;
   const decoders = new Set(); hist.forEach(p => Object.keys(p.decoders).forEach(d => decoders.add(d)));
   const tput = {}, cost = {};
   decoders.forEach(d => { tput[d] = hist.map(p => p.decoders[d] ? p.decoders[d].tokens_per_second : 0);

@@ -59,6 +59,11 @@ def test_api_key_required_with_openai_shape(secured_app):
     ok = secured_app.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0},
                           headers={"Authorization": "Bearer sk-local"})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    for header in ("Bearer  sk-local", "bearer sk-local", "Bearer sk-local ", "Bearer sk-local\t", "sk-local",
+                   "Bearer sk-loca", "Bearer sk-local2", "Basic sk-local"):  # exactly "Bearer KEY"
+        r = secured_app.get("/v1/models", headers={"Authorization": header})
+        assert r.status_code == 401, header
+    assert secured_app.get("/v1/models", headers={"Authorization": "Bearer sk-local"}).status_code == 200
     assert secured_app.get("/health").status_code == 200  # probes stay open
     assert secured_app.get("/metrics").status_code == 401
 
@@ -84,8 +89,12 @@ def test_metrics_cover_requests_tokens_latency_pool_and_cost(secured_app):
     assert metric(text, "dualserve_tokens_per_forward_count", decoder="ar") >= 1
     assert "dualserve_kv_pool_usage" in text and "dualserve_device_utilisation" in text
     assert metric(text, "dualserve_cost_per_million_tokens", decoder="ar") > 0
-    status = secured_app.get("/status.json").json()
+    content_type = secured_app.get("/metrics", headers=auth).headers["content-type"]
+    assert content_type == "text/plain; version=0.0.4; charset=utf-8"  # the charset once
+    assert secured_app.get("/status.json").status_code == 401  # utilisation and cost are behind the key
+    status = secured_app.get("/status.json", headers=auth).json()
     assert "ar" in status["now"]["decoders"] and status["history"]
+    assert secured_app.get("/").status_code == 200  # the page is open, and asks for the key
 
 
 def test_infill_llamacpp_shape(server_url):
