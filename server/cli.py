@@ -97,6 +97,8 @@ def load_deployment(args: argparse.Namespace):
     specs = [ServedSpec(name, loaded)]
     if not loaded.config.is_diffusion:
         specs[0].eagle_head = bundled(args.eagle, name, default_eagle_head)
+        if specs[0].eagle_head is not None:
+            log.info("EAGLE head %s", specs[0].eagle_head)
         twin_path = bundled(args.twin, name, default_twin)
         if twin_path is not None:
             specs[0].twin = load_twin(twin_path, name=name, base=loaded)
@@ -184,10 +186,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import AppState, create_app
+    from .lifecycle import DrainingServer, PortInUse, bind_port, startup_lines
     from .metrics import Metrics
     from .router import Router, load_policy
     from .service import Service, ServiceLimits
 
+    try:  # before loading: a busy port fails in a moment, not after the model has loaded
+        sock = bind_port(args.host, args.port)
+    except PortInUse as e:
+        print(f"dualserve: {e}", file=sys.stderr)
+        return 2
     dep = load_deployment(args)
     served = served_models(dep, args.max_model_len)
     metrics = Metrics(node_cost_per_hour=args.node_cost_per_hour)
@@ -208,11 +216,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     router = Router(policy)
     service = Service(dep.engine, served, router, ServiceLimits(request_timeout=args.request_timeout), metrics)
     dep.engine.start()
-    app = create_app(AppState(service=service, metrics=metrics, api_key=args.api_key,
-                              on_shutdown=[dep.engine.shutdown], body_limit=int(args.max_body_mb * 2**20)))
-    print(f"dualserve: serving {', '.join(served)} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, loop="auto",
-                timeout_graceful_shutdown=5)
+    app_state = AppState(service=service, metrics=metrics, api_key=args.api_key, on_shutdown=[dep.engine.shutdown],
+                         body_limit=int(args.max_body_mb * 2**20))
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    for line in startup_lines(dep, served, f"http://{host}:{args.port}", args.device, torch.get_num_threads(),
+                              args.shutdown_timeout):
+        print(f"dualserve: {line}", file=sys.stderr)
+    # uvicorn's graceful timeout only bounds the last flush: the drain has already ended every stream.
+    config = uvicorn.Config(create_app(app_state), log_level=args.log_level, loop="auto", timeout_graceful_shutdown=5)
+    DrainingServer(config, app_state, args.shutdown_timeout).run(sockets=[sock])
     return 0
 
 
@@ -273,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-model-len", type=int, default=8192)
-    serve.add_argument("--request-timeout", type=float, default=600.0)
+    serve.add_argument("--request-timeout", type=float, default=600.0,
+                       help="seconds a request may run; a stream that times out ends with an error event and [DONE]")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM / Ctrl+C, seconds running requests get to finish before they are ended")
     serve.add_argument("--log-level", default="warning")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
     serve.add_argument("--node-cost-per-hour", type=float, default=0.0,
