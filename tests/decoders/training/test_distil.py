@@ -1,0 +1,86 @@
+"""Self-distillation job: held-out prompts never appear, shards resume without redoing finished prompts."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from dualserve.decoders.training.distil import Settings, distil, read_records
+from dualserve.decoders.training.distil_prompts import HeldOut, conversation, default_held_out, signature
+from dualserve.models.loader import load_model
+from tiny_twin import write_tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_prompt_set_is_seeded_diverse_and_holds_out_evaluation_prompts() -> None:
+    held = default_held_out()
+    assert len(held.prompts) > 50
+    convs = [conversation(0, i, held) for i in range(600)]
+    assert [signature(c) for c in convs[:20]] == [signature(conversation(0, i, held)) for i in range(20)]
+    assert {"chat", "code", "json", "tool_call", "multi_turn", "summary", "arithmetic"} <= {c.kind for c in convs}
+    assert len({signature(c) for c in convs}) > 500
+    for c in convs:
+        assert not any(held.overlaps(t) for t in c.texts())
+    tools = next(c for c in convs if c.kind == "tool_call")
+    assert tools.tools and tools.followup["role"] == "tool"
+    # A held-out prompt is never produced: make one of the set's own prompts held out and redraw.
+    text = convs[0].messages[-1]["content"]
+    redrawn = conversation(0, 0, HeldOut({" ".join(text.split()).lower()}))
+    assert text not in redrawn.texts()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_model(write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama"))
+
+
+def test_distil_writes_shards_and_resume_skips_finished(tiny, tmp_path: Path) -> None:
+    settings = Settings(seed=0, temperature=0.0, max_new_tokens=6, max_prompt_len=4096, model=tiny.name,
+                        quantization=tiny.quantization)
+    run = lambda n: distil(tiny, tmp_path, settings, 10**9, 4, HeldOut(), lambda m: None, max_conversations=n)
+    with torch.inference_mode():
+        first = run(5)
+        recs = list(read_records(tmp_path))
+        assert first["records"] == len(recs) and first["answer_tokens"] == sum(len(r["answer_ids"]) for r in recs)
+        assert {r["index"] for r in recs} == set(range(5)) - dup_indices(5)
+        for r in recs:
+            assert r["prompt_ids"] and 1 <= len(r["answer_ids"]) <= 6 and r["settings"] == settings.key
+            assert r["temperature"] == 0.0 and r["finish"] in ("stop", "length")
+        twice = [r for r in recs if r["turn"] == 2]
+        assert twice  # conversation 4 is a tool call, answered with a tool result in turn 2
+        for r in twice:  # turn 2's prompt holds turn 1's prompt
+            one = next(x for x in recs if x["index"] == r["index"] and x["turn"] == 1)
+            assert r["prompt_ids"][:len(one["prompt_ids"])] == one["prompt_ids"]
+
+        # An interrupted write leaves a torn line; the reader skips it and resume redoes nothing.
+        shard = sorted(tmp_path.glob("shard-*.jsonl"))[-1]
+        with shard.open("a") as f:
+            f.write('{"index": 99, "tu')
+        again = run(5)
+        assert again["records"] == len(recs) and list(read_records(tmp_path)) == recs
+
+        more = run(8)
+        new = list(read_records(tmp_path))
+        assert new[:len(recs)] == recs
+        assert {r["index"] for r in new[len(recs):]} == set(range(5, 8)) - dup_indices(8)
+        assert not [k for k, v in Counter((r["index"], r["turn"]) for r in new).items() if v > 1]
+        manifest = json.loads((tmp_path / "manifest.json").read_text())
+        assert manifest["records"] == more["records"] == len(new)
+        assert manifest["settings"] == {settings.key: settings.as_dict()}
+
+    other = Settings(**{**settings.as_dict(), "temperature": 0.7})
+    with pytest.raises(SystemExit):
+        distil(tiny, tmp_path, other, 10**9, 4, HeldOut(), lambda m: None, max_conversations=1)
+
+
+def dup_indices(n: int) -> set[int]:
+    seen, dups = set(), set()
+    for i in range(n):
+        s = signature(conversation(0, i, HeldOut()))
+        (dups.add(i) if s in seen else seen.add(s))
+    return dups
