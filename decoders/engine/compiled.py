@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -120,23 +120,36 @@ class StepShape:
 class CompileWorker:
     """One background thread that runs compile jobs in the order they were asked for.
 
-    Shared by every runner of a deployment, so compiles never compete with each other for the cores."""
+    Shared by every runner of a deployment, so compiles never compete with each other for the cores.
+    The thread exits as soon as its queue is empty (and a new one starts with the next job): a thread
+    that ran torch work keeps an OpenMP worker pool while it lives, and an extra pool throttles the
+    engine's OpenMP spinning (see ``openmp``)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._queue: deque[Callable[[], None]] = deque()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def submit(self, job: Callable[[], None]) -> None:
-        self._queue.put(job)
         with self._lock:
+            self._queue.append(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="dualserve-compile", daemon=True)
                 self._thread.start()
 
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return self._thread is not None
+
     def _work(self) -> None:
         while True:
-            self._queue.get()()
+            with self._lock:
+                if not self._queue:
+                    self._thread = None
+                    return
+                job = self._queue.popleft()
+            job()
 
 
 class CompiledStep:

@@ -1,0 +1,74 @@
+"""OpenMP waiting: torch work on threads that exit, and the governor's throttling rule."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dualserve.decoders.engine.compiled import CompileWorker
+from dualserve.decoders.engine.openmp import SpinGovernor, run_on_own_thread
+
+
+def test_run_on_own_thread_returns_and_raises():
+    caller = threading.get_ident()
+    assert run_on_own_thread(lambda a, b=0: (a + b, threading.get_ident() != caller), 2, b=3) == (5, True)
+    with pytest.raises(ValueError, match="bad"):
+        run_on_own_thread(lambda: (_ for _ in ()).throw(ValueError("bad")))
+
+
+def holders() -> int:
+    return sum(t.name == "dualserve-openmp-hold" for t in threading.enumerate())
+
+
+def wait_for(cond, timeout=5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def test_governor_throttles_while_neighbours_leave_too_few_cores():
+    g = SpinGovernor()
+    g.cpus, g.threads = 2, 2
+    g.update(0.1)                      # 1.9 free cores for 2 threads: within the margin
+    assert not g.throttled and holders() == 0
+    g.update(1.0)                      # a busy neighbour: one core left
+    assert g.throttled and g.switches == 1 and holders() == 1
+    g.update(0.0)                      # one calm sample is not enough (hysteresis)
+    assert g.throttled
+    g.update(0.9)                      # busy again: the calm count restarts
+    g.update(0.0)
+    assert g.throttled
+    g.update(0.05)
+    assert not g.throttled
+    assert wait_for(lambda: holders() == 0), "the thread holding the extra OpenMP pool must exit"
+    g.update(1.5)
+    assert g.throttled and g.switches == 2
+    g.stop()
+    assert not g.throttled and wait_for(lambda: holders() == 0)
+
+
+def test_governor_leaves_spare_cores_alone():
+    g = SpinGovernor()
+    g.cpus, g.threads = 8, 4
+    g.update(3.0)                      # 5 free cores for 4 threads
+    assert not g.throttled
+    g.update(4.5)                      # 3.5 free: short of 4 by more than the margin
+    assert g.throttled
+    g.stop()
+
+
+def test_compile_worker_thread_exits_when_idle():
+    worker = CompileWorker()
+    done = []
+    worker.submit(lambda: (time.sleep(0.05), done.append(1)))
+    worker.submit(lambda: done.append(2))
+    assert wait_for(lambda: not worker.busy)
+    assert done == [1, 2]
+    assert not any(t.name == "dualserve-compile" for t in threading.enumerate())
+    worker.submit(lambda: done.append(3))  # a later job starts a new thread
+    assert wait_for(lambda: done == [1, 2, 3] and not worker.busy)
