@@ -100,8 +100,13 @@ def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tenso
 
 
 def eagle3_loss(head: Eagle3Head, batch: Batch, draft_lm_head: torch.Tensor, steps: int,
-                decay: float = 0.8) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+                decay: float = 0.8, t2d: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Training-time-test loss; ``draft_lm_head`` (draft_vocab, hidden) = target lm_head rows of the draft vocab.
+
+    With ``t2d`` (target vocab,) bool, a row whose target token is outside the draft
+    vocabulary is not trained (upstream ``position_mask``: the head cannot propose it,
+    and the softmax over the draft vocabulary would teach a wrong second choice). The
+    target token is the data's next token, which is the target's argmax in greedy data.
 
     Returns the loss and, per step, (argmax hits, rows) for accuracy reporting.
     """
@@ -116,6 +121,8 @@ def eagle3_loss(head: Eagle3Head, batch: Batch, draft_lm_head: torch.Tensor, ste
         pos = (torch.arange(t, device=ids.device) + k).repeat(b)
         h = head(ids.reshape(-1), hidden.reshape(b * t, -1), pos, attn).view(b, t, -1)
         mask = row_mask(batch, k)
+        if t2d is not None:
+            mask = mask & t2d[shifted(batch.ids, 2 + k)]
         loss, hits = soft_ce(head.logits(h), shifted(target_logits, 1 + k), mask)
         total = total + decay ** k * loss
         stats.append((hits, int(mask.sum())))

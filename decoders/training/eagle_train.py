@@ -14,6 +14,13 @@ Three resumable stages, each writing under ``--work-dir``:
    safetensors, progress as JSON) every ``--save-every`` steps; the finished
    head is written in the layout ``models/eagle.py`` loads.
 
+With ``--data DIR`` the head trains instead on the shards of the self-distillation
+job (``distil.py``), which may still be growing: stage 1 is skipped, the draft
+vocabulary comes from the answers on disk when training starts, target features
+are computed per batch (``eagle_data.py``), and a checkpoint also records the data
+cursor, so a resumed run draws the same batches a straight run would. ``--steps``
+sets the schedule's length; later passes take in the records written meanwhile.
+
 The EAGLE-3 head starts from the target where shapes allow: its lm_head rows
 and final norm are the target's, ``fc`` passes the highest fused feature
 through and the residual branches start at zero, so training starts from the
@@ -31,12 +38,14 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dualserve.models.config import RopeScaling
 from dualserve.models.eagle import EagleConfig, EagleHead, HEAD_CLASSES, eagle3_aux_layers, save_eagle_head
 from dualserve.models.loader import LoadedModel
 
+from .eagle_data import Cursor, ShardStream, target_batch
 from .eagle_losses import Batch, eagle1_loss, eagle3_loss
 from .eagle_prompts import build_prompts
 from ..engine.runner import ForwardItem, ModelRunner
@@ -221,15 +230,18 @@ def save_checkpoint(work: Path, head: EagleHead, opt: torch.optim.Optimizer, pro
             for k, v in opt.state.get(p, {}).items():
                 if torch.is_tensor(v):
                     state[f"opt.{names[id(p)]}.{k}"] = v.detach().clone().reshape(v.shape)
-    save_file(state, str(weights.with_suffix(".tmp")))
+    # Progress rides in the weights file's metadata, so one rename commits both; the JSON is for people.
+    save_file(state, str(weights.with_suffix(".tmp")), metadata={"progress": json.dumps(progress)})
     weights.with_suffix(".tmp").rename(weights)
     meta.write_text(json.dumps(progress))
 
 
 def load_checkpoint(work: Path, head: EagleHead, opt: torch.optim.Optimizer) -> dict:
     weights, meta = checkpoint_paths(work)
-    if not weights.exists() or not meta.exists():
+    if not weights.exists():
         return {"step": 0}
+    with safe_open(str(weights), framework="pt") as f:
+        stored = (f.metadata() or {}).get("progress")
     state = load_file(str(weights))
     head.load_state_dict({k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
     params = dict(head.named_parameters())
@@ -237,7 +249,7 @@ def load_checkpoint(work: Path, head: EagleHead, opt: torch.optim.Optimizer) -> 
         if key.startswith("opt."):
             name, field = key.removeprefix("opt.").rsplit(".", 1)
             opt.state.setdefault(params[name], {})[field] = v
-    return json.loads(meta.read_text())
+    return json.loads(stored) if stored else json.loads(meta.read_text())
 
 
 def lr_at(step: int, total: int, args: argparse.Namespace) -> float:
@@ -287,6 +299,42 @@ def train(loaded: LoadedModel, args: argparse.Namespace, seqs: list[dict[str, to
                             metadata={"step": str(step), "target": loaded.name, "kind": args.kind})
 
 
+def train_stream(loaded: LoadedModel, args: argparse.Namespace, stream: ShardStream, head: EagleHead,
+                 work: Path) -> None:
+    """EAGLE-3 training-time test over the distillation shards, ``args.steps`` steps, resumable."""
+    trainable = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    progress = load_checkpoint(work, head, opt)
+    step = progress["step"]
+    cursor = stream.start(Cursor(**progress["cursor"]) if "cursor" in progress else None)
+    model = loaded.model
+    used = torch.arange(len(head.d2t), device=head.d2t.device) + head.d2t
+    draft_rows = model.lm_head_weight[used.to(model.lm_head_weight.device)].float()
+    aux_layers = head.config.aux_layers
+    started, window = time.perf_counter(), []
+    autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.bf16)
+    while step < args.steps:
+        seqs, after = stream.next(cursor)
+        batch = target_batch(model, seqs, aux_layers)
+        with autocast:
+            loss, stats = eagle3_loss(head, batch, draft_rows, args.ttt_steps, t2d=head.t2d)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, args)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        step, cursor = step + 1, after
+        window.append((float(loss.detach()), stats))
+        if step % args.log_every == 0 or step == args.steps:
+            log_progress(step, args.steps, cursor.pass_index, window, started)
+            window = []
+        if step % args.save_every == 0 or step == args.steps:
+            save_checkpoint(work, head, opt, {"step": step, "cursor": cursor.as_dict()})
+            save_eagle_head(head, loaded.config, args.output,
+                            metadata={"step": str(step), "target": loaded.name, "kind": args.kind})
+
+
 def log_progress(step: int, total: int, epoch: int, window: list, started: float) -> None:
     loss = sum(w[0] for w in window) / len(window)
     steps = len(window[0][1])
@@ -305,6 +353,8 @@ def run(loaded: LoadedModel, args: argparse.Namespace) -> Path:
     if args.threads:
         torch.set_num_threads(args.threads)
     work = Path(args.work_dir)
+    if args.data:
+        return run_stream(loaded, args, work)
     aux_layers = eagle3_aux_layers({}, loaded.config.num_layers) if args.kind == "eagle3" else ()
     console.log(f"target {loaded.name}: {loaded.config.num_layers} layers, hidden {loaded.config.hidden_size}; "
                 f"head {args.kind}, aux layers {aux_layers}")
@@ -326,6 +376,24 @@ def run(loaded: LoadedModel, args: argparse.Namespace) -> Path:
     return Path(args.output)
 
 
+def run_stream(loaded: LoadedModel, args: argparse.Namespace, work: Path) -> Path:
+    """Train an EAGLE-3 head on the distillation shards in ``args.data``."""
+    if args.kind != "eagle3":
+        raise SystemExit("--data trains EAGLE-3 heads (training-time test); use --kind eagle3")
+    work.mkdir(parents=True, exist_ok=True)
+    stream = ShardStream(Path(args.data), args.batch_size, args.block, args.seed, args.max_len)
+    stream.refresh()
+    seqs = [{"ids": s.ids, "prompt_len": torch.tensor(s.prompt_len)} for s in stream.seqs]
+    answer = sum(len(s["ids"]) - int(s["prompt_len"]) for s in seqs)
+    console.log(f"data: {args.data}: {len(seqs)} sequences, {answer} answer tokens")
+    d2t, t2d = draft_vocab(seqs, loaded.config.vocab_size, min(args.draft_vocab, loaded.config.vocab_size))
+    head = new_head(loaded, args, d2t, t2d)  # a checkpoint, if any, overwrites all of it (vocab maps included)
+    head.requires_grad_(True).train()
+    train_stream(loaded, args, stream, head, work)
+    console.log(f"head written to {args.output}")
+    return Path(args.output)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``train-eagle`` flags, for this module's own parser or a subcommand of ``dualserve``."""
     p.add_argument("--model", default=None, help="target: HF directory, .gguf file or known name (default model)")
@@ -333,6 +401,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=["eagle3", "eagle1"], default="eagle3")
     p.add_argument("--output", required=True, help="head directory to write (config.json + model.safetensors)")
     p.add_argument("--work-dir", required=True, help="data shards and checkpoints (resumable)")
+    p.add_argument("--data", default=None, help="train on these distillation shards (distil.py) instead of "
+                   "generating data; they may still be growing")
+    p.add_argument("--steps", type=int, default=20000, help="with --data: optimizer steps (the LR schedule's length)")
+    p.add_argument("--block", type=int, default=256, help="with --data: records shuffled together")
+    p.add_argument("--max-len", type=int, default=1024, help="with --data: tokens per sequence (prompt + answer)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="target weight format; auto keeps the checkpoint's (int4 for a Q4 GGUF), as served")
     p.add_argument("--prompts", nargs="*", help="extra JSONL prompt files ({\"prompt\": ...} per line)")
     p.add_argument("--num-prompts", type=int, default=384, help="generated prompts")
     p.add_argument("--max-prompt-len", type=int, default=192)
@@ -363,7 +438,8 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
 
     cache = default_cache_dir(args.cache_dir)
     name, path = resolve_model(args.model, cache)
-    loaded = load_model(path, name=name, dtype=torch.float32, device=args.device, cache_dir=cache)
+    loaded = load_model(path, name=name, dtype=torch.float32, device=args.device, cache_dir=cache,
+                        quantization=args.quantization)
     run(loaded, args)
     return 0
 

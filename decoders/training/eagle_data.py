@@ -1,0 +1,137 @@
+"""EAGLE training batches from the self-distillation shards, with target features computed per batch.
+
+The shards (``distil.py``) hold token ids only: storing three fused layers plus the
+final hidden state for every position would cost about 4.6 KB a token in fp16, some
+gigabytes for 500k answer tokens with their prompts. So each batch runs the target
+once, without gradients, in the weight format it is served in (the head must draft
+from the features the server will hand it), and the head trains on those features.
+
+Order, resumable while the shards grow: training goes in passes. A pass takes the
+records on disk when it starts, cuts them into blocks of ``block`` records, visits
+the blocks in a seeded order, and within a block shuffles, groups records of similar
+length into batches (little padding) and shuffles the batches. A ``Cursor``
+(pass, blocks in the pass, block, batch) therefore names one batch for good: the
+shards are append-only, so the first records never change, and a resumed run draws
+exactly the batches a straight run would. Records written after a pass started join
+at the next pass.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dualserve.models.attention import DenseAttention
+from dualserve.models.transformer import Transformer
+
+from .distil import read_records
+from .eagle_losses import Batch
+
+
+@dataclass(frozen=True)
+class Cursor:
+    pass_index: int = 0
+    blocks: int = 0      # complete blocks in this pass (fixed when the pass starts)
+    block: int = 0       # position in the pass's block order
+    batch: int = 0       # batch within that block
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Sequence:
+    ids: torch.Tensor    # (length,) prompt then answer
+    prompt_len: int
+
+
+def load_sequences(data_dir: Path, max_len: int) -> list[Sequence]:
+    """Answered records, cut to ``max_len`` tokens; a prompt too long to leave 8 answer tokens is dropped."""
+    out = []
+    for rec in read_records(data_dir):
+        prompt, answer = rec["prompt_ids"], rec["answer_ids"]
+        if rec["finish"] not in ("stop", "length") or not answer or len(prompt) + 8 > max_len:
+            continue
+        ids = (prompt + answer)[:max_len]
+        out.append(Sequence(torch.tensor(ids, dtype=torch.long), len(prompt)))
+    return out
+
+
+class ShardStream:
+    """Deterministic, resumable batches over shards that may still be growing."""
+
+    def __init__(self, data_dir: Path, batch_size: int, block: int = 256, seed: int = 0, max_len: int = 1024):
+        self.data_dir, self.batch_size, self.block, self.seed, self.max_len = data_dir, batch_size, block, seed, max_len
+        self.seqs: list[Sequence] = []
+        self._groups: dict[tuple[int, int], list[list[int]]] = {}
+
+    def refresh(self) -> int:
+        """Reread the shards (they only grow); returns the number of complete blocks."""
+        self.seqs = load_sequences(self.data_dir, self.max_len)
+        self._groups.clear()
+        return len(self.seqs) // self.block
+
+    def start(self, cursor: Cursor | None) -> Cursor:
+        """Load the data; a fresh cursor begins pass 0 over every complete block on disk."""
+        blocks = self.refresh()
+        if cursor is None or cursor.blocks == 0:
+            if blocks == 0:
+                raise ValueError(f"{self.data_dir} holds {len(self.seqs)} sequences, fewer than one block "
+                                 f"({self.block})")
+            return Cursor(0, blocks, 0, 0)
+        return cursor
+
+    def _block_order(self, cursor: Cursor) -> list[int]:
+        order = list(range(cursor.blocks))
+        random.Random(f"{self.seed}:{cursor.pass_index}").shuffle(order)
+        return order
+
+    def groups(self, cursor: Cursor) -> list[list[int]]:
+        """The batches (as sequence indices) of the cursor's block."""
+        key = (cursor.pass_index, cursor.block)
+        if key not in self._groups:
+            b = self._block_order(cursor)[cursor.block]
+            idx = list(range(b * self.block, (b + 1) * self.block))
+            rng = random.Random(f"{self.seed}:{cursor.pass_index}:{b}")
+            rng.shuffle(idx)
+            idx.sort(key=lambda i: len(self.seqs[i].ids))  # stable: equal lengths keep the shuffled order
+            groups = [idx[i:i + self.batch_size] for i in range(0, len(idx), self.batch_size)]
+            rng.shuffle(groups)
+            self._groups = {key: groups}
+        return self._groups[key]
+
+    def next(self, cursor: Cursor) -> tuple[list[Sequence], Cursor]:
+        """The batch at ``cursor`` and the cursor after it (a new pass rereads the shards)."""
+        groups = self.groups(cursor)
+        batch = [self.seqs[i] for i in groups[cursor.batch]]
+        if cursor.batch + 1 < len(groups):
+            return batch, Cursor(cursor.pass_index, cursor.blocks, cursor.block, cursor.batch + 1)
+        if cursor.block + 1 < cursor.blocks:
+            return batch, Cursor(cursor.pass_index, cursor.blocks, cursor.block + 1, 0)
+        return batch, Cursor(cursor.pass_index + 1, self.refresh(), 0, 0)
+
+
+@torch.no_grad()
+def target_batch(target: Transformer, seqs: list[Sequence], aux_layers: tuple[int, ...]) -> Batch:
+    """Run the target over ``seqs`` (no cache, causal) and pad its features into a ``Batch``."""
+    lens = [len(s.ids) for s in seqs]
+    ids = torch.cat([s.ids for s in seqs]).to(target.norm.weight.device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(ids.device)
+    final, aux = target(ids, positions, DenseAttention(lens), aux_layers=aux_layers)
+    aux_cat = torch.cat(aux, -1) if aux else final[:, :0]
+    b, t = len(seqs), max(lens)
+    out_ids = torch.zeros(b, t, dtype=torch.long, device=ids.device)
+    out_final = final.new_zeros(b, t, final.shape[-1]).float()
+    out_aux = final.new_zeros(b, t, aux_cat.shape[-1]).float()
+    valid = torch.zeros(b, t, dtype=torch.bool, device=ids.device)
+    start = 0
+    for i, (s, n) in enumerate(zip(seqs, lens)):
+        out_ids[i, :n] = s.ids
+        out_final[i, :n] = final[start:start + n].float()
+        out_aux[i, :n] = aux_cat[start:start + n].float()
+        valid[i, s.prompt_len:n] = True
+        start += n
+    return Batch(out_ids, out_final, out_aux, valid, torch.tensor(lens, device=ids.device))
