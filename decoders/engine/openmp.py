@@ -122,7 +122,9 @@ class SpinGovernor:
         busy, own = _machine_busy_ticks(), _own_ticks()
         while not self._stop.wait(self.interval):
             busy2, own2 = _machine_busy_ticks(), _own_ticks()
-            self.neighbour_load = max(0.0, (busy2 - busy) - (own2 - own)) / ticks / self.interval
+            # Clamped: the two counters are sampled a moment apart, and per-thread times are rounded.
+            other = ((busy2 - busy) - (own2 - own)) / ticks / self.interval
+            self.neighbour_load = min(float(self.cpus), max(0.0, other))
             busy, own = busy2, own2
             self.update(self.neighbour_load)
 
