@@ -4,8 +4,11 @@ Each step it decides which requests run and how many tokens each computes,
 under two budgets: a token budget per step (so a long prompt is prefilled in
 chunks while decodes keep flowing) and the block pool. Running requests go
 first (those already generating before those still prefilling, each group
-oldest first), then waiting ones in arrival order. When the pool is exhausted
-the youngest running request that has no work yet this step is preempted: its
+oldest first), then waiting ones in arrival order. While requests wait to be
+admitted, prompts still prefilling leave a share of the token budget
+(``admission_reserve``) for them, so a short request sent beside a long prefill
+starts within one step instead of after the whole prompt. When the pool is
+exhausted the youngest running request that has no work yet this step is preempted: its
 blocks are freed and it goes back to the front of the waiting queue to be
 recomputed later (vLLM's "recompute" preemption). Its emitted tokens are kept,
 so nothing a client saw is lost or repeated; full blocks it had written stay in
@@ -86,9 +89,29 @@ class Scheduler:
                 return req
         return None
 
+    @property
+    def admission_reserve(self) -> int:
+        """Tokens a step keeps from prefilling prompts for waiting requests: a quarter of the budget
+        while any wait and there is room to admit them (vLLM caps long prefills the same way,
+        ``long_prefill_token_threshold``)."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return 0
+        return self.max_batched_tokens // 4
+
+    def _plan_running(self, plan: Planner, req: Request, budget: int, reserve: int) -> tuple[int, int]:
+        """A running request's work; one still prefilling leaves ``reserve`` tokens, unless its next
+        piece cannot be split (a bidirectional diffusion span), which then takes the whole budget."""
+        if req.output_ids or not reserve:
+            return plan(req, budget)
+        n, lookahead = plan(req, budget - reserve) if budget > reserve else (0, 0)
+        if n <= 0 and lookahead <= 0 and budget >= self.max_batched_tokens:
+            return plan(req, budget)
+        return n, lookahead
+
     def _schedule_running(self, plan: Planner, out: list[Scheduled]) -> tuple[int, bool]:
         """Give running requests their work; returns (token budget left, whether any was preempted)."""
         budget = self.max_batched_tokens
+        reserve = self.admission_reserve
         scheduled: set[int] = set()
         preempted = False
         # Requests already generating go first: their steps are small, and a long
@@ -97,7 +120,7 @@ class Scheduler:
         for req in order:
             if req.status is not Status.RUNNING:
                 continue  # preempted for an older request earlier in this step
-            n, lookahead = plan(req, budget)
+            n, lookahead = self._plan_running(plan, req, budget, reserve)
             if n <= 0 and lookahead <= 0:
                 continue
             item = Scheduled(req, n, lookahead)
