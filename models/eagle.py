@@ -29,7 +29,8 @@ Both expose one interface to the decoder and the trainer:
 Loading follows ``loader.py``: config.json, then ``model.safetensors`` or a
 ``weights_only`` ``pytorch_model.bin``, names renamed through ``HEAD_NAMES`` and
 fused through ``loader.FUSED``, built on meta and assigned. Checkpoint format
-details: SafeAILab/EAGLE ``eagle/model/cnets1.py``, ``cnets.py``, ``ea_model.py``.
+details: SafeAILab/EAGLE ``eagle/model/cnets1.py``, ``cnets.py``, ``ea_model.py``; vLLM
+speculators' ``*-speculator.eagle3`` configs are flattened first (``speculators.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from torch import nn
 
 from .attention import AttentionBackend
 from .config import ModelConfig
+from .speculators import flatten_speculators_config, is_speculators
 from .checkpoint import FUSED, rename, to_module_names
 from .transformer import Attention, DecoderLayer, RMSNorm, Rotary, SwiGLU, Transformer
 
@@ -63,6 +65,8 @@ class EagleConfig:
     # EAGLE-3: indices i of the target layers whose *output* is fused (our
     # ``Transformer.forward(aux_layers=...)`` convention), ascending.
     aux_layers: tuple[int, ...] = ()
+    # EAGLE-3: the midlayer's residual is hidden_norm(h) instead of h (speculators' option).
+    norm_before_residual: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -84,7 +88,7 @@ class EagleConfig:
             return cls(kind, layer, target.hidden_size, target.vocab_size, bool(bias))
         return cls(kind, layer.replace(num_layers=1), cfg.get("target_hidden_size") or layer.hidden_size,
                    cfg.get("draft_vocab_size") or target.vocab_size, bool(fc_bias),
-                   eagle3_aux_layers(cfg, target.num_layers))
+                   eagle3_aux_layers(cfg, target.num_layers), bool(cfg.get("norm_before_residual", False)))
 
 
 def eagle3_aux_layers(cfg: dict, num_target_layers: int) -> tuple[int, ...]:
@@ -156,9 +160,10 @@ class Eagle1Head(_Head):
 class Eagle3Layer(nn.Module):
     """EAGLE-3's ``midlayer``: attention over [input_layernorm(emb); hidden_norm(h)], residual h."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, norm_before_residual: bool = False):
         super().__init__()
         h = config.hidden_size
+        self.norm_before_residual = norm_before_residual
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.self_attn = Attention(config, 0, input_size=2 * h)
@@ -167,8 +172,9 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, emb: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
-        a = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)  # (tokens, 2 * hidden)
-        x = h + self.self_attn(a, cos, sin, attn)
+        hn = self.hidden_norm(h)
+        a = torch.cat([self.input_layernorm(emb), hn], dim=-1)  # (tokens, 2 * hidden)
+        x = (hn if self.norm_before_residual else h) + self.self_attn(a, cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -177,7 +183,7 @@ class Eagle3Head(_Head):
         super().__init__(config)
         h = config.layer.hidden_size
         self.fc = nn.Linear(3 * config.target_hidden_size, h, bias=config.fc_bias)
-        self.midlayer = Eagle3Layer(config.layer)
+        self.midlayer = Eagle3Layer(config.layer, config.norm_before_residual)
         self.norm = RMSNorm(h, config.layer.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -212,7 +218,7 @@ HEAD_NAMES: list[tuple[str, str]] = [
     (r"^lm_head\.weight$", "lm_head.weight"),
     (r"^(d2t|t2d)$", r"\1"),
 ]
-IGNORED = (r"rotary_emb\.inv_freq$",)
+IGNORED = (r"rotary_emb\.inv_freq$", r"^verifier_(norm|lm_head)\.weight$")  # speculators' frozen verifier copies
 
 
 def read_head_state(path: Path) -> dict[str, torch.Tensor]:
@@ -265,9 +271,11 @@ def build_head(config: EagleConfig, state: dict[str, torch.Tensor], target: Tran
 
 def load_eagle_head(path: Path | str, target: Transformer, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> EagleHead:
-    """Load an EAGLE-1/2 or EAGLE-3 head directory for ``target``."""
+    """Load an EAGLE-1/2 or EAGLE-3 head directory for ``target`` (upstream, vLLM or speculators layout)."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
+    if is_speculators(cfg):  # vLLM speculators' *-speculator.eagle3 layout
+        cfg = flatten_speculators_config(cfg)
     raw = read_head_state(path)
     kind = head_kind(list(raw))
     # The checkpoint is the ground truth for fc.bias (vicuna heads omit the config key).
@@ -298,6 +306,8 @@ def head_config_dict(config: EagleConfig, target: ModelConfig) -> dict:
     }
     if config.kind == "eagle3":
         out["draft_vocab_size"] = config.draft_vocab_size
+        if config.norm_before_residual:
+            out["norm_before_residual"] = True
         out["eagle_config"] = {"use_aux_hidden_state": True,
                                "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.aux_layers]}
     return out
