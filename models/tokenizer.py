@@ -430,7 +430,9 @@ class Tokenizer:
         return self._backend
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works and encode does not: a long text tokenized
+        # on a worker thread then leaves the server's event loop running (same ids either way).
+        ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens:
             if self.add_bos_token:
                 ids.insert(0, self.bos_token_id)

@@ -123,6 +123,8 @@ class Service:
         self.limits = limits
         self.default_model = next(iter(models))
         self.live: set[Job] = set()  # started and not yet ended; the shutdown drain waits on them
+        for model in models.values():
+            _ = model.max_prompt_chars  # reads the whole vocabulary (GIL held): at start-up, not on a request
 
     # ---- validation ----------------------------------------------------------
 
