@@ -192,7 +192,8 @@ class Work:
 
 def distil(loaded: LoadedModel, out: Path, settings: Settings, target_tokens: int, concurrency: int,
            held_out: HeldOut, log: Callable[[str], None], held_out_files: list[str] = (),
-           max_conversations: int | None = None, log_every: float = 30.0, compile_dir: Path | None = None) -> dict:
+           max_conversations: int | None = None, log_every: float = 30.0, compile_dir: Path | None = None,
+           window: int = 128) -> dict:
     """Answer conversations 0, 1, ... until ``target_tokens`` answer tokens exist in ``out``; resumable."""
     from ..deployment import CompileSpec, PoolSpec, build_deployment
     from ..engine.engine import EngineConfig
@@ -230,7 +231,7 @@ def distil(loaded: LoadedModel, out: Path, settings: Settings, target_tokens: in
         state["new_tokens"] += len(answer)
         state["new_records"] += 1
         if work.turn < work.conv.turns and finish in ("stop", "length"):
-            queue.appendleft(make_work(work.index, work.turn + 1, work.conv, answer))
+            queue.append(make_work(work.index, work.turn + 1, work.conv, answer))  # long: joins the window's tail
 
     def make_work(index: int, turn: int, conv: Conversation, first_answer: list[int] | None) -> Work:
         ids = render(loaded, conv.messages, conv.tools) if turn == 1 else second_turn(loaded, conv, first_answer)
@@ -246,12 +247,28 @@ def distil(loaded: LoadedModel, out: Path, settings: Settings, target_tokens: in
                 record(work, answer, delta.finish_reason)
         return sink
 
-    def next_conversation() -> bool:
-        """Queue the next unfinished conversation; False when the set or the budget is exhausted."""
+    def next_window() -> bool:
+        """Queue the next ``window`` unfinished conversations, shortest prompt first; False when none are left.
+
+        A decode step pads every row to the longest context in the batch, so running
+        prompts of similar length together (tool prompts and second turns are the long
+        ones) keeps that padding, which dominates a step's cost on CPU, small.
+        """
+        batch: list[Work] = []
+        while len(batch) < window:
+            work = next_conversation()
+            if work is None:
+                break
+            batch.append(work)
+        queue.extend(sorted(batch, key=lambda w: len(w.prompt_ids)))
+        return bool(batch)
+
+    def next_conversation() -> Work | None:
+        """The next unfinished conversation's first pending turn, or None when the set is exhausted."""
         while True:
             i = state["next"]
             if max_conversations is not None and i >= max_conversations:
-                return False
+                return None
             state["next"] += 1
             conv = conversation(settings.seed, i, held_out)
             sig = signature(conv)
@@ -262,16 +279,14 @@ def distil(loaded: LoadedModel, out: Path, settings: Settings, target_tokens: in
             if len(turns) >= conv.turns or any(t["finish"] not in ("stop", "length") for t in turns.values()):
                 continue
             if 1 in turns:  # turn 1 finished in an earlier run: continue from its recorded answer
-                queue.append(make_work(i, 2, conv, turns[1]["answer_ids"]))
-            else:
-                queue.append(make_work(i, 1, conv, None))
-            return True
+                return make_work(i, 2, conv, turns[1]["answer_ids"])
+            return make_work(i, 1, conv, None)
 
     started, last_log = time.perf_counter(), time.perf_counter()
     try:
         while True:
             while state["inflight"] < 2 * concurrency:
-                if not queue and (have + state["new_tokens"] >= target_tokens or not next_conversation()):
+                if not queue and (have + state["new_tokens"] >= target_tokens or not next_window()):
                     break
                 work = queue.popleft()
                 if len(work.prompt_ids) > settings.max_prompt_len:
@@ -316,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prompt-len", type=int, default=1536)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--no-compile", action="store_true", help="eager steps only (the compiled step is about 2x "
-                   "faster once its graphs are built, in the background, eager until then)")
+    p.add_argument("--compile", action="store_true", help="compiled steps (built on a background thread, eager "
+                   "until ready; on one busy core the build takes long and slows the eager steps meanwhile)")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -332,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         distil(loaded, out, settings, args.tokens, args.concurrency, default_held_out(root),
                lambda m: print(time.strftime("%H:%M:%S"), m, flush=True), files,
-               compile_dir=None if args.no_compile else cache / "compile")
+               compile_dir=cache / "compile" if args.compile else None)
     return 0
 
 

@@ -447,3 +447,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dualserve train-eagle", description="Self-distil an EAGLE draft head.")
     return cmd_train_eagle(add_arguments(parser).parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
