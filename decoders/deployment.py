@@ -28,6 +28,7 @@ from dualserve.models.loader import LoadedModel
 from .ar import ARDecoder
 from .engine.compiled import CompileWorker
 from .engine.engine import Engine, EngineConfig
+from .engine.heap import trim_heap
 from .engine.paged_attention import KVCache
 from .engine.runner import ModelRunner
 
@@ -155,4 +156,5 @@ def build_deployment(models: list[LoadedModel] | list[ServedSpec], engine_config
     dep = Deployment(engine=engine, models={s.name: s.base for s in specs})
     for spec in specs:
         register(engine, spec, num_blocks, pool.block_size, device, dep.runners, compile)
+    trim_heap()  # loading's temporaries: about 180 MB on the default model
     return dep

@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .heap import trim_heap
 from .paged_attention import AttentionMetadata, KVCache, SeqAttention, as_stored, mask_tensor
 
 log = logging.getLogger("dualserve.compile")
@@ -145,10 +146,12 @@ class CompileWorker:
     def _work(self) -> None:
         while True:
             with self._lock:
-                if not self._queue:
+                job = self._queue.popleft() if self._queue else None
+                if job is None:
                     self._thread = None
-                    return
-                job = self._queue.popleft()
+            if job is None:
+                trim_heap()  # what tracing and code generation freed
+                return
             job()
 
 

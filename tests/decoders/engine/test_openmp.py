@@ -69,6 +69,6 @@ def test_compile_worker_thread_exits_when_idle():
     worker.submit(lambda: done.append(2))
     assert wait_for(lambda: not worker.busy)
     assert done == [1, 2]
-    assert not any(t.name == "dualserve-compile" for t in threading.enumerate())
+    assert wait_for(lambda: not any(t.name == "dualserve-compile" for t in threading.enumerate()))
     worker.submit(lambda: done.append(3))  # a later job starts a new thread
     assert wait_for(lambda: done == [1, 2, 3] and not worker.busy)
