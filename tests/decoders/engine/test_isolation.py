@@ -1,26 +1,34 @@
 """Failure isolation in the engine: a request that raises fails alone, its neighbours finish.
 
-A tiny random Llama-style model with a stand-in tokenizer runs real steps. Faults are injected
-where the engine meets a decoder: a plan that raises for one request, a forward that raises
-whenever one request is in the batch (the engine cannot tell which: it bisects), and sampling
-that raises for one request's own values. The reference for the neighbours is the same
-requests run without the bad one: isolation must not change a single token.
+Tiny random models with a stand-in tokenizer run real steps on each decoder (ar, eagle with a
+random head, diffusion on a tiny LLaDA). Faults are injected where the engine meets a decoder:
+a plan that raises for one request, a forward that raises whenever one request is in the batch
+(the engine cannot tell which: it bisects), sampling that raises for one request's own values,
+and a draft or denoising step that raises for one request. The reference for the neighbours is
+the same requests run without the bad one: isolation must not change a single token.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
 import torch
 
 from dualserve.decoders.ar import ARDecoder
+from dualserve.decoders.diffusion.decoder import DiffusionDecoder
+from dualserve.decoders.eagle.decoder import EagleDecoder
+from dualserve.decoders.eagle.tree import TreeConfig
 from dualserve.decoders.engine.engine import Engine, EngineConfig
 from dualserve.decoders.engine.request import Delta, FailureKind
 from dualserve.decoders.engine.runner import ModelRunner
 from dualserve.decoders.engine.sampling import SamplingParams
 from dualserve.models.config import ModelConfig
+from dualserve.models.eagle import Eagle1Head, EagleConfig
+from dualserve.models.loader import build, load_hf_state
 from dualserve.models.transformer import Transformer
+from tiny_checkpoints import write_tiny_llada
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,7 +60,30 @@ def model() -> Transformer:
     return Transformer(cfg).eval().requires_grad_(False)
 
 
+class DraftFails(EagleDecoder):
+    def _draft(self, s):
+        if POISON in s.request.prompt_ids:
+            raise RuntimeError("draft broke")
+        return super()._draft(s)
+
+
+class DenoiseFails(DiffusionDecoder):
+    def _denoise(self, req, st, rows, query_start):
+        if POISON in req.prompt_ids:
+            raise RuntimeError("denoising broke")
+        return super()._denoise(req, st, rows, query_start)
+
+
+@pytest.fixture(scope="module")
+def llada(tmp_path_factory) -> Transformer:
+    path = write_tiny_llada(tmp_path_factory.mktemp("llada"), vocab_size=VOCAB, mask_token_id=VOCAB - 1)
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    return build(config, load_hf_state(path, config), torch.float32, "cpu")
+
+
 def make_engine(model: Transformer, decoder_type=ARDecoder, poison_forward: bool = False) -> Engine:
+    """An engine serving ``model`` with one decoder (an ``ARDecoder``, ``EagleDecoder`` or
+    ``DiffusionDecoder`` kind), named "m"; ``poison_forward``: any forward over POISON raises."""
     engine = Engine(EngineConfig(num_blocks=128, block_size=4))
     runner = ModelRunner(model, 128, 4, use_flash=False)
     if poison_forward:
@@ -64,14 +95,23 @@ def make_engine(model: Transformer, decoder_type=ARDecoder, poison_forward: bool
             return forward(items, *args, **kwargs)
 
         runner.forward = poisoned
-    engine.add_decoder("m", decoder_type(runner, engine.pool), Tok(), VOCAB)
+    if issubclass(decoder_type, EagleDecoder):
+        cfg = model.config
+        head = Eagle1Head(EagleConfig("eagle1", cfg.replace(num_layers=1), cfg.hidden_size, cfg.vocab_size))
+        head.rotary.reset("cpu")
+        head = head.attach(model).eval().requires_grad_(False)
+        decoder = decoder_type(runner, engine.pool, head, TreeConfig(depth=2, top_k=2, num_nodes=4))
+    else:
+        decoder = decoder_type(runner, engine.pool)
+    engine.add_decoder("m", decoder, Tok(), VOCAB)
     return engine
 
 
 def run(engine: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> list[list[Delta]]:
     outs: list[list[Delta]] = [[] for _ in jobs]
+    (name,) = engine.decoders_for("m")
     for i, (prompt, params) in enumerate(jobs):
-        engine.submit("m", "ar", prompt, params, lambda _, d, i=i: outs[i].append(d))
+        engine.submit("m", name, prompt, params, lambda _, d, i=i: outs[i].append(d))
     engine.run_until_idle()
     assert engine.pool.num_used_blocks == 0 or engine.pool.enable_prefix_caching
     engine.pool.check()
@@ -112,6 +152,18 @@ def test_sampling_that_raises_fails_only_its_request(model: Transformer) -> None
     """A logit bias outside the vocabulary (the server refuses it; the engine must not trust that)."""
     bad = SamplingParams(max_tokens=8, temperature=0.5, seed=1, logit_bias={10 ** 6: 1.0})
     check_isolated(make_engine(model), make_engine(model), ([3, 4, 5], bad))
+
+
+@pytest.mark.parametrize("decoder", [DraftFails, EagleDecoder])
+def test_eagle_isolates_a_failing_draft_and_a_failing_forward(model: Transformer, decoder) -> None:
+    check_isolated(make_engine(model, decoder, poison_forward=decoder is EagleDecoder),
+                   make_engine(model, EagleDecoder), ([3, 4, POISON], GREEDY))
+
+
+@pytest.mark.parametrize("decoder", [DenoiseFails, DiffusionDecoder])
+def test_diffusion_isolates_a_failing_denoise_and_a_failing_forward(llada: Transformer, decoder) -> None:
+    check_isolated(make_engine(llada, decoder, poison_forward=decoder is DiffusionDecoder),
+                   make_engine(llada, DiffusionDecoder), ([3, 4, POISON], GREEDY))
 
 
 def test_a_failure_in_one_request_never_stops_the_engine_thread(model: Transformer) -> None:
