@@ -29,7 +29,7 @@ import hashlib
 import json
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -190,64 +190,86 @@ class Work:
     prompt_ids: list[int]
 
 
-def distil(loaded: LoadedModel, out: Path, settings: Settings, target_tokens: int, concurrency: int,
-           held_out: HeldOut, log: Callable[[str], None], held_out_files: list[str] = (),
-           max_conversations: int | None = None, log_every: float = 30.0, compile_dir: Path | None = None,
-           window: int = 128) -> dict:
-    """Answer conversations 0, 1, ... until ``target_tokens`` answer tokens exist in ``out``; resumable."""
-    from ..deployment import CompileSpec, PoolSpec, build_deployment
-    from ..engine.engine import EngineConfig
-    from ..engine.sampling import SamplingParams
+@dataclass(frozen=True)
+class JobSpec:
+    """What to make and how hard to push: everything ``distil`` needs besides the model and the output."""
 
-    out.mkdir(parents=True, exist_ok=True)
-    check_settings(out, settings)
-    done: dict[int, dict[int, dict]] = {}
-    have = 0
-    for rec in read_records(out):
-        done.setdefault(rec["index"], {})[rec["turn"]] = rec
-        have += len(rec["answer_ids"])
-    counts = shard_counts(out)
-    write_manifest(out, loaded, settings, list(held_out_files), counts)
-    log(f"distil: {out}: {sum(map(len, done.values()))} records, {have} answer tokens on disk; target {target_tokens}")
+    settings: Settings
+    target_tokens: int
+    concurrency: int = 16
+    held_out: HeldOut = field(default_factory=HeldOut)
+    held_out_files: tuple[str, ...] = ()
+    max_conversations: int | None = None   # stop after this many conversation indices (tests)
+    window: int = 128                      # conversations queued at a time, sorted by prompt length
+    compile_dir: Path | None = None        # compiled steps, with inductor's cache here
 
-    per_seq = -(-(settings.max_prompt_len + settings.max_new_tokens) // 16) + 1
-    dep = build_deployment([loaded], EngineConfig(max_num_seqs=concurrency, max_batched_tokens=1024,
-                                                  max_waiting=4 * concurrency + 8),
-                           PoolSpec(block_size=16, num_blocks=concurrency * per_seq + 64),
-                           compile=CompileSpec(cache_dir=compile_dir) if compile_dir else None)
-    engine = dep.engine
-    params = SamplingParams(max_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                            seed=settings.seed if settings.temperature > 0 else None)
-    writer = ShardWriter(out, counts)
-    queue: deque[Work] = deque()
-    seen: set[str] = set()
-    state = {"inflight": 0, "new_tokens": 0, "new_records": 0, "next": 0}
 
-    def record(work: Work, answer: list[int], finish: str) -> None:
-        rec = {"index": work.index, "turn": work.turn, "kind": work.conv.kind, "prompt_ids": work.prompt_ids,
-               "answer_ids": answer, "finish": finish, "temperature": settings.temperature,
-               "settings": settings.key}
-        writer.write(rec)
-        state["new_tokens"] += len(answer)
-        state["new_records"] += 1
-        if work.turn < work.conv.turns and finish in ("stop", "length"):
-            queue.append(make_work(work.index, work.turn + 1, work.conv, answer))  # long: joins the window's tail
+class Distiller:
+    """One run of the job: what is on disk, the queue of pending turns, the engine that answers them."""
 
-    def make_work(index: int, turn: int, conv: Conversation, first_answer: list[int] | None) -> Work:
-        ids = render(loaded, conv.messages, conv.tools) if turn == 1 else second_turn(loaded, conv, first_answer)
+    def __init__(self, loaded: LoadedModel, out: Path, spec: JobSpec, log: Callable[[str], None]):
+        self.loaded, self.out, self.spec, self.log = loaded, out, spec, log
+        out.mkdir(parents=True, exist_ok=True)
+        check_settings(out, spec.settings)
+        self.done: dict[int, dict[int, dict]] = {}  # index -> turn -> record, from earlier runs
+        self.have = 0
+        for rec in read_records(out):
+            self.done.setdefault(rec["index"], {})[rec["turn"]] = rec
+            self.have += len(rec["answer_ids"])
+        self.counts = shard_counts(out)
+        self.writer = ShardWriter(out, self.counts)
+        self.queue: deque[Work] = deque()
+        self.seen: set[str] = set()
+        self.next_index = self.inflight = self.new_tokens = self.new_records = 0
+
+    def manifest(self) -> dict:
+        return write_manifest(self.out, self.loaded, self.spec.settings, list(self.spec.held_out_files), self.counts)
+
+    def make_work(self, index: int, turn: int, conv: Conversation, first_answer: list[int] | None) -> Work:
+        ids = (render(self.loaded, conv.messages, conv.tools) if turn == 1
+               else second_turn(self.loaded, conv, first_answer))
         return Work(index, turn, conv, ids)
 
-    def sink_for(work: Work) -> Callable:
+    def record(self, work: Work, answer: list[int], finish: str) -> None:
+        s = self.spec.settings
+        self.writer.write({"index": work.index, "turn": work.turn, "kind": work.conv.kind,
+                           "prompt_ids": work.prompt_ids, "answer_ids": answer, "finish": finish,
+                           "temperature": s.temperature, "settings": s.key})
+        self.new_tokens += len(answer)
+        self.new_records += 1
+        if work.turn < work.conv.turns and finish in ("stop", "length"):
+            # Second turns are long (they hold the first): they join the window's tail, beside the longest.
+            self.queue.append(self.make_work(work.index, work.turn + 1, work.conv, answer))
+
+    def sink_for(self, work: Work) -> Callable:
         answer: list[int] = []
 
         def sink(_index: int, delta) -> None:
             answer.extend(delta.token_ids)
             if delta.finish_reason is not None:
-                state["inflight"] -= 1
-                record(work, answer, delta.finish_reason)
+                self.inflight -= 1
+                self.record(work, answer, delta.finish_reason)
         return sink
 
-    def next_window() -> bool:
+    def next_conversation(self) -> Work | None:
+        """The next unfinished conversation's first pending turn, or None when the set is exhausted."""
+        while self.spec.max_conversations is None or self.next_index < self.spec.max_conversations:
+            i = self.next_index
+            self.next_index += 1
+            conv = conversation(self.spec.settings.seed, i, self.spec.held_out)
+            sig = signature(conv)
+            if sig in self.seen:  # a repeat of an earlier index (the same on every run, so resume agrees)
+                continue
+            self.seen.add(sig)
+            turns = self.done.get(i, {})
+            if len(turns) >= conv.turns or any(t["finish"] not in ("stop", "length") for t in turns.values()):
+                continue
+            if 1 in turns:  # turn 1 finished in an earlier run: continue from its recorded answer
+                return self.make_work(i, 2, conv, turns[1]["answer_ids"])
+            return self.make_work(i, 1, conv, None)
+        return None
+
+    def next_window(self) -> bool:
         """Queue the next ``window`` unfinished conversations, shortest prompt first; False when none are left.
 
         A decode step pads every row to the longest context in the batch, so running
@@ -255,62 +277,65 @@ def distil(loaded: LoadedModel, out: Path, settings: Settings, target_tokens: in
         ones) keeps that padding, which dominates a step's cost on CPU, small.
         """
         batch: list[Work] = []
-        while len(batch) < window:
-            work = next_conversation()
-            if work is None:
-                break
+        while len(batch) < self.spec.window and (work := self.next_conversation()) is not None:
             batch.append(work)
-        queue.extend(sorted(batch, key=lambda w: len(w.prompt_ids)))
+        self.queue.extend(sorted(batch, key=lambda w: len(w.prompt_ids)))
         return bool(batch)
 
-    def next_conversation() -> Work | None:
-        """The next unfinished conversation's first pending turn, or None when the set is exhausted."""
-        while True:
-            i = state["next"]
-            if max_conversations is not None and i >= max_conversations:
-                return None
-            state["next"] += 1
-            conv = conversation(settings.seed, i, held_out)
-            sig = signature(conv)
-            if sig in seen:  # a repeat of an earlier index (the same on every run, so resume agrees)
+    def fill(self, engine, params) -> None:
+        """Keep twice the engine's batch in flight, so a finished sequence's place is taken at once."""
+        while self.inflight < 2 * self.spec.concurrency:
+            if not self.queue and (self.have + self.new_tokens >= self.spec.target_tokens or not self.next_window()):
+                return
+            work = self.queue.popleft()
+            if len(work.prompt_ids) > self.spec.settings.max_prompt_len:
+                self.record(work, [], "skipped")
                 continue
-            seen.add(sig)
-            turns = done.get(i, {})
-            if len(turns) >= conv.turns or any(t["finish"] not in ("stop", "length") for t in turns.values()):
-                continue
-            if 1 in turns:  # turn 1 finished in an earlier run: continue from its recorded answer
-                return make_work(i, 2, conv, turns[1]["answer_ids"])
-            return make_work(i, 1, conv, None)
+            engine.submit(self.loaded.name, "ar", work.prompt_ids, params, self.sink_for(work))
+            self.inflight += 1
 
-    started, last_log = time.perf_counter(), time.perf_counter()
-    try:
-        while True:
-            while state["inflight"] < 2 * concurrency:
-                if not queue and (have + state["new_tokens"] >= target_tokens or not next_window()):
+    def run(self, log_every: float) -> dict:
+        from ..deployment import CompileSpec, PoolSpec, build_deployment
+        from ..engine.engine import EngineConfig
+        from ..engine.sampling import SamplingParams
+
+        s, c = self.spec.settings, self.spec.concurrency
+        self.manifest()
+        self.log(f"distil: {self.out}: {sum(map(len, self.done.values()))} records, {self.have} answer tokens "
+                 f"on disk; target {self.spec.target_tokens}")
+        per_seq = -(-(s.max_prompt_len + s.max_new_tokens) // 16) + 1
+        dep = build_deployment([self.loaded], EngineConfig(max_num_seqs=c, max_batched_tokens=1024,
+                                                           max_waiting=4 * c + 8),
+                               PoolSpec(block_size=16, num_blocks=c * per_seq + 64),
+                               compile=CompileSpec(cache_dir=self.spec.compile_dir) if self.spec.compile_dir else None)
+        params = SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature,
+                                seed=s.seed if s.temperature > 0 else None)
+        started = last_log = time.perf_counter()
+        try:
+            while True:
+                self.fill(dep.engine, params)
+                if not dep.engine.has_work():
                     break
-                work = queue.popleft()
-                if len(work.prompt_ids) > settings.max_prompt_len:
-                    record(work, [], "skipped")
-                    continue
-                engine.submit(loaded.name, "ar", work.prompt_ids, params, sink_for(work))
-                state["inflight"] += 1
-            if not engine.has_work():
-                break
-            engine.step()
-            now = time.perf_counter()
-            if now - last_log >= log_every:
-                last_log = now
-                rate = state["new_tokens"] / (now - started)
-                log(f"distil: {have + state['new_tokens']} answer tokens ({state['new_tokens']} this run, "
-                    f"{state['new_records']} records), {rate:.1f} tok/s, {state['inflight']} in flight")
-                write_manifest(out, loaded, settings, list(held_out_files), counts)
-    finally:
-        writer.close()
-        manifest = write_manifest(out, loaded, settings, list(held_out_files), counts)
-    rate = state["new_tokens"] / max(time.perf_counter() - started, 1e-9)
-    log(f"distil: done: {manifest['answer_tokens']} answer tokens in {manifest['records']} records "
-        f"({rate:.1f} tok/s this run)")
-    return manifest
+                dep.engine.step()
+                if time.perf_counter() - last_log >= log_every:
+                    last_log = time.perf_counter()
+                    self.log(f"distil: {self.have + self.new_tokens} answer tokens ({self.new_tokens} this run, "
+                             f"{self.new_records} records), {self.new_tokens / (last_log - started):.1f} tok/s, "
+                             f"{self.inflight} in flight")
+                    self.manifest()
+        finally:
+            self.writer.close()
+            manifest = self.manifest()
+        rate = self.new_tokens / max(time.perf_counter() - started, 1e-9)
+        self.log(f"distil: done: {manifest['answer_tokens']} answer tokens in {manifest['records']} records "
+                 f"({rate:.1f} tok/s this run)")
+        return manifest
+
+
+def distil(loaded: LoadedModel, out: Path, spec: JobSpec, log: Callable[[str], None],
+           log_every: float = 30.0) -> dict:
+    """Answer conversations 0, 1, ... until ``spec.target_tokens`` answer tokens exist in ``out``; resumable."""
+    return Distiller(loaded, out, spec, log).run(log_every)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,10 +369,10 @@ def main(argv: list[str] | None = None) -> int:
                         loaded.quantization)
     root = Path(__file__).resolve().parents[2]
     files = sorted(str(f.relative_to(root)) for f in (root / "clients" / "prompts").glob("*.jsonl"))
+    spec = JobSpec(settings, args.tokens, args.concurrency, default_held_out(root), tuple(files),
+                   compile_dir=cache / "compile" if args.compile else None)
     with torch.inference_mode():
-        distil(loaded, out, settings, args.tokens, args.concurrency, default_held_out(root),
-               lambda m: print(time.strftime("%H:%M:%S"), m, flush=True), files,
-               compile_dir=cache / "compile" if args.compile else None)
+        distil(loaded, out, spec, lambda m: print(time.strftime("%H:%M:%S"), m, flush=True))
     return 0
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dualserve.decoders.training.distil import Settings, distil, read_records
+from dualserve.decoders.training.distil import JobSpec, Settings, distil, read_records
 from dualserve.decoders.training.distil_prompts import HeldOut, conversation, default_held_out, signature
 from dualserve.models.loader import load_model
 from tiny_twin import write_tiny_llama
@@ -42,7 +42,7 @@ def tiny(tmp_path_factory):
 def test_distil_writes_shards_and_resume_skips_finished(tiny, tmp_path: Path) -> None:
     settings = Settings(seed=0, temperature=0.0, max_new_tokens=6, max_prompt_len=4096, model=tiny.name,
                         quantization=tiny.quantization)
-    run = lambda n: distil(tiny, tmp_path, settings, 10**9, 4, HeldOut(), lambda m: None, max_conversations=n)
+    run = lambda n: distil(tiny, tmp_path, JobSpec(settings, 10**9, 4, max_conversations=n), lambda m: None)
     with torch.inference_mode():
         first = run(5)
         recs = list(read_records(tmp_path))
@@ -75,7 +75,7 @@ def test_distil_writes_shards_and_resume_skips_finished(tiny, tmp_path: Path) ->
 
     other = Settings(**{**settings.as_dict(), "temperature": 0.7})
     with pytest.raises(SystemExit):
-        distil(tiny, tmp_path, other, 10**9, 4, HeldOut(), lambda m: None, max_conversations=1)
+        distil(tiny, tmp_path, JobSpec(other, 10**9, 4, max_conversations=1), lambda m: None)
 
 
 def dup_indices(n: int) -> set[int]:
