@@ -168,6 +168,10 @@ class CompiledStep:
         self.cache = cache
         self.scratch = scratch
         self.worker = worker
+        # Every CompiledStep traces the same ``_forward`` code object, and dynamo caps the graphs
+        # per code object (8 by default): four shapes for each runner (AR, twin), plus EAGLE's
+        # auxiliary-feature variants, would pass it, and a step past the cap silently stays eager.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.fn = torch.compile(self._forward, dynamic=True)
         self.ready: set[tuple[StepShape, tuple[int, ...]]] = set()
         self.failed = False
