@@ -18,6 +18,7 @@ from .errors import bad_request
 from .protocol import ChatCompletion, ChatCompletionRequest
 from .responses import chat_body, chat_stream
 from .service import ChoiceResult, Job, Plan, Service
+from .shapes import check_depth, check_tool_calls, template_kwargs
 from .streaming import ended_cleanly
 from .tools import ToolStream, family_for, inject_tools, template_renders_tools
 
@@ -41,7 +42,7 @@ def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
         if m.name:
             d["name"] = m.name
         if m.tool_calls:
-            d["tool_calls"] = m.tool_calls
+            d["tool_calls"] = check_tool_calls(m.tool_calls, f"messages[{i}].tool_calls")
         if m.tool_call_id:
             d["tool_call_id"] = m.tool_call_id
         out.append(d)
@@ -56,6 +57,7 @@ def forced_tool(body: ChatCompletionRequest) -> tuple[bool, str | None]:
             raise bad_request("tool_choice requires tools", "tool_choice")
         return False, None
     for i, tool in enumerate(body.tools):
+        check_depth(tool, f"tools[{i}]")
         fn = tool.get("function") if isinstance(tool, dict) else None
         if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not fn.get("name"):
             raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
@@ -84,7 +86,8 @@ def response_grammar(body: ChatCompletionRequest) -> GrammarSpec | None:
     if not isinstance(schema, dict):
         raise bad_request("response_format.json_schema.schema must be a JSON schema object",
                           "response_format.json_schema")
-    return GrammarSpec("json_schema", json.dumps(schema))
+    check_depth(schema, "response_format.json_schema.schema")
+    return GrammarSpec("json_schema", json.dumps(schema), strict=fmt.json_schema.get("strict") is True)
 
 
 class ChatHandler:
@@ -105,8 +108,7 @@ class ChatHandler:
         if tools and not template_renders_tools(tok.chat_template):
             messages, tools = inject_tools(messages, tools, self.family), None
         try:
-            extra = {k: v for k, v in (self.body.chat_template_kwargs or {}).items()
-                     if k not in ("messages", "tools", "add_generation_prompt")}
+            extra = template_kwargs(self.body.chat_template_kwargs)
             text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **extra)
         except ChatTemplateError as e:
             raise bad_request(f"could not apply the chat template: {e}", "messages", "invalid_messages") from None

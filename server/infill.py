@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
+from .errors import bad_request
+from .fim import InfillPrompt
 from .protocol import InfillRequest, SamplingFields
 from .responses import infill_body, infill_stream
 from .service import ChoiceResult, Job, Plan, Service
@@ -35,12 +37,19 @@ class InfillHandler:
     def plan(self) -> Plan:
         service, body = self.service, self.body
         model = service.model(body.model)
+        if not (body.input_prefix or body.prompt or body.input_suffix or body.input_extra):
+            raise bad_request("nothing to infill: input_prefix, prompt, input_suffix and input_extra are all "
+                              "empty", "input_prefix", "missing_required_parameter")
         fields = sampling_fields(body)
         route = service.route(model, fields, fields.decoder or self.header_decoder, infill=True)
         service.check_length(model, [body.input_prefix + body.prompt + body.input_suffix + "".join(
             str(e.get("filename", "")) + str(e.get("text", "")) for e in body.input_extra)], "input_prefix")
         prompt = route.infill(model.tokenizer, body.input_prefix + body.prompt, body.input_suffix,
                               body.input_extra)
+        if not prompt.prefix_ids:
+            # Filling at the very start of a file, with no fill-in-the-middle tokens to carry the
+            # suffix: generation starts from the start of text, as for an empty completion prompt.
+            prompt = InfillPrompt(service.start_of_text(model), prompt.suffix_ids)
         params = service.sampling_params(fields, body.n_predict or body.max_tokens or DEFAULT_MAX_TOKENS, None,
                                          len(prompt.prefix_ids) + len(prompt.suffix_ids), model,
                                          default_max=route.default_max_tokens(DEFAULT_MAX_TOKENS))

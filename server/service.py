@@ -28,6 +28,12 @@ from .protocol import SamplingFields
 from .router import DecoderTraits, Route, Router
 
 
+# repetition_penalty divides positive logits and multiplies negative ones (CTRL): far outside
+# [0.01, 10] it only turns the distribution into a one-hot on whatever was (or was not) seen.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 10.0
+
+
 @dataclass
 class ServedModel:
     name: str
@@ -56,9 +62,13 @@ class ServiceLimits:
     max_n: int = 16
     max_prompts: int = 64
     max_stop: int = 16
+    max_stop_token_ids: int = 64
     max_logprobs: int = 20
     request_timeout: float | None = 600.0
     max_buffered_deltas: int = 512  # per choice, for a reader slower than generation
+    # max_tokens when a request sets none and its endpoint and decoder have no default of their
+    # own: OpenAI's "the rest of the context", capped so that a model that never stops ends.
+    default_max_tokens: int = 4096
 
 
 @dataclass(frozen=True)
@@ -157,13 +167,13 @@ class Service:
         if len(prompts) > self.limits.max_prompts:
             raise bad_request(f"at most {self.limits.max_prompts} prompts per request", "prompt")
         self.check_length(model, prompts, "prompt")
-        out = []
-        for text in prompts:
-            ids = tok.encode(text, add_special_tokens=True)
-            if not ids:
-                ids = [tok.bos_token_id] if tok.bos_token_id is not None else [tok.eos_token_id]
-            out.append(ids)
-        return out
+        return [tok.encode(text, add_special_tokens=True) or self.start_of_text(model) for text in prompts]
+
+    def start_of_text(self, model: ServedModel) -> list[int]:
+        """The prompt of an empty text: the beginning-of-text token (else end-of-text), so that a
+        decoder always has a token to start from."""
+        tok = model.tokenizer
+        return [tok.bos_token_id] if tok.bos_token_id is not None else [tok.eos_token_id]
 
     def check_length(self, model: ServedModel, texts: list[str], param: str) -> None:
         """Refuse, before tokenizing, a text that cannot fit the context whatever its tokens."""
@@ -186,7 +196,7 @@ class Service:
                               f"prompt has {prompt_len} tokens.", "messages" if default_max is None else "prompt",
                               "context_length_exceeded")
         if max_tokens is None:
-            max_tokens = min(default_max, room) if default_max is not None else room
+            max_tokens = min(default_max if default_max is not None else self.limits.default_max_tokens, room)
         if max_tokens < 1:
             raise bad_request("max_tokens must be at least 1", "max_tokens", "invalid_value")
         if prompt_len + max_tokens > model.max_model_len:
@@ -201,8 +211,10 @@ class Service:
                   (body.min_p is None or 0 <= body.min_p <= 1, "min_p", "in [0, 1]"),
                   (-2 <= body.presence_penalty <= 2, "presence_penalty", "between -2 and 2"),
                   (-2 <= body.frequency_penalty <= 2, "frequency_penalty", "between -2 and 2"),
-                  (body.repetition_penalty is None or body.repetition_penalty > 0, "repetition_penalty",
-                   "positive"),
+                  # vLLM asks only > 0; a bound keeps penalised logits in range (1e-300 was a 500).
+                  (body.repetition_penalty is None or MIN_REPETITION_PENALTY <= body.repetition_penalty
+                   <= MAX_REPETITION_PENALTY, "repetition_penalty",
+                   f"between {MIN_REPETITION_PENALTY} and {MAX_REPETITION_PENALTY}"),
                   (1 <= body.n <= self.limits.max_n, "n", f"between 1 and {self.limits.max_n}"),
                   (logprobs is None or 0 <= logprobs <= self.limits.max_logprobs, "logprobs",
                    f"between 0 and {self.limits.max_logprobs}")]
@@ -212,6 +224,11 @@ class Service:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > self.limits.max_stop or any(not s for s in stop):
             raise bad_request(f"stop must be up to {self.limits.max_stop} non-empty strings", "stop")
+        stop_ids = body.stop_token_ids or []
+        if len(stop_ids) > self.limits.max_stop_token_ids or any(
+                not 0 <= t < model.tokenizer.vocab_size for t in stop_ids):
+            raise bad_request(f"stop_token_ids must be up to {self.limits.max_stop_token_ids} token ids in "
+                              f"[0, {model.tokenizer.vocab_size})", "stop_token_ids", "invalid_value")
         bias: dict[int, float] = {}
         for key, value in (body.logit_bias or {}).items():
             try:
@@ -227,12 +244,14 @@ class Service:
             top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0, seed=body.seed,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty or 1.0, logit_bias=bias, logprobs=logprobs,
-            stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+            stop=tuple(stop), stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos)
 
     # ---- submission ------------------------------------------------------------
 
     def start(self, plan: Plan) -> Job:
         model, route, prompts, params, n = plan.model, plan.route, plan.prompts, plan.params, plan.n
+        if not prompts or any(not p for p in prompts):  # every endpoint's plan must leave a token to start from
+            raise bad_request("the prompt is empty after tokenization", "prompt", "invalid_value")
         self.admit(len(prompts) * n)
         plan = self.prepare(plan)
         # One compiled grammar per request: each prompt gets a pristine copy (the engine copies it per choice).

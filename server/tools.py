@@ -23,6 +23,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from dualserve.decoders.engine.grammar import bounded_schema
+
 from .protocol import ChatDelta, DeltaToolCall, FunctionCall, ToolCall
 
 HERMES_SYSTEM = (
@@ -77,10 +79,11 @@ def hermes_call_grammar(tools: list[dict[str, Any]], forced: str | None, max_cal
         fn = tool.get("function", tool)
         if forced is not None and fn.get("name") != forced:
             continue
-        schema = {"type": "object", "properties": {
+        # Arguments bounded as under response_format (grammar.bounded_schema); ``strict`` refuses extra keys.
+        schema = bounded_schema({"type": "object", "properties": {
             "name": {"const": fn["name"]},
             "arguments": fn.get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"], "additionalProperties": False}
+            "required": ["name", "arguments"], "additionalProperties": False}, strict=fn.get("strict") is True)
         alternatives.append((f"call{i}", json.dumps(schema)))
     rules = "\n".join(f"{name}: %json {schema}" for name, schema in alternatives)
     body = " | ".join(name for name, _ in alternatives)

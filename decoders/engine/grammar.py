@@ -8,6 +8,15 @@ about a second to build) is owned by the deployment, one per model.
 
 Greedy acceptance under a constraint stays exact: a decoder masks the target
 logits at each position, so the chosen token is the best *allowed* token.
+
+Free values are bounded (``bounded_schema``) so that constrained decoding always ends: JSON
+allows numbers and strings of any length, and a small model at temperature 0 writes digits
+forever ("31212222312344444..."). As other engines bound digit counts, numbers get at most
+15 integer digits and 6 decimals (and no exponent), strings at most ``MAX_STRING_LENGTH``
+characters, unless the schema sets its own bounds; values with no schema (extra keys,
+``{}``) get the same bounds. An object that lists its properties takes no other keys unless
+it says so (``additionalProperties``); a ``strict`` schema (OpenAI's structured outputs)
+takes no other keys even then.
 """
 
 from __future__ import annotations
@@ -26,6 +35,92 @@ GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
 JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 
+# Bounds on free JSON values (see the module docstring). 10^15 keeps integers exact in a double.
+MAX_NUMBER = 10 ** 15
+NUMBER_STEP = 1e-6           # multipleOf: at most 6 decimals
+MAX_STRING_LENGTH = 1024
+ANY_VALUE = "__dualserve_value"  # the $defs entry for a value with no schema of its own
+ANY_REF = {"$ref": f"#/$defs/{ANY_VALUE}"}
+
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = ("items", "additionalItems", "additionalProperties", "contains", "propertyNames", "not", "if",
+               "then", "else", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
+_DEFINES_VALUE = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf", "not", "properties", "items",
+                  "prefixItems")
+
+
+def _any_value() -> dict:
+    """A JSON value of any type, with bounded numbers and strings (extra keys, ``{}`` schemas)."""
+    number = {"type": "number", "minimum": -MAX_NUMBER, "maximum": MAX_NUMBER, "multipleOf": NUMBER_STEP}
+    return {"anyOf": [{"type": "string", "maxLength": MAX_STRING_LENGTH}, number, {"type": "boolean"},
+                      {"type": "null"}, {"type": "array", "items": ANY_REF},
+                      {"type": "object", "additionalProperties": ANY_REF}]}
+
+
+def _bound(node, strict: bool):
+    if node is True or node == {}:
+        return dict(ANY_REF)
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _bound(v, strict) for k, v in out[key].items()}
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), (dict, bool)):
+            out[key] = _bound(out[key], strict)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_bound(v, strict) for v in out[key]]
+    if not any(k in out for k in _DEFINES_VALUE):  # a description only: any value
+        return {**out, **ANY_REF}
+    types = out.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    free = "enum" not in out and "const" not in out
+    if free and types & {"number", "integer"}:
+        lo, hi = _limit(out, "minimum", "exclusiveMinimum"), _limit(out, "maximum", "exclusiveMaximum")
+        if lo is None:
+            out["minimum"] = -MAX_NUMBER if hi is None else min(-MAX_NUMBER, hi - MAX_NUMBER)
+        if hi is None:
+            out["maximum"] = MAX_NUMBER if lo is None else max(MAX_NUMBER, lo + MAX_NUMBER)
+        if "integer" not in types and "multipleOf" not in out:
+            out["multipleOf"] = NUMBER_STEP
+    if free and "string" in types and "maxLength" not in out and "format" not in out:
+        least = out.get("minLength")
+        out["maxLength"] = least if isinstance(least, int) and least > MAX_STRING_LENGTH else MAX_STRING_LENGTH
+    if types & {"object"} or "properties" in out:
+        extra = out.get("additionalProperties")
+        if strict or (extra is None and "properties" in out):
+            # Only the listed keys: xgrammar's and outlines' default too, since a small model at
+            # temperature 0 otherwise invents keys until max_tokens.
+            out["additionalProperties"] = False
+        elif extra is None or extra is True or extra == ANY_REF:
+            out["additionalProperties"] = dict(ANY_REF)
+    return out
+
+
+def _limit(schema: dict, inclusive: str, exclusive: str) -> float | None:
+    """A numeric bound the schema sets (draft 4's boolean exclusiveMinimum/Maximum sets none)."""
+    for key in (inclusive, exclusive):
+        value = schema.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def bounded_schema(schema: dict, strict: bool = False) -> dict:
+    """``schema`` with every free number and string bounded, extra keys' values too, and (``strict``)
+    no keys beyond those listed; see the module docstring."""
+    try:
+        out = _bound(schema, strict)
+    except RecursionError:
+        raise GrammarError("the schema is nested too deeply") from None
+    if not isinstance(out, dict):
+        return out
+    return {**out, "$defs": {**out.get("$defs", {}), ANY_VALUE: _any_value()}}
+
+
 class GrammarError(ValueError):
     """The grammar or schema is invalid; the server answers 400."""
 
@@ -34,6 +129,7 @@ class GrammarError(ValueError):
 class GrammarSpec:
     kind: GrammarKind
     source: str = ""   # the schema (JSON text), regex or Lark text; empty for json_object
+    strict: bool = False  # json_schema: refuse keys the schema does not list (OpenAI's ``strict``)
 
 
 class Constraint:
@@ -113,11 +209,13 @@ class GrammarCompiler:
     def grammar(self, spec: GrammarSpec) -> str:
         ll = self._ll
         if spec.kind == "json_object":
-            return ll.grammar_from("json_schema", json.dumps({"type": "object", "x-guidance": JSON_LAYOUT}))
+            schema = {**bounded_schema({"type": "object"}), "x-guidance": JSON_LAYOUT}
+            return ll.grammar_from("json_schema", json.dumps(schema))
         if spec.kind == "json_schema":
             schema = json.loads(spec.source)
-            if isinstance(schema, dict) and "x-guidance" not in schema:
-                schema = {**schema, "x-guidance": JSON_LAYOUT}
+            if isinstance(schema, dict):
+                schema = bounded_schema(schema, spec.strict)
+                schema.setdefault("x-guidance", JSON_LAYOUT)
             return ll.grammar_from("json_schema", json.dumps(schema))
         if spec.kind == "regex":
             return ll.grammar_from("regex", spec.source)
