@@ -48,7 +48,7 @@ class Sequence:
     prompt_len: int
 
 
-def load_sequences(data_dir: Path, max_len: int) -> list[Sequence]:
+def load_distilled(data_dir: Path, max_len: int) -> list[Sequence]:
     """Answered records, cut to ``max_len`` tokens; a prompt too long to leave 8 answer tokens is dropped."""
     out = []
     for rec in read_records(data_dir):
@@ -70,7 +70,7 @@ class ShardStream:
 
     def refresh(self) -> int:
         """Reread the shards (they only grow); returns the number of complete blocks."""
-        self.seqs = load_sequences(self.data_dir, self.max_len)
+        self.seqs = load_distilled(self.data_dir, self.max_len)
         self._groups.clear()
         return len(self.seqs) // self.block
 
