@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -49,6 +49,9 @@ class Metrics:
 
     def __post_init__(self) -> None:
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends: the soak tool reads RSS here
+        # status: a finish reason (stop, length, ...), "error" (the engine failed it), "timeout"
+        # (--request-timeout), or "abort" (the client left, read too slowly, or the server shut down).
         self.requests = Counter("dualserve_requests", "Finished requests", ["decoder", "status"], registry=r)
         self.prompt_tokens = Counter("dualserve_prompt_tokens", "Prompt tokens", ["decoder"], registry=r)
         self.output_tokens = Counter("dualserve_generation_tokens", "Generated tokens", ["decoder"], registry=r)
