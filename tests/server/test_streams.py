@@ -9,6 +9,7 @@ a decoder can be made to fail on purpose: the ``ar`` decoder raises once a reque
 * /metrics counts those requests as ``status="error"`` and ``status="timeout"``.
 * A reader that falls more than ``max_buffered_deltas`` behind is ended (error event), its
   engine requests aborted.
+* A grammar is compiled once per request, whatever its n.
 * Admission: one request may take at most half the waiting queue, several choices only while a
   quarter stays free for single-choice requests.
 """
@@ -214,3 +215,18 @@ def test_admission_is_fair_between_requests(live: Live) -> None:
 
     asyncio.run(run())
     dep.engine.shutdown()
+
+
+def test_a_grammar_is_compiled_once_per_request(live: Live) -> None:
+    compiler = live.service.engine.grammar_compiler(MODEL)
+    compile_ = compiler.constraint
+    calls = []
+    compiler.constraint = lambda spec: calls.append(spec) or compile_(spec)
+    try:
+        r = httpx.post(f"{live.url}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Give me a JSON object."}], "n": 3, "max_tokens": 4,
+            "response_format": {"type": "json_object"}})
+    finally:
+        del compiler.constraint
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+    assert len(calls) == 1  # not once per choice
