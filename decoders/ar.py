@@ -15,6 +15,7 @@ until they are all computed, since cached positions would have none.
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
@@ -58,10 +59,9 @@ def sample_one(row: torch.Tensor, req: Request) -> int:
     return tok
 
 
-def sample_and_emit(runner: ModelRunner, reqs: Sequence[Request], hidden: torch.Tensor, emit) -> None:
-    """Sample one token per request from its last hidden state and commit it; a request whose
-    sampling, grammar or commit raises is failed alone (``guard``)."""
-    logits = runner.logits(hidden)  # (len(reqs), vocab)
+def sample_and_emit(reqs: Sequence[Request], logits: torch.Tensor, emit) -> None:
+    """Sample one token per request from its logits row (len(reqs), vocab) and commit it; a
+    request whose sampling, grammar or commit raises is failed alone (``guard``)."""
     tokens: list[int | None] = [None] * len(reqs)
     # Plain greedy rows (the common case) share one argmax; argmax is exact, so this
     # gives the same tokens as row by row.
@@ -121,20 +121,21 @@ class ARDecoder:
         if not batch:
             return
         hidden, _ = self.runner.forward(span_items(batch, self.pool))
-        last_rows, ready = [], []
-        offset = 0
-        for s in batch:
+        ends = list(itertools.accumulate(s.num_new_tokens for s in batch))  # each span's end row
+        # Requests whose span reaches their last known token sample the next one. Their logits are
+        # the step's last shared computation, made before any request's state changes: if it
+        # raises, the engine retries the batch as it was (isolation.py).
+        ready = [i for i, s in enumerate(batch)
+                 if s.request.num_computed + s.num_new_tokens == s.request.num_tokens]
+        logits = self.runner.logits(hidden[[ends[i] - 1 for i in ready]]) if ready else None  # (ready, vocab)
+        for s, end in zip(batch, ends):
             req, n = s.request, s.num_new_tokens
-            rows = hidden[offset: offset + n]
-            offset += n
             start = req.num_computed
-            with guard(req, emit, "prefill") as g:
+            with guard(req, emit, "prefill"):
                 if req.needs_prompt_logprobs:
-                    fill_prompt_logprobs(self.runner, req, rows, start)
+                    fill_prompt_logprobs(self.runner, req, hidden[end - n: end], start)
                 self.pool.mark_written(req.table, req.all_ids, start + n)
                 req.num_forwards += 1
-            if not g.failed and start + n == req.num_tokens:
-                last_rows.append(offset - 1)
-                ready.append(req)
-        if ready:
-            sample_and_emit(self.runner, ready, hidden[last_rows], emit)
+        live = [j for j, i in enumerate(ready) if not batch[i].request.finished]
+        if live:
+            sample_and_emit([batch[ready[j]].request for j in live], logits[live], emit)

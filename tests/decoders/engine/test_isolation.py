@@ -148,6 +148,25 @@ def test_a_forward_that_raises_is_bisected_to_its_request(model: Transformer) ->
     check_isolated(engine, make_engine(model), ([3, 4], late))  # fails on its first decode step
 
 
+def test_shared_logits_that_raise_once_are_retried_from_an_unchanged_state(model: Transformer) -> None:
+    """The step's shared logits are computed before any request's state moves, so a retry of
+    the batch (isolation.py) continues exactly where it was."""
+    engine = make_engine(model)
+    runner = engine.decoders[("m", "ar")].runner
+    logits, calls = runner.logits, []
+
+    def broken_once(hidden):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("logits broke")
+        return logits(hidden)
+
+    runner.logits = broken_once
+    outs = run(engine, [(p, GREEDY) for p in PROMPTS])
+    assert [tokens(o) for o in outs] == [tokens(o) for o in run(make_engine(model), [(p, GREEDY) for p in PROMPTS])]
+    assert all(o[-1].finish_reason == "length" for o in outs)
+
+
 def test_sampling_that_raises_fails_only_its_request(model: Transformer) -> None:
     """A logit bias outside the vocabulary (the server refuses it; the engine must not trust that)."""
     bad = SamplingParams(max_tokens=8, temperature=0.5, seed=1, logit_bias={10 ** 6: 1.0})
