@@ -9,9 +9,10 @@ grammar, drafting, committing). Two rules keep a failure to the request that cau
   its culprit, so ``run_isolated`` retries the batch in halves, leaving out requests that
   already received output or finished in the failed attempt, until the request that fails
   alone is found and failed (bisection: about 2 log2(batch) extra forwards for one bad
-  request). A retry is sound because decoders change a request's state only once a forward
-  it needs has succeeded (the state before it is complete), and a forward that is run again
-  writes the same keys/values into the same slots.
+  request). A retry is sound because a decoder changes a request's state only after the
+  step's shared computations (forwards, the batch's logits) have succeeded, or leaves it
+  complete before them (EAGLE's catch-up), and a forward that is run again writes the same
+  keys/values into the same slots.
 """
 
 from __future__ import annotations
