@@ -127,6 +127,8 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
         from .eagle.decoder import EagleDecoder
 
         head = load_eagle_head(spec.eagle_head, base.model, device=device)
+        if compile is not None and compile.background and runner.compiled is not None and head.config.aux_layers:
+            runner.compiled.prewarm(head.config.aux_layers)
         engine.add_decoder(spec.name, EagleDecoder(runner, engine.pool, head), base.tokenizer,
                            base.config.vocab_size)
     if spec.twin is not None:

@@ -204,10 +204,11 @@ class CompiledStep:
         else:
             self.worker.submit(lambda: self._compile(key))
 
-    def prewarm(self) -> None:
-        """Ask for the four plain shapes now, decode first, so they compile while the server starts."""
+    def prewarm(self, aux_layers: Sequence[int] = ()) -> None:
+        """Ask for the four shapes now, decode first, so they compile while the server starts
+        (``aux_layers``: the variant that also returns those layers' features, for EAGLE)."""
         for shape in (StepShape(False, False), StepShape(False, True), StepShape(True, False), StepShape(True, True)):
-            self._request((shape, ()))
+            self._request((shape, tuple(aux_layers)))
 
     def warm(self, keys: Sequence[tuple[StepShape, tuple[int, ...]]]) -> None:
         """Compile these shapes now, on the calling thread (start-up, tests)."""
