@@ -149,6 +149,7 @@ def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest set whose mass reaches top_p (the first token always stays).
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop[..., 0] = False  # explicitly: a top_p under float32's smallest value (1e-300) rounds to 0
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     if params.min_p > 0:

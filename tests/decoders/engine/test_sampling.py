@@ -48,6 +48,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert kept(truncated_probs(LOGITS, SamplingParams(top_p=0.7))) == [0, 1]      # 0.4 + 0.3 reaches 0.7
     assert kept(truncated_probs(LOGITS, SamplingParams(top_p=0.71))) == [0, 1, 2]
     assert kept(truncated_probs(LOGITS, SamplingParams(top_p=0.05))) == [0]       # the best always stays
+    assert kept(truncated_probs(LOGITS, SamplingParams(top_p=1e-300))) == [0]     # 0 in float32: still stays
     got = truncated_probs(LOGITS, SamplingParams(top_p=0.9))
     assert torch.allclose(got[:3], torch.tensor([0.4, 0.3, 0.2]) / 0.9, atol=1e-6)
 
