@@ -11,6 +11,7 @@ Output, under ``--out`` (default ``~/.cache/dualserve/distil/<model>-<format>/``
 
   ``shard-NNNNN.jsonl``  append-only; one record per answered turn:
       {"index", "turn", "kind", "prompt_ids", "answer_ids", "finish", "temperature", "settings"}
+      ``finish`` is "stop", "length", "loop" (cut once it looped, ``looping``) or "skipped".
       ``prompt_ids`` + ``answer_ids`` is the sequence; the boundary is len(prompt_ids).
       ``settings`` is the key of the generation settings in the manifest.
   ``manifest.json``      model, weight format, settings, prompt-set seed, held-out files,
@@ -40,6 +41,23 @@ from dualserve.models.loader import LoadedModel
 from .distil_prompts import Conversation, HeldOut, Message, conversation, default_held_out, signature
 
 SHARD_RECORDS = 1000  # records per shard before the next one opens
+ANSWERED = ("stop", "length", "loop")  # finishes whose answer is the target's own text ("loop": cut, see below)
+
+
+def looping(ids: list[int], window: int) -> bool:
+    """The last ``window`` tokens repeat with some period p <= window / 2.
+
+    A small greedy model often falls into a loop and stays there until max_tokens;
+    in the first sample of this job such answers held over half of all answer tokens,
+    three quarters of their 4-grams repeats. Cutting an answer once two full cycles
+    are in keeps an example of the loop (a draft head should learn to continue it) and
+    spends the rest of the budget on new text. The kept tokens are still exactly the
+    target's own.
+    """
+    if window <= 0 or len(ids) < window + 1:
+        return False
+    tail = ids[-window:]
+    return any(tail[:-p] == tail[p:] for p in range(1, window // 2 + 1))
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,7 @@ class Settings:
     max_prompt_len: int       # longer prompts are recorded as "skipped"
     model: str
     quantization: str
+    loop_window: int = 96     # stop an answer whose last this-many tokens repeat with a period <= half of it
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -237,19 +256,23 @@ class Distiller:
                            "temperature": s.temperature, "settings": s.key})
         self.new_tokens += len(answer)
         self.new_records += 1
-        if work.turn < work.conv.turns and finish in ("stop", "length"):
+        if work.turn < work.conv.turns and finish in ANSWERED:
             # Second turns are long (they hold the first): they join the window's tail, beside the longest.
             self.queue.append(self.make_work(work.index, work.turn + 1, work.conv, answer))
 
-    def sink_for(self, work: Work) -> Callable:
+    def sink_for(self, work: Work, engine) -> tuple[Callable, dict]:
         answer: list[int] = []
+        request = {"id": None, "loop": False}  # the id is set right after submit, before any delta
 
         def sink(_index: int, delta) -> None:
             answer.extend(delta.token_ids)
             if delta.finish_reason is not None:
                 self.inflight -= 1
-                self.record(work, answer, delta.finish_reason)
-        return sink
+                self.record(work, answer, "loop" if request["loop"] else delta.finish_reason)
+            elif not request["loop"] and looping(answer, self.spec.settings.loop_window):
+                request["loop"] = True
+                engine.abort(request["id"])
+        return sink, request
 
     def next_conversation(self) -> Work | None:
         """The next unfinished conversation's first pending turn, or None when the set is exhausted."""
@@ -262,7 +285,7 @@ class Distiller:
                 continue
             self.seen.add(sig)
             turns = self.done.get(i, {})
-            if len(turns) >= conv.turns or any(t["finish"] not in ("stop", "length") for t in turns.values()):
+            if len(turns) >= conv.turns or any(t["finish"] not in ANSWERED for t in turns.values()):
                 continue
             if 1 in turns:  # turn 1 finished in an earlier run: continue from its recorded answer
                 return self.make_work(i, 2, conv, turns[1]["answer_ids"])
@@ -291,7 +314,8 @@ class Distiller:
             if len(work.prompt_ids) > self.spec.settings.max_prompt_len:
                 self.record(work, [], "skipped")
                 continue
-            engine.submit(self.loaded.name, "ar", work.prompt_ids, params, self.sink_for(work))
+            sink, request = self.sink_for(work, engine)
+            request["id"] = engine.submit(self.loaded.name, "ar", work.prompt_ids, params, sink)
             self.inflight += 1
 
     def run(self, log_every: float) -> dict:
@@ -355,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=400)
     p.add_argument("--max-prompt-len", type=int, default=1536)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loop-window", type=int, default=96, help="cut an answer once its last N tokens loop "
+                   "(0: never)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="compiled steps (built on a background thread, eager "
                    "until ready; on one busy core the build takes long and slows the eager steps meanwhile)")
@@ -366,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(path, name=name, dtype=torch.float32, cache_dir=cache, quantization=args.quantization)
     out = Path(args.out) if args.out else cache / "distil" / model_key(loaded)
     settings = Settings(args.seed, args.temperature, args.max_new_tokens, args.max_prompt_len, loaded.name,
-                        loaded.quantization)
+                        loaded.quantization, args.loop_window)
     root = Path(__file__).resolve().parents[2]
     files = sorted(str(f.relative_to(root)) for f in (root / "clients" / "prompts").glob("*.jsonl"))
     spec = JobSpec(settings, args.tokens, args.concurrency, default_held_out(root), tuple(files),

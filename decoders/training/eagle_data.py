@@ -27,7 +27,7 @@ import torch
 from dualserve.models.attention import DenseAttention
 from dualserve.models.transformer import Transformer
 
-from .distil import read_records
+from .distil import ANSWERED, read_records
 from .eagle_losses import Batch
 
 
@@ -53,7 +53,7 @@ def load_distilled(data_dir: Path, max_len: int) -> list[Sequence]:
     out = []
     for rec in read_records(data_dir):
         prompt, answer = rec["prompt_ids"], rec["answer_ids"]
-        if rec["finish"] not in ("stop", "length") or not answer or len(prompt) + 8 > max_len:
+        if rec["finish"] not in ANSWERED or not answer or len(prompt) + 8 > max_len:
             continue
         ids = (prompt + answer)[:max_len]
         out.append(Sequence(torch.tensor(ids, dtype=torch.long), len(prompt)))

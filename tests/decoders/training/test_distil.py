@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dualserve.decoders.training.distil import JobSpec, Settings, distil, read_records
+from dualserve.decoders.training.distil import JobSpec, Settings, distil, looping, read_records
 from dualserve.decoders.training.distil_prompts import HeldOut, conversation, default_held_out, signature
 from dualserve.models.loader import load_model
 from tiny_twin import write_tiny_llama
@@ -84,3 +84,24 @@ def dup_indices(n: int) -> set[int]:
         s = signature(conversation(0, i, HeldOut()))
         (dups.add(i) if s in seen else seen.add(s))
     return dups
+
+
+def test_looping_answers_are_detected_once_two_cycles_are_in() -> None:
+    cycle = [5, 9, 7, 3]
+    assert looping([1, 2, 3] + cycle * 6, window=8)
+    assert looping([1, 2, 3] + cycle * 2, window=8)           # two full cycles: enough
+    assert not looping([1, 2, 3, 4] + cycle + [6, 8, 1], window=8)
+    assert not looping(list(range(40)), window=8)
+    assert not looping([1, 2, 3] + cycle * 6, window=0)       # off
+
+
+def test_a_looping_answer_is_cut_and_kept(tiny, tmp_path: Path) -> None:
+    settings = Settings(seed=0, temperature=0.0, max_new_tokens=40, max_prompt_len=4096, model=tiny.name,
+                        quantization=tiny.quantization, loop_window=6)
+    with torch.inference_mode():
+        distil(tiny, tmp_path, JobSpec(settings, 10**9, 4, max_conversations=4), lambda m: None)
+    recs = list(read_records(tmp_path))
+    cut = [r for r in recs if r["finish"] == "loop"]
+    assert cut, [r["answer_ids"] for r in recs]  # the tiny random model falls into loops
+    for r in cut:
+        assert len(r["answer_ids"]) < 40 and looping(r["answer_ids"], 6)
