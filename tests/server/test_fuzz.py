@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from dualserve.clients.fuzz import is_stream, request, verdict
 
 HANG_S = 60.0  # a request that takes longer has hung
-EXAMPLES = {"/v1/completions": 120, "/v1/chat/completions": 100, "/infill": 60}
+EXAMPLES = {"/v1/completions": 100, "/v1/chat/completions": 80, "/infill": 50}
 STATUSES: dict[str, Counter] = defaultdict(Counter)  # by endpoint, filled as the campaign runs
 
 
