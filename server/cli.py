@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dualserve.decoders.engine.openmp import SpinGovernor, run_on_own_thread
 from dualserve.models.hub import ModelFetchError, default_cache_dir, pull_default_model, resolve_model
 
 if TYPE_CHECKING:
@@ -196,7 +197,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except PortInUse as e:
         print(f"dualserve: {e}", file=sys.stderr)
         return 2
-    dep = load_deployment(args)
+    # Torch work before serving runs on a thread that exits, so the engine's thread owns the one
+    # long-lived OpenMP pool and its teams spin (decoders/engine/openmp.py).
+    dep = run_on_own_thread(load_deployment, args)
     served = served_models(dep, args.max_model_len)
     metrics = Metrics(node_cost_per_hour=args.node_cost_per_hour)
     metrics.record_formats(dep.format_table, {n: m.quantization for n, m in dep.models.items()})
@@ -212,10 +215,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .calibrate import calibrate
 
         name = next(iter(dep.models))
-        policy, _ = calibrate(dep.engine, name, dep.models[name].tokenizer, policy)
+        policy, _ = run_on_own_thread(calibrate, dep.engine, name, dep.models[name].tokenizer, policy)
     router = Router(policy)
     service = Service(dep.engine, served, router, ServiceLimits(request_timeout=args.request_timeout), metrics)
     dep.engine.start()
+    if args.device == "cpu":
+        SpinGovernor().start()
     app_state = AppState(service=service, metrics=metrics, api_key=args.api_key, on_shutdown=[dep.engine.shutdown],
                          body_limit=int(args.max_body_mb * 2**20))
     host = f"[{args.host}]" if ":" in args.host else args.host
@@ -240,6 +245,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     dep = load_deployment(args)
     name = next(iter(dep.models))
     tok = dep.models[name].tokenizer
+    if args.device == "cpu":
+        SpinGovernor().start()
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False)
