@@ -101,10 +101,10 @@ OPEN_PATHS = ("/health", "/")
 
 
 def check_request(request: Request) -> Response | None:
-    """Refuse new work while draining (503, Retry-After), then Bearer authentication for everything
-    but OPEN_PATHS: exactly "Bearer KEY", compared in constant time."""
+    """Refuse new work while draining (503, Retry-After; reads such as /metrics stay open), then
+    Bearer authentication for everything but OPEN_PATHS: exactly "Bearer KEY", in constant time."""
     app: AppState = request.app.state.app_state
-    if app.draining and request.url.path != "/health":
+    if app.draining and request.method == "POST":
         return error_response(APIError(ErrorKind.NO_CAPACITY, "The server is shutting down; retry shortly.", None,
                                        "server_shutting_down", headers={"Retry-After": "5"}))
     if not app.api_key or request.url.path in OPEN_PATHS:

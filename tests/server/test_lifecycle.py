@@ -101,6 +101,7 @@ def test_sigterm_drains_streams_and_exits_zero(default_gguf: Path, cache_dir: Pa
         assert refused.json()["error"]["code"] == "server_shutting_down"
         health = httpx.get(f"{url}/health", timeout=10)
         assert health.status_code == 503 and health.json() == {"status": "draining"}
+        assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200  # reads stay open
         assert proc.wait(timeout=60) == 0, log_tail(log)
         for t in threads:
             t.join(timeout=30)

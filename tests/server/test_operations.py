@@ -137,7 +137,8 @@ def test_newer_keystroke_aborts_older_request_at_once(server_url):
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (.ci/run installs it)")
 def test_status_page_renders_in_headless_chromium(server_url, tmp_path):
-    httpx.post(f"{server_url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=120)
+    httpx.post(f"{server_url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "decoder": "ar"},
+               timeout=120)
     shot = tmp_path / "status.png"
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -150,4 +151,4 @@ def test_status_page_renders_in_headless_chromium(server_url, tmp_path):
                          capture_output=True, text=True).stdout
     assert "dualserve" in dom and dom.count("<canvas") == 3
     # The page's script filled the "Now" table from /status.json.
-    assert re.search(r"<td>ar</td>", dom)
+    assert re.search(r"<td>ar</td>", dom), re.findall(r'<table id="now">.*?</table>', dom)
