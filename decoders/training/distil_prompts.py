@@ -74,10 +74,10 @@ class HeldOut:
         return cls(out)
 
     def overlaps(self, text: str) -> bool:
+        """``text`` contains a held-out prompt ("What is 42 + 23? Answer with just the number." holds
+        "What is 42 + 23?"), or is a long part of one (the passage of a held-out summary)."""
         t = _norm(text)
-        # Short held-out prompts ("What is 42 + 23?") only count as exact matches; long ones also
-        # when a training prompt embeds them (a summary of the same passage).
-        return t in self.prompts or any(len(p) >= 40 and (p in t or t in p) for p in self.prompts)
+        return any(p in t or (len(t) >= 40 and t in p) for p in self.prompts)
 
 
 def default_held_out(repo_root: Path | None = None) -> HeldOut:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -48,12 +49,16 @@ class Sequence:
     prompt_len: int
 
 
-def load_distilled(data_dir: Path, max_len: int) -> list[Sequence]:
-    """Answered records, cut to ``max_len`` tokens; a prompt too long to leave 8 answer tokens is dropped."""
+def load_distilled(data_dir: Path, max_len: int,
+                   exclude: Callable[[list[int]], bool] | None = None) -> list[Sequence]:
+    """Answered records, cut to ``max_len`` tokens; a prompt too long to leave 8 answer tokens is dropped,
+    and so is one that ``exclude`` names (a prompt that holds an evaluation prompt)."""
     out = []
     for rec in read_records(data_dir):
         prompt, answer = rec["prompt_ids"], rec["answer_ids"]
         if rec["finish"] not in ANSWERED or not answer or len(prompt) + 8 > max_len:
+            continue
+        if exclude is not None and exclude(prompt):
             continue
         ids = (prompt + answer)[:max_len]
         out.append(Sequence(torch.tensor(ids, dtype=torch.long), len(prompt)))
@@ -63,14 +68,16 @@ def load_distilled(data_dir: Path, max_len: int) -> list[Sequence]:
 class ShardStream:
     """Deterministic, resumable batches over shards that may still be growing."""
 
-    def __init__(self, data_dir: Path, batch_size: int, block: int = 256, seed: int = 0, max_len: int = 1024):
+    def __init__(self, data_dir: Path, batch_size: int, block: int = 256, seed: int = 0, max_len: int = 1024,
+                 exclude: Callable[[list[int]], bool] | None = None):
         self.data_dir, self.batch_size, self.block, self.seed, self.max_len = data_dir, batch_size, block, seed, max_len
+        self.exclude = exclude
         self.seqs: list[Sequence] = []
         self._groups: dict[tuple[int, int], list[list[int]]] = {}
 
     def refresh(self) -> int:
         """Reread the shards (they only grow); returns the number of complete blocks."""
-        self.seqs = load_distilled(self.data_dir, self.max_len)
+        self.seqs = load_distilled(self.data_dir, self.max_len, self.exclude)
         self._groups.clear()
         return len(self.seqs) // self.block
 

@@ -45,6 +45,7 @@ from dualserve.models.config import RopeScaling
 from dualserve.models.eagle import EagleConfig, EagleHead, HEAD_CLASSES, eagle3_aux_layers, save_eagle_head
 from dualserve.models.loader import LoadedModel
 
+from .distil_prompts import default_held_out
 from .eagle_data import Cursor, ShardStream, target_batch
 from .eagle_losses import Batch, eagle1_loss, eagle3_loss
 from .eagle_prompts import build_prompts
@@ -381,7 +382,12 @@ def run_stream(loaded: LoadedModel, args: argparse.Namespace, work: Path) -> Pat
     if args.kind != "eagle3":
         raise SystemExit("--data trains EAGLE-3 heads (training-time test); use --kind eagle3")
     work.mkdir(parents=True, exist_ok=True)
-    stream = ShardStream(Path(args.data), args.batch_size, args.block, args.seed, args.max_len)
+    # The evaluation prompts were kept out when the data was made; checking again here also keeps
+    # out any added to clients/prompts since.
+    held_out = default_held_out()
+    tok = loaded.tokenizer
+    exclude = (lambda ids: held_out.overlaps(tok.decode(ids, skip_special_tokens=True))) if tok else None
+    stream = ShardStream(Path(args.data), args.batch_size, args.block, args.seed, args.max_len, exclude)
     stream.refresh()
     seqs = [{"ids": s.ids, "prompt_len": torch.tensor(s.prompt_len)} for s in stream.seqs]
     answer = sum(len(s["ids"]) - int(s["prompt_len"]) for s in seqs)

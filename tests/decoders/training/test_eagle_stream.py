@@ -137,3 +137,14 @@ def test_stream_takes_in_new_shards_at_the_next_pass(tmp_path: Path) -> None:
         batch, c = again.next(c)
         replay += [tuple(s.ids.tolist()) for s in batch]
     assert replay == seen  # a pass is fixed by its cursor, whatever was appended since
+
+
+def test_excluded_prompts_never_reach_training(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    write_shard(data, 16)
+    everything = ShardStream(data, 4, block=8)
+    everything.refresh()
+    banned = everything.seqs[3].ids[:everything.seqs[3].prompt_len].tolist()
+    kept = ShardStream(data, 4, block=8, exclude=lambda ids: ids == banned)
+    kept.refresh()
+    assert len(kept.seqs) == 15 and all(s.ids[:s.prompt_len].tolist() != banned for s in kept.seqs)
