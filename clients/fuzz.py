@@ -207,6 +207,6 @@ def sample(n: int, seed: int) -> list[tuple[str, bytes]]:
 def is_stream(raw: bytes) -> bool:
     try:
         parsed = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return isinstance(parsed, dict) and parsed.get("stream") is True

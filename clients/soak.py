@@ -155,11 +155,14 @@ async def soak(url: str, requests: int, streams: int, minutes: float, seed: int,
                 if i >= requests and time.monotonic() >= until:
                     return
                 report.sent += 1
-                if storm_every and i % storm_every == storm_every - 1:
-                    await storm(client, ENDPOINTS[i % len(ENDPOINTS)], next(decoders), rng.randrange(0, 6), report,
-                                hang_s)
-                else:
-                    await fuzzed(client, *bodies[i % len(bodies)], report, hang_s)
+                try:
+                    if storm_every and i % storm_every == storm_every - 1:
+                        await storm(client, ENDPOINTS[i % len(ENDPOINTS)], next(decoders), rng.randrange(0, 6),
+                                    report, hang_s)
+                    else:
+                        await fuzzed(client, *bodies[i % len(bodies)], report, hang_s)
+                except Exception as e:  # noqa: BLE001 - the soak reports, it does not stop
+                    report.problems.append(f"request {i}: the soak itself failed: {type(e).__name__}: {e}")
 
         await asyncio.gather(*(worker() for _ in range(streams)))
         report.seconds = time.monotonic() - started

@@ -69,7 +69,8 @@ def route_headers(route: Route) -> dict[str, str]:
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Run ``work``; if the client goes away first, cancel it (which aborts its engine requests)."""
+    """Run ``work``; if the client goes away first, cancel it (which aborts its engine requests) and
+    return ``CLIENT_GONE``."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
@@ -82,9 +83,14 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     if task not in done:
         task.cancel()
-        raise asyncio.CancelledError
+        return CLIENT_GONE
     watcher.cancel()
     return task.result()
+
+
+CLIENT_GONE = object()
+# nginx's "client closed request": never seen by the client, but not logged as a server error either.
+CLIENT_GONE_STATUS = 499
 
 
 def json_response(body: Any, headers: dict[str, str]) -> Response:
@@ -144,6 +150,8 @@ async def generate(request: Request, state: State, body_decoder: msgspec.json.De
     if body.stream:
         return sse_response(handler.stream(job), headers)
     results = await until_disconnect(request, service.collect(job))
+    if results is CLIENT_GONE:
+        return Response(content=b"", status_code=CLIENT_GONE_STATUS)
     return json_response(handler.respond(job, results), headers)
 
 

@@ -10,6 +10,7 @@ a decoder can be made to fail on purpose: the ``ar`` decoder raises once a reque
 * A reader that falls more than ``max_buffered_deltas`` behind is ended (error event), its
   engine requests aborted.
 * A grammar is compiled once per request, whatever its n.
+* A client that leaves a non-streamed request aborts it without a server error in the log.
 * Admission: one request may take at most half the waiting queue, several choices only while a
   quarter stays free for single-choice requests.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -230,3 +232,19 @@ def test_a_grammar_is_compiled_once_per_request(live: Live) -> None:
         del compiler.constraint
     assert r.status_code == 200 and len(r.json()["choices"]) == 3
     assert len(calls) == 1  # not once per choice
+
+
+def test_a_client_leaving_a_collected_request_aborts_it_quietly(live: Live,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    errors = logging.getLogger("uvicorn.error")
+    errors.addHandler(caplog.handler)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{live.url}/v1/completions", json={"prompt": "Hi", **LONG, "max_tokens": 1500}, timeout=1.0)
+        deadline = time.monotonic() + 10
+        while live.service.live and time.monotonic() < deadline:  # its engine request is aborted
+            time.sleep(0.05)
+        assert not live.service.live
+    finally:
+        errors.removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text  # no "Exception in ASGI app"
