@@ -81,6 +81,7 @@ class Drain:
         self.timeout = timeout
         self.done = done
         self.started = False
+        self._task: asyncio.Task | None = None
         self._hurry = asyncio.Event()
 
     def start(self) -> None:
@@ -89,7 +90,7 @@ class Drain:
             self._hurry.set()
             return
         self.started = True
-        asyncio.ensure_future(self.run())
+        self._task = asyncio.ensure_future(self.run())  # held: the loop keeps only weak references to tasks
 
     async def run(self) -> None:
         service: Service = self.app_state.service
