@@ -76,7 +76,7 @@ class Metrics:
         self.utilisation = Gauge("dualserve_device_utilisation", "Share of wall time spent in engine steps",
                                  registry=r)
         self.running = Gauge("dualserve_requests_running", "Requests running", registry=r)
-        self.waiting = Gauge("dualserve_requests_waiting", "Requests waiting", registry=r)
+        self.waiting = Gauge("dualserve_requests_waiting", "Choices queued and not yet running", registry=r)
         self.throughput = Gauge("dualserve_throughput_tokens_per_second", "Generated tokens per busy second",
                                 ["decoder"], registry=r)
         self.cost = Gauge("dualserve_cost_per_million_tokens", "Effective cost per 1M generated tokens",
@@ -109,7 +109,7 @@ class Metrics:
         self.pool_usage.set(pool.usage())
         self.pool_blocks.set(pool.num_blocks)
         self.running.set(len(engine.scheduler.running))
-        self.waiting.set(len(engine.scheduler.waiting))
+        self.waiting.set(engine.num_queued())  # read under the engine's lock, as admission reads it
         last_at, last_busy = self._busy_mark
         busy = engine.stats.busy_seconds
         util = min(1.0, (busy - last_busy) / (now - last_at)) if now - last_at > 0.5 else self._util
