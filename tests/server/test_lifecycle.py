@@ -74,7 +74,7 @@ def test_sigterm_drains_streams_and_exits_zero(default_gguf: Path, cache_dir: Pa
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "dualserve.log"
     with open(log, "wb") as sink:
-        proc = subprocess.Popen(serve_cmd(port, cache_dir, policy, "--shutdown-timeout", "4"), stdout=sink,
+        proc = subprocess.Popen(serve_cmd(port, cache_dir, policy, "--shutdown-timeout", "8"), stdout=sink,
                                 stderr=subprocess.STDOUT)
     try:
         wait_healthy(url, proc, log)
