@@ -28,7 +28,7 @@ from litestar import Response, delete, get
 from litestar.datastructures import State
 
 from .chat import ChatHandler
-from .errors import APIError, ErrorKind
+from .errors import APIError, ErrorKind, bad_request
 from .protocol import (ChatTokenLogprob, FunctionCallItem, OutputMessage, OutputText, ResponseObject, ResponsesRequest,
                        ResponsesUsage, encoder)
 from .response_store import ResponseStore
@@ -77,6 +77,8 @@ class ResponsesHandler:
         history = store.get(body.previous_response_id, "previous_response_id").messages \
             if body.previous_response_id else []
         self.messages = [*history, *input_messages(body.input)]
+        if not self.messages and not body.instructions:
+            raise bad_request("input holds no message to answer", "input", "missing_required_parameter")
         self.chat = ChatHandler(service, chat_request(body, self.messages), header_decoder)
         self.created_at = int(time.time())
 

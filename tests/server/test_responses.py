@@ -158,6 +158,7 @@ def test_parse_with_pydantic_and_json_object(client):
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]),
      "input[0].content[0]"),
     (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input[0]"),
+    (dict(input=[{"type": "reasoning", "summary": []}]), "input"),
     (dict(tools=[WEATHER], tool_choice={"type": "web_search_preview"}), "tool_choice"),
     (dict(extra_body={"conversation": "conv_1"}), "conversation"),
     (dict(temperature=3.0), "temperature"),
