@@ -187,6 +187,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import AppState, create_app
+    from .response_store import ResponseStore
     from .lifecycle import DrainingServer, PortInUse, bind_port, startup_lines
     from .metrics import Metrics
     from .router import Router, load_policy
@@ -222,7 +223,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.device == "cpu":
         SpinGovernor().start()
     app_state = AppState(service=service, metrics=metrics, api_key=args.api_key, on_shutdown=[dep.engine.shutdown],
-                         body_limit=int(args.max_body_mb * 2**20))
+                         body_limit=int(args.max_body_mb * 2**20),
+                         response_store=ResponseStore.sized(args.response_store_size, args.response_store_mb))
     host = f"[{args.host}]" if ":" in args.host else args.host
     for line in startup_lines(dep, served, f"http://{host}:{args.port}", args.device, torch.get_num_threads(),
                               args.shutdown_timeout):
@@ -301,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--node-cost-per-hour", type=float, default=0.0,
                        help="node cost (any currency) per hour, for cost-per-token metrics")
     serve.add_argument("--max-body-mb", type=float, default=8.0, help="request body size limit")
+    serve.add_argument("--response-store-size", type=int, default=None,
+                       help="stored /v1/responses kept at most, least recently used evicted first (default 1024)")
+    serve.add_argument("--response-store-mb", type=float, default=None,
+                       help="memory for stored /v1/responses, counted as their JSON (default 64)")
     serve.add_argument("--router-policy", default=None, help="JSON file with routing policy overrides "
                        "(see README: Routing)")
     serve.add_argument("--calibrate-router", action="store_true",

@@ -40,6 +40,12 @@ class ResponseStore:
         self.entries: OrderedDict[str, StoredResponse] = OrderedDict()  # least recently used first
         self.bytes = 0
 
+    @classmethod
+    def sized(cls, max_responses: int | None, max_mb: float | None) -> ResponseStore:
+        """From the CLI's bounds; None keeps a default."""
+        return cls(DEFAULT_MAX_RESPONSES if max_responses is None else max_responses,
+                   DEFAULT_MAX_BYTES if max_mb is None else int(max_mb * 2**20))
+
     def __len__(self) -> int:
         return len(self.entries)
 

@@ -41,6 +41,9 @@ def test_store_evicts_least_recently_used_by_count():
     with pytest.raises(APIError) as err:
         store.get("b")
     assert err.value.status == 404 and err.value.code == "response_not_found"
+    assert ResponseStore.sized(None, 0.5).max_bytes == 2**19 and ResponseStore.sized(3, None).max_responses == 3
+    off = ResponseStore.sized(0, None)
+    assert not off.put(body("a"), []) and len(off) == 0   # --response-store-size 0 keeps nothing
 
 
 def test_store_evicts_by_bytes_and_refuses_what_never_fits():
