@@ -45,6 +45,8 @@ from .paged_attention import AttentionMetadata, KVCache, SeqAttention, as_stored
 
 log = logging.getLogger("dualserve.compile")
 
+GRAPH_LIMIT = 64  # compiled graphs per code object (dynamo's recompile_limit), see _compile
+
 
 class PaddedPagedAttention:
     """Paged attention over a padded step; tensors only, so it traces into one graph."""
@@ -168,10 +170,6 @@ class CompiledStep:
         self.cache = cache
         self.scratch = scratch
         self.worker = worker
-        # Every CompiledStep traces the same ``_forward`` code object, and dynamo caps the graphs
-        # per code object (8 by default): four shapes for each runner (AR, twin), plus EAGLE's
-        # auxiliary-feature variants, would pass it, and a step past the cap silently stays eager.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.fn = torch.compile(self._forward, dynamic=True)
         self.ready: set[tuple[StepShape, tuple[int, ...]]] = set()
         self.failed = False
@@ -222,7 +220,11 @@ class CompiledStep:
         name = f"{'batch' if shape.many_seqs else 'single'}/{'multi' if shape.many_queries else 'one'}-token"
         start = time.perf_counter()
         try:
-            with torch.inference_mode():
+            # Every CompiledStep traces the same ``_forward`` code object, and dynamo caps the graphs
+            # per code object (8 by default): four shapes for each runner (AR, twin), plus EAGLE's
+            # auxiliary-feature variants, pass it, and a shape past the cap silently stays eager.
+            # Dynamo's config is per thread: the cap is raised on the thread that compiles.
+            with torch._dynamo.config.patch(recompile_limit=GRAPH_LIMIT), torch.inference_mode():
                 for n in (3, 5):  # two sizes: the graph must be the dynamic one
                     ids, pos, meta = self._example(shape, n)
                     attn = PaddedPagedAttention.build(self.cache, meta, self.cache.k[0].device)
