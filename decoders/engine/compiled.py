@@ -120,6 +120,19 @@ class StepShape:
         return cls(len(meta.seqs) > 1, max(s.query_len for s in meta.seqs) > 1)
 
 
+class ForwardWithFeatures(torch.nn.Module):
+    """``model``'s forward, also returning the residual stream after the ``aux_layers``."""
+
+    def __init__(self, model: torch.nn.Module, aux_layers: tuple[int, ...]):
+        super().__init__()
+        self.model = model
+        self.aux_layers = aux_layers
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor,
+                attn: PaddedPagedAttention) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.model(ids, pos, attn, aux_layers=self.aux_layers)
+
+
 class CompileWorker:
     """One background thread that runs compile jobs in the order they were asked for.
 
@@ -170,16 +183,22 @@ class CompiledStep:
         self.cache = cache
         self.scratch = scratch
         self.worker = worker
-        self.fn = torch.compile(self._forward, dynamic=True)
+        self._fns: dict[tuple[int, ...], Callable] = {}  # one compiled forward per set of feature layers
         self.ready: set[tuple[StepShape, tuple[int, ...]]] = set()
         self.failed = False
         self.seconds: dict[str, float] = {}
         self._pending: set[tuple[StepShape, tuple[int, ...]]] = set()
         self._lock = threading.Lock()
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, attn: PaddedPagedAttention,
-                 aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return self.model(ids, pos, attn, aux_layers=aux_layers)
+    def fn(self, aux_layers: tuple[int, ...]) -> Callable:
+        """The compiled forward that also returns these layers' features. The layer indices live
+        on a module, where dynamo specialises ints: passed as arguments to a ``dynamic=True``
+        function they would become symbolic, and one graph would serve every set of the same
+        length, returning the first set's layers."""
+        with self._lock:
+            if aux_layers not in self._fns:
+                self._fns[aux_layers] = torch.compile(ForwardWithFeatures(self.model, aux_layers), dynamic=True)
+            return self._fns[aux_layers]
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                  aux_layers: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
@@ -190,7 +209,7 @@ class CompiledStep:
             if key not in self.ready:
                 return None
         attn = PaddedPagedAttention.build(self.cache, meta, ids.device)
-        return self.fn(ids, pos, attn, key[1])
+        return self.fn(key[1])(ids, pos, attn)
 
     def _request(self, key: tuple[StepShape, tuple[int, ...]]) -> None:
         with self._lock:
@@ -220,7 +239,7 @@ class CompiledStep:
         name = f"{'batch' if shape.many_seqs else 'single'}/{'multi' if shape.many_queries else 'one'}-token"
         start = time.perf_counter()
         try:
-            # Every CompiledStep traces the same ``_forward`` code object, and dynamo caps the graphs
+            # Every CompiledStep traces the same ``forward`` code object, and dynamo caps the graphs
             # per code object (8 by default): four shapes for each runner (AR, twin), plus EAGLE's
             # auxiliary-feature variants, pass it, and a shape past the cap silently stays eager.
             # Dynamo's config is per thread: the cap is raised on the thread that compiles.
@@ -228,7 +247,7 @@ class CompiledStep:
                 for n in (3, 5):  # two sizes: the graph must be the dynamic one
                     ids, pos, meta = self._example(shape, n)
                     attn = PaddedPagedAttention.build(self.cache, meta, self.cache.k[0].device)
-                    self.fn(ids, pos, attn, aux)
+                    self.fn(aux)(ids, pos, attn)
         except Exception:  # noqa: BLE001 - any compiler failure leaves eager mode in charge
             log.warning("compiling the %s forward failed; staying eager", name, exc_info=True)
             with self._lock:

@@ -131,9 +131,36 @@ def test_runners_past_dynamos_graph_cap_still_compile(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     before = counters["stats"]["unique_graphs"]
-    for layers in (1, 2):  # two differently shaped models: two graphs of one code object
+    for layers in (7, 11):  # two depths no other test compiles: two new graphs of one code object
         model = Transformer(replace(CFG, num_layers=layers)).eval().requires_grad_(False)
         step = ModelRunner(model, 16, BLOCK, use_flash=False).compile()
         step.warm([(StepShape(False, False), ())])
         assert not step.failed and step.ready
     assert counters["stats"]["unique_graphs"] - before >= 2, "the second runner's graph stayed eager"
+
+
+def test_compiled_features_come_from_the_layers_asked_for() -> None:
+    """EAGLE asks the target for the residual stream after some layers. Two sets of the same size
+    must give their own layers: ints passed to a dynamic graph would turn symbolic and share one."""
+    from dataclasses import replace
+
+    from dualserve.decoders.engine.runner import ForwardItem
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Transformer(replace(CFG, num_layers=4)).eval().requires_grad_(False)
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.fill_(1.0)
+    eager, compiled = (ModelRunner(model, 16, BLOCK, use_flash=False) for _ in range(2))
+    step = compiled.compile()
+    variants = [(0, 2), (1, 3)]
+    step.warm([(StepShape(False, True), aux) for aux in variants])
+    item = ForwardItem([5, 9, 3, 7, 1], list(range(5)), 0, [0, 1], list(range(5)))
+    for aux in variants:
+        want_h, want = eager.forward([item], aux_layers=aux)
+        got_h, got = compiled.forward([item], aux_layers=aux)
+        assert step.ready >= {(StepShape(False, True), aux)}
+        torch.testing.assert_close(got_h, want_h, rtol=1e-4, atol=1e-4)
+        assert len(got) == len(want) == 2
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
