@@ -169,7 +169,7 @@ def grow_tree(head, attn: DraftTreeAttention, root: int, last_hidden: torch.Tens
         pool_ids.append(child_ids.reshape(-1))
         pool_parent.append(frontier.repeat_interleave(k))
         scores, best = cum.topk(k)
-        frontier = offset + best
+        frontier = offset + best.cpu()  # tree bookkeeping stays on the CPU, whatever the device
         frontier_hidden = out[best // k]
         offset += k * k
     all_scores, all_ids, all_parent = torch.cat(pool_scores), torch.cat(pool_ids), torch.cat(pool_parent)
