@@ -93,7 +93,7 @@ class SpinGovernor:
     samples in a row are back within ``margin / 2`` (hysteresis, so a brief job does not flap it).
     """
 
-    def __init__(self, interval: float = 0.25, margin: float = 0.25):
+    def __init__(self, interval: float = 0.1, margin: float = 0.25):
         self.interval = interval
         self.margin = margin
         self.cpus = os.cpu_count() or 1
