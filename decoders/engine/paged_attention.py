@@ -28,6 +28,8 @@ and attention runs through the model's own kernel (its scale, its SDPA dispatch)
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence, Union
 
@@ -42,6 +44,19 @@ from .blocks import slot_of
 SeqMask = Union[Literal["causal", "bidirectional"], torch.Tensor]
 
 
+def zeroed(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+    """Zero-filled tensors for a KV pool. On the CPU they are views of one anonymous memory map:
+    the kernel hands out zero pages on first write, so blocks the pool has never used take no
+    resident memory (the default model's 377 MB pool costs only what traffic has touched)."""
+    if torch.device(device).type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+    sizes = [math.prod(shape) for shape in shapes]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    memory = mmap.mmap(-1, max(1, sum(sizes)) * itemsize)
+    flat = torch.frombuffer(memory, dtype=dtype, count=sum(sizes))  # the tensor keeps the map alive
+    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
+
+
 class KVCache:
     """Keys and values for every block of the pool, for one model. Owned by its runner."""
 
@@ -51,8 +66,8 @@ class KVCache:
         self.block_size = block_size
         self.dtype = dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        tensors = zeroed([shape] * (2 * num_layers), dtype, device)
+        self.k, self.v = tensors[:num_layers], tensors[num_layers:]
 
     @classmethod
     def of_layers(cls, layer_shapes: Sequence[tuple[int, int]], num_blocks: int, block_size: int,
@@ -60,8 +75,8 @@ class KVCache:
         """A cache whose layers differ in shape: ``layer_shapes[i]`` is layer i's (kv_heads, head_dim)."""
         cache = cls(0, num_blocks, block_size, 0, 0, dtype, device)  # no layers yet: added below
         shapes = [(num_blocks, block_size, kv_heads, head_dim) for kv_heads, head_dim in layer_shapes]
-        cache.k = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
-        cache.v = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        tensors = zeroed(shapes * 2, dtype, device)
+        cache.k, cache.v = tensors[:len(shapes)], tensors[len(shapes):]
         return cache
 
     @staticmethod
