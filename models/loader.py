@@ -17,6 +17,7 @@ so the first load converts it once into a Hugging Face directory in the cache
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 import time
@@ -35,6 +36,8 @@ from .config import ModelConfig
 from .diffusion_gemma import load_diffusion_gemma
 from .quant import Quantization, gguf_blocks
 from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 # Source name patterns -> canonical HF Llama names. Anchored regexes, tried in order.
 GGUF_NAMES: list[tuple[str, str]] = [
@@ -230,7 +233,10 @@ def prepare_source(path: Path, cache_dir: Path | None) -> Path:
         target = converted_dir(path, cache_dir or path.parent / ".dualserve")
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
+            log.info("converting %s into %s (once; later loads read the conversion) ...", path.name, target)
+            start = time.perf_counter()
             convert_gguf(path, target)
+            log.info("converted %s in %.1fs", path.name, time.perf_counter() - start)
         return target
     return path
 

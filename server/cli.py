@@ -241,10 +241,22 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def generate_loads(args: argparse.Namespace) -> argparse.Namespace:
+    """What ``generate`` loads: the model and only the part its --decoder uses (the diffusion twin
+    for ``diffusion``, the EAGLE head for ``eagle``), never a second --diffusion model."""
+    trimmed = argparse.Namespace(**vars(args))
+    if args.decoder != "diffusion":
+        trimmed.twin = "none"
+    if args.decoder != "eagle":
+        trimmed.eagle = "none"
+    trimmed.diffusion = None
+    return trimmed
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from dualserve.decoders.engine.sampling import SamplingParams
 
-    dep = load_deployment(args)
+    dep = load_deployment(generate_loads(args))
     name = next(iter(dep.models))
     tok = dep.models[name].tokenizer
     if args.device == "cpu":

@@ -105,11 +105,16 @@ class Router:
 
     def route(self, model: str, available: list[str], hint: str | None, *, priority: str | None = None,
               latency_budget_ms: float | None = None, n: int = 1, infill: bool = False,
-              structured: bool = False, traits: Mapping[str, DecoderTraits] | None = None) -> Route:
+              structured: bool = False, traits: Mapping[str, DecoderTraits] | None = None,
+              fim: bool = False) -> Route:
         """The decision for one request, carrying the chosen decoder's ``traits`` (defaults if absent).
 
-        ``infill`` asks for a decoder that fills between a prefix and a suffix natively."""
+        ``infill`` asks for a decoder that fills between a prefix and a suffix natively; ``fim``
+        marks an infill request the model can only serve with FIM tokens. Either way an automatic
+        decision's reason says it is infill."""
         route = self.decide(model, available, hint, priority, latency_budget_ms, n, infill, structured)
+        if (infill or fim) and route.reason != "requested" and not route.reason.startswith("infill"):
+            route = dataclasses.replace(route, reason=f"infill with FIM tokens; {route.reason}")
         return dataclasses.replace(route, traits=(traits or {}).get(route.decoder, DecoderTraits()))
 
     def decide(self, model: str, available: list[str], hint: str | None, priority: str | None,

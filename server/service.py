@@ -401,7 +401,7 @@ class Service:
         route = self.router.route(model.name, model.decoders, decoder, priority=body.priority,
                                   latency_budget_ms=body.latency_budget_ms, n=body.n,
                                   infill=infill and model.native_infill, structured=structured,
-                                  traits=model.traits)
+                                  traits=model.traits, fim=infill and not model.native_infill)
         if infill and route.traits.infill == "none":
             raise bad_request(f"model {model.name!r} cannot infill with its diffusion decoder (block-causal "
                               "attention never sees the suffix); use decoder 'ar' or 'auto'", "suffix",

@@ -21,7 +21,7 @@ PAGE = """<!doctype html>
 </style></head>
 <body>
 <h1>dualserve</h1>
-<div class="sub" id="summary">models: __MODELS__ &middot; node cost: __COST__ per hour</div>
+<div class="sub" id="summary">models: __MODELS__ &middot; node cost: __COST__</div>
 <form id="keyform" hidden>This server needs its API key: <input id="key" type="password" autocomplete="off">
  <button>Show</button></form>
 <div class="grid">
@@ -43,14 +43,15 @@ function draw(id, series, legend, fmt) {
   ctx.strokeStyle = "#dde1e8"; ctx.fillStyle = "#5b6475"; ctx.font = "10px system-ui";
   for (let i = 0; i <= 4; i++) { const y = pad / 2 + (h - pad) * i / 4; ctx.beginPath(); ctx.moveTo(pad, y); ctx.lineTo(w, y); ctx.stroke();
     ctx.fillText(fmt(max * (1 - i / 4)), 0, y + 3); }
-  let html = "";
+  let html = "", drawn = 0;
   for (const [name, s] of Object.entries(series)) {
     const color = COLORS[name] || "#333"; ctx.strokeStyle = color; ctx.lineWidth = 1.5; ctx.beginPath();
     s.forEach((v, i) => { if (v == null) return; const x = pad + (w - pad) * i / Math.max(n - 1, 1);
-      const y = pad / 2 + (h - pad) * (1 - v / max); i ? ctx.lineTo(x, y) : ctx.moveTo(x, y); });
+      const y = pad / 2 + (h - pad) * (1 - v / max); i ? ctx.lineTo(x, y) : ctx.moveTo(x, y); drawn++; });
     ctx.stroke(); html += `<span style="color:${color}">&#9632; ${name}</span>`;
   }
   document.getElementById(legend).innerHTML = html;
+  c.dataset.points = drawn;  // how many data points the chart drew (the browser test reads it)
 }
 document.getElementById("keyform").onsubmit = e => { e.preventDefault();
   sessionStorage.setItem("dualserve-key", document.getElementById("key").value); refresh(); };
@@ -78,5 +79,6 @@ refresh(); setInterval(refresh, 2000);
 
 
 def render_page(models: list[str], node_cost_per_hour: float) -> str:
-    cost = f"{node_cost_per_hour:g}" if node_cost_per_hour else "not set (--node-cost-per-hour)"
+    cost = (f"{node_cost_per_hour:g} per hour" if node_cost_per_hour
+            else "not set &mdash; start with --node-cost-per-hour N to see cost per token")
     return PAGE.replace("__MODELS__", ", ".join(models)).replace("__COST__", cost)

@@ -19,6 +19,8 @@ transformers is only a test reference here; the code under test never imports it
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
 from pathlib import Path
 
@@ -252,3 +254,22 @@ def test_converted_config_round_trips(config: ModelConfig) -> None:
     """A GGUF is served from its conversion, so config.json must carry everything from_gguf read."""
     written = json.loads(json.dumps(loader.hf_config_dict(config)))
     assert ModelConfig.from_hf(written) == config
+
+
+def test_gguf_conversion_logs_its_progress(tmp_path: Path, monkeypatch, caplog) -> None:
+    """The one-time conversion says when it starts and how long it took; a cached load says nothing."""
+    source = tmp_path / "m.gguf"
+    source.write_bytes(b"GGUF")
+
+    def fake_convert(path: Path, out_dir: Path) -> Path:
+        out_dir.mkdir(parents=True)
+        return out_dir
+
+    monkeypatch.setattr(loader, "convert_gguf", fake_convert)
+    with caplog.at_level(logging.INFO, logger="dualserve.models.loader"):
+        target = loader.prepare_source(source, tmp_path / "cache")
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 2 and lines[0].startswith("converting m.gguf into ") and str(target) in lines[0]
+        assert re.fullmatch(r"converted m\.gguf in \d+\.\ds", lines[1]), lines
+        caplog.clear()
+        assert loader.prepare_source(source, tmp_path / "cache") == target and not caplog.records

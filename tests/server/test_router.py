@@ -47,6 +47,16 @@ def test_decision_table(available, hint, kw, expected):
     assert route.reason
 
 
+def test_an_infill_routed_by_auto_says_it_is_infill():
+    assert Router().route("m", ALL, "auto", infill=True).reason.startswith("infill:")
+    # No decoder fills natively (or none is loaded): the lossless pick fills with FIM tokens, and says so.
+    for available, kw in ((ALL, {"fim": True}), (["ar"], {"infill": True}), (["ar", "eagle"], {"fim": True})):
+        route = Router().route("m", available, "auto", **kw)
+        assert route.reason.startswith("infill with FIM tokens; "), route.reason
+    assert "infill" not in Router().route("m", ALL, "auto").reason
+    assert Router().route("m", ALL, "ar", fim=True).reason == "requested"
+
+
 @pytest.mark.parametrize("available, hint, kw, param", [
     (ALL, "fast", {}, "decoder"),
     (["ar"], "eagle", {}, "decoder"),
