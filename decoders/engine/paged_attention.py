@@ -51,8 +51,10 @@ def zeroed(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, device: torch.
     if torch.device(device).type != "cpu":
         return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
     sizes = [math.prod(shape) for shape in shapes]
+    if sum(sizes) == 0:
+        return [torch.zeros(shape, dtype=dtype) for shape in shapes]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    memory = mmap.mmap(-1, max(1, sum(sizes)) * itemsize)
+    memory = mmap.mmap(-1, sum(sizes) * itemsize)
     flat = torch.frombuffer(memory, dtype=dtype, count=sum(sizes))  # the tensor keeps the map alive
     return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
 
