@@ -22,6 +22,13 @@ STREAM_END = b'data: {"content":"","stop":true}\n\n'
 DEFAULT_MAX_TOKENS = 64
 
 
+def infill_max_tokens(body: InfillRequest) -> int:
+    """llama.cpp's ``n_predict`` (or ``max_tokens``): unset or negative (llama.cpp's "no limit") is this
+    endpoint's default; 0 is refused like any ``max_tokens`` below 1 (it used to mean 64 silently)."""
+    n = body.n_predict if body.n_predict is not None else body.max_tokens
+    return DEFAULT_MAX_TOKENS if n is None or n < 0 else n
+
+
 def sampling_fields(body: InfillRequest) -> SamplingFields:
     """llama.cpp's /infill fields as OpenAI-style sampling fields."""
     return SamplingFields(model=body.model, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
@@ -50,7 +57,7 @@ class InfillHandler:
             # Filling at the very start of a file, with no fill-in-the-middle tokens to carry the
             # suffix: generation starts from the start of text, as for an empty completion prompt.
             prompt = InfillPrompt(service.start_of_text(model), prompt.suffix_ids)
-        params = service.sampling_params(fields, body.n_predict or body.max_tokens or DEFAULT_MAX_TOKENS, None,
+        params = service.sampling_params(fields, infill_max_tokens(body), None,
                                          len(prompt.prefix_ids) + len(prompt.suffix_ids), model,
                                          default_max=route.default_max_tokens(DEFAULT_MAX_TOKENS))
         return Plan(model, route, [prompt.prefix_ids], params, 1, prompt.suffix_ids)

@@ -189,3 +189,12 @@ def test_one_bad_request_beside_three_good_ones(client, decoder):
     assert all(f == "length" for _, f in alone)
     for j in range(len(BAD[decoder])):  # each bad one is served or refused, never a 5xx
         assert results.get(10 + j) == 400 or results[10 + j][1] in ("length", "stop")
+
+
+def test_infill_n_predict_follows_llama_cpp(http) -> None:
+    """n_predict -1 is llama.cpp's "no limit": the endpoint's default; 0 is a 400, not 64 tokens."""
+    body = {"input_prefix": "def add(a, b):\n    return", "temperature": 0, "decoder": "ar"}
+    r = http.post("/infill", json={**body, "n_predict": -1})
+    assert r.status_code == 200 and r.json()["tokens_predicted"] <= 64
+    r = http.post("/infill", json={**body, "n_predict": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
