@@ -30,6 +30,7 @@ from .engine.compiled import CompileWorker
 from .engine.engine import Engine, EngineConfig
 from .engine.heap import trim_heap
 from .engine.paged_attention import KVCache
+from .engine.parallel import ParallelGroup, TensorParallelRunner
 from .engine.runner import ModelRunner
 
 
@@ -70,6 +71,7 @@ class Deployment:
     models: dict[str, LoadedModel]
     runners: dict[str, ModelRunner] = field(default_factory=dict)
     format_table: FormatTable | None = None  # measured at start-up by --quantization auto, if it ran
+    parallel: ParallelGroup | None = None    # the tensor-parallel group, when there is one
 
     def decoders(self, name: str) -> list[str]:
         return self.engine.decoders_for(name)
@@ -103,10 +105,21 @@ def blocks_for(models: list[LoadedModel], spec: PoolSpec, kv_dtype: torch.dtype)
     return max(16, int(spec.memory_gb * 2**30 // max(per_block, 1)))
 
 
+def runner_for(model: LoadedModel, num_blocks: int, block_size: int, device: str,
+               parallel: ParallelGroup | None) -> ModelRunner:
+    """Rank 0 of a tensor-parallel group broadcasts each call (``engine/parallel.py``); other ranks
+    and single-process servers run a plain runner."""
+    if parallel is not None and parallel.shard.rank == 0:
+        return TensorParallelRunner(model.model, num_blocks, block_size, kv_dtype=kv_dtype_of(model), device=device,
+                                    group=parallel)
+    return ModelRunner(model.model, num_blocks, block_size, kv_dtype=kv_dtype_of(model), device=device)
+
+
 def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int, device: str,
-             runners: dict[str, ModelRunner], compile: CompileSpec | None = None) -> None:
+             runners: dict[str, ModelRunner], compile: CompileSpec | None = None,
+             parallel: ParallelGroup | None = None) -> None:
     base = spec.base
-    runner = ModelRunner(base.model, num_blocks, block_size, kv_dtype=kv_dtype_of(base), device=device)
+    runner = runner_for(base, num_blocks, block_size, device, parallel)
     runners[spec.name] = runner
     if isinstance(base.config, DiffusionGemmaConfig):  # never compiled: see runner.py
         from .diffusion.gemma import register_diffusion_gemma
@@ -126,7 +139,9 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
 
         from .eagle.decoder import EagleDecoder
 
-        head = load_eagle_head(spec.eagle_head, base.model, device=device)
+        # Under tensor parallelism the head drafts on rank 0 with the unsharded embedding and head.
+        target = parallel.head_views.get(id(base.model), base.model) if parallel is not None else base.model
+        head = load_eagle_head(spec.eagle_head, target, device=device)
         if compile is not None and compile.background and runner.compiled is not None and head.config.aux_layers:
             runner.compiled.prewarm(head.config.aux_layers)
         engine.add_decoder(spec.name, EagleDecoder(runner, engine.pool, head), base.tokenizer,
@@ -134,8 +149,7 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
     if spec.twin is not None:
         from .diffusion.decoder import register_diffusion
 
-        twin_runner = ModelRunner(spec.twin.model, num_blocks, block_size, kv_dtype=kv_dtype_of(spec.twin),
-                                  device=device)
+        twin_runner = runner_for(spec.twin, num_blocks, block_size, device, parallel)
         runners[f"{spec.name}:diffusion"] = twin_runner
         if compile is not None:
             compile.apply(twin_runner)
@@ -144,19 +158,27 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
 
 def build_deployment(models: list[LoadedModel] | list[ServedSpec], engine_config: EngineConfig | None = None,
                      pool: PoolSpec = PoolSpec(), device: str = "cpu",
-                     compile: CompileSpec | None = None) -> Deployment:
-    """One pool for all models; each served name gets the decoders its parts allow."""
+                     compile: CompileSpec | None = None, parallel: ParallelGroup | None = None) -> Deployment:
+    """One pool for all models; each served name gets the decoders its parts allow. With ``parallel``,
+    every rank builds the same deployment over its shard of the weights; rank 0's sizes win."""
     specs = [m if isinstance(m, ServedSpec) else ServedSpec(m.name, m) for m in models]
     loaded = kv_models(specs)
     kv_dtype = kv_dtype_of(loaded[0])
     num_blocks = blocks_for(loaded, pool, kv_dtype)
+    if parallel is not None:
+        compile = None  # collectives are not traced into compiled graphs: tensor-parallel steps run eagerly
+        parallel.shard_models([m.model for m in loaded],
+                              keep_head_for=[s.base.model for s in specs if s.eagle_head is not None])
+        num_blocks = parallel.agree(num_blocks)
     cfg = engine_config or EngineConfig()
     cfg = EngineConfig(num_blocks=num_blocks, block_size=pool.block_size, max_num_seqs=cfg.max_num_seqs,
                        max_batched_tokens=cfg.max_batched_tokens, max_waiting=cfg.max_waiting,
                        enable_prefix_caching=cfg.enable_prefix_caching)
     engine = Engine(cfg)
-    dep = Deployment(engine=engine, models={s.name: s.base for s in specs})
+    dep = Deployment(engine=engine, models={s.name: s.base for s in specs}, parallel=parallel)
     for spec in specs:
-        register(engine, spec, num_blocks, pool.block_size, device, dep.runners, compile)
+        register(engine, spec, num_blocks, pool.block_size, device, dep.runners, compile, parallel)
+    if parallel is not None and parallel.shard.rank == 0:
+        parallel.start()
     trim_heap()  # loading's temporaries: about 180 MB on the default model
     return dep

@@ -46,6 +46,7 @@ class AppState:
     on_shutdown: list[Callable[[], Any]] = field(default_factory=list)
     body_limit: int = 8 * 1024 * 1024
     draining: bool = False           # set by the shutdown drain (lifecycle.Drain): new requests get 503
+    failure: str | None = None       # set when a tensor-parallel rank fails (server/tensor_parallel.py)
     response_store: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses with store=true
 
 
@@ -124,6 +125,8 @@ def check_request(request: Request) -> Response | None:
 
 @route("/health", http_method=["GET", "HEAD"], sync_to_thread=False)
 def health(state: State) -> Response:
+    if state.app_state.failure is not None:  # a rank is gone: the server is about to exit non-zero
+        return Response(content={"status": "failed", "error": state.app_state.failure}, status_code=503)
     if state.app_state.draining:  # load balancers stop sending work here
         return Response(content={"status": "draining"}, status_code=503, headers={"Retry-After": "5"})
     return Response(content={"status": "ok"})

@@ -65,6 +65,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores); on a "
                    "machine shared with busy processes, one fewer than the cores (see README: Threads)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks the model is sharded over (spawned here, or started by torchrun; see README: "
+                   "Tensor parallelism)")
+    p.add_argument("--tp-timeout", type=float, default=60.0,
+                   help="seconds a tensor-parallel collective may wait before its rank is declared failed")
+    p.add_argument("--tp-heartbeat", type=float, default=5.0,
+                   help="idle seconds between tensor-parallel liveness checks")
 
 
 def bundled(choice: str, model_name: str, finder) -> Path | None:
@@ -79,7 +86,7 @@ def bundled(choice: str, model_name: str, finder) -> Path | None:
     return path
 
 
-def load_deployment(args: argparse.Namespace):
+def load_deployment(args: argparse.Namespace, parallel=None):
     from dualserve.decoders.deployment import CompileSpec, PoolSpec, ServedSpec, build_deployment
     from dualserve.decoders.engine.engine import EngineConfig
     from dualserve.models.assets import default_eagle_head, default_twin
@@ -115,7 +122,7 @@ def load_deployment(args: argparse.Namespace):
     pool = PoolSpec(block_size=block_size, num_blocks=args.num_blocks, memory_gb=kv_memory_gb(args.kv_memory_gb))
     compile_spec = None if args.no_compile else CompileSpec(cache_dir=cache / "compile",
                                                             background=args.command == "serve")
-    dep = build_deployment(specs, cfg, pool, device=args.device, compile=compile_spec)
+    dep = build_deployment(specs, cfg, pool, device=args.device, compile=compile_spec, parallel=parallel)
     dep.format_table = table
     log.info("KV pool: %d blocks of %d tokens (%.2f GB)", dep.engine.config.num_blocks, block_size, pool.memory_gb)
     return dep
@@ -137,7 +144,7 @@ def pick_format(args: argparse.Namespace, path: Path, cache: Path, dtype: torch.
     if raw.get("architectures") == ["DiffusionGemmaForBlockDiffusion"]:
         return "none", dtype, None
     stored = stored_quantization(source)
-    if not args.device.startswith("cpu") or args.dtype != "auto":
+    if not args.device.startswith("cpu") or args.dtype != "auto" or args.tensor_parallel_size > 1:
         return stored, dtype, None
     table = cached_measure(ModelConfig.from_hf(raw), cache / "host")
     quantization, candidate = choose(table, stored)
@@ -193,14 +200,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .router import Router, load_policy
     from .service import Service, ServiceLimits
 
+    from .tensor_parallel import exit_on_failure, start as start_group
+
+    group = start_group(args)  # a torchrun rank other than 0 replays rank 0's steps here, then exits
     try:  # before loading: a busy port fails in a moment, not after the model has loaded
         sock = bind_port(args.host, args.port)
     except PortInUse as e:
         print(f"dualserve: {e}", file=sys.stderr)
+        if group is not None:
+            group.shutdown()
         return 2
     # Torch work before serving runs on a thread that exits, so the engine's thread owns the one
     # long-lived OpenMP pool and its teams spin (decoders/engine/openmp.py).
-    dep = run_on_own_thread(load_deployment, args)
+    dep = run_on_own_thread(load_deployment, args, *([group] if group is not None else []))
     served = served_models(dep, args.max_model_len)
     metrics = Metrics(node_cost_per_hour=args.node_cost_per_hour)
     metrics.record_formats(dep.format_table, {n: m.quantization for n, m in dep.models.items()})
@@ -231,7 +243,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"dualserve: {line}", file=sys.stderr)
     # uvicorn's graceful timeout only bounds the last flush: the drain has already ended every stream.
     config = uvicorn.Config(create_app(app_state), log_level=args.log_level, loop="auto", timeout_graceful_shutdown=5)
-    DrainingServer(config, app_state, args.shutdown_timeout).run(sockets=[sock])
+    server = DrainingServer(config, app_state, args.shutdown_timeout)
+    if group is not None:  # a failed rank: /health says so, in-flight requests fail, then the server exits 1
+        app_state.on_shutdown.append(group.shutdown)
+        exit_on_failure(group, app_state, server)
+    server.run(sockets=[sock])
+    if group is not None:
+        group.shutdown()
+        return 1 if group.failure else 0
     return 0
 
 
@@ -256,7 +275,11 @@ def generate_loads(args: argparse.Namespace) -> argparse.Namespace:
 def cmd_generate(args: argparse.Namespace) -> int:
     from dualserve.decoders.engine.sampling import SamplingParams
 
-    dep = load_deployment(generate_loads(args))
+    from .tensor_parallel import start as start_group
+
+    args = generate_loads(args)
+    group = start_group(args)  # every rank loads what rank 0 loads
+    dep = load_deployment(args) if group is None else load_deployment(args, group)
     name = next(iter(dep.models))
     tok = dep.models[name].tokenizer
     if args.device == "cpu":
@@ -283,6 +306,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     n = sum(len(d.token_ids) for d in out)
     print(f"\n[{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s, decoder={args.decoder}]", file=sys.stderr)
+    if group is not None:
+        group.shutdown()
     return 0
 
 

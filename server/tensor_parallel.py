@@ -1,0 +1,138 @@
+"""Starting a tensor-parallel server: N ranks over torch.distributed, rank 0 serving.
+
+Two launch forms, one code path after the rendezvous:
+
+  * ``dualserve serve --tensor-parallel-size N``: this process is rank 0; it spawns ranks
+    1..N-1 with torch.multiprocessing (spawn) and they meet over a TCP store on 127.0.0.1.
+    Rank 0 watches their processes, so a rank that exits is noticed at once.
+  * ``torchrun --nnodes M --nproc-per-node K ... -m dualserve.server.cli serve
+    --tensor-parallel-size M*K``: torchrun's rendezvous sets RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT (``env://``); rank 0 serves, every other rank runs ``run_worker`` and exits with
+    the server. Liveness then rests on the collectives and the heartbeat alone.
+
+Every rank loads the same models from the same arguments, shards them (``models/sharding.py``)
+and builds the same deployment; the ranks other than 0 then replay rank 0's steps
+(``decoders/engine/parallel.py``). The backend is NCCL on CUDA and gloo on the CPU;
+``--tp-timeout`` bounds every collective, so a hung rank is noticed within it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+
+from dualserve.decoders.engine.parallel import ParallelGroup, serve_steps
+from dualserve.models.sharding import Shard
+
+log = logging.getLogger("dualserve.parallel")
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def torchrun_env() -> tuple[int, int] | None:
+    """(rank, world size) when launched by torchrun (or any env:// launcher), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(args: argparse.Namespace, rank: int, world: int, init_method: str) -> Shard:
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        args.device = f"cuda:{torch.cuda.current_device()}"
+    dist.init_process_group(backend_for(args.device), init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=args.tp_timeout))
+    if not args.threads and args.device == "cpu":  # the ranks share this host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // min(world, os.cpu_count() or 1)))
+    return Shard(rank, world)
+
+
+def start(args: argparse.Namespace) -> ParallelGroup | None:
+    """Join or create the group for rank 0 (None without tensor parallelism). A torchrun rank other
+    than 0 never returns: it serves steps, then exits the process."""
+    world = args.tensor_parallel_size
+    env = torchrun_env()
+    if env is not None and env[1] > 1:
+        rank, env_world = env
+        if env_world != world:
+            raise SystemExit(f"dualserve: --tensor-parallel-size {world} but torchrun started {env_world} ranks")
+        shard = init(args, rank, world, "env://")
+        if rank != 0:
+            sys.exit(run_worker(args, shard))
+        return ParallelGroup(shard, args.device, args.tp_timeout, args.tp_heartbeat)
+    if world <= 1:
+        return None
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=worker_main, args=(args, r, world, init_method), name=f"dualserve-rank{r}",
+                         daemon=True) for r in range(1, world)]
+    for p in procs:
+        p.start()
+    group = ParallelGroup(init(args, 0, world, init_method), args.device, args.tp_timeout, args.tp_heartbeat)
+    group.processes = procs
+    threading.Thread(target=watch, args=(group,), name="dualserve-tp-watch", daemon=True).start()
+    return group
+
+
+def watch(group: ParallelGroup) -> None:
+    """Fail the group as soon as a spawned rank's process ends (unless we are stopping it)."""
+    pending = {p.sentinel: (r, p) for r, p in enumerate(group.processes, start=1)}
+    while pending:
+        for sentinel in wait(list(pending)):
+            rank, p = pending.pop(sentinel)
+            p.join(1)
+            group.fail(f"tensor-parallel rank {rank} exited (code {p.exitcode})")
+
+
+def worker_main(args: argparse.Namespace, rank: int, world: int, init_method: str) -> None:
+    """A spawned rank: meet rank 0, load and shard, replay steps; exits non-zero on a failure."""
+    logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(name)s: %(message)s")
+    code = run_worker(args, init(args, rank, world, init_method))
+    sys.exit(code)
+
+
+def run_worker(args: argparse.Namespace, shard: Shard) -> int:
+    """Build the same deployment as rank 0 over this rank's shards (its engine never runs), then
+    replay rank 0's steps on its runners, which are registered in the same order."""
+    from .cli import load_deployment
+
+    try:
+        dep = load_deployment(args, ParallelGroup(shard, args.device, args.tp_timeout, args.tp_heartbeat))
+        serve_steps(list(dep.runners.values()), shard)
+    except Exception:  # noqa: BLE001 - rank 0 died, hung or failed: this rank's work is over
+        log.exception("rank %d stopped", shard.rank)
+        return 1
+    return 0
+
+
+FAILURE_GRACE = 5.0  # seconds /health reports a failed rank before the server exits
+
+
+def exit_on_failure(group: ParallelGroup, app_state, server) -> None:
+    """When a rank fails: ``/health`` reports it at once (``app_state.failure``), in-flight and new
+    requests fail with an error (every later step raises), and after ``FAILURE_GRACE`` seconds the
+    server drains and exits; ``cmd_serve`` then returns 1 so a supervisor restarts it."""
+    def failed(reason: str) -> None:
+        app_state.failure = reason
+        timer = threading.Timer(FAILURE_GRACE, server.handle_exit, (signal.SIGTERM, None))
+        timer.daemon = True
+        timer.start()
+    group.on_failure(failed)
