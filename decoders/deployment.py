@@ -15,6 +15,7 @@ static split of memory between decoders or models.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -171,9 +172,7 @@ def build_deployment(models: list[LoadedModel] | list[ServedSpec], engine_config
                               keep_head_for=[s.base.model for s in specs if s.eagle_head is not None])
         num_blocks = parallel.agree(num_blocks)
     cfg = engine_config or EngineConfig()
-    cfg = EngineConfig(num_blocks=num_blocks, block_size=pool.block_size, max_num_seqs=cfg.max_num_seqs,
-                       max_batched_tokens=cfg.max_batched_tokens, max_waiting=cfg.max_waiting,
-                       enable_prefix_caching=cfg.enable_prefix_caching)
+    cfg = dataclasses.replace(cfg, num_blocks=num_blocks, block_size=pool.block_size)
     engine = Engine(cfg)
     dep = Deployment(engine=engine, models={s.name: s.base for s in specs}, parallel=parallel)
     for spec in specs:

@@ -58,7 +58,7 @@ def decode(raw: bytes, decoder: msgspec.json.Decoder) -> Any:
     except msgspec.ValidationError as e:
         msg = str(e)
         param = msg.rsplit("at `$.", 1)[-1].rstrip("`").split("[")[0].split(".")[0] if "at `$." in msg else None
-        raise bad_request(msg, param, "invalid_type") from None
+        raise bad_request(msg, param, "array_above_max_length" if "of length <=" in msg else "invalid_type") from None
     except msgspec.DecodeError as e:
         raise bad_request(f"could not parse the JSON body: {e}", None, "invalid_json") from None
     except RecursionError:

@@ -61,7 +61,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV block (default 16 on CPU, 256 on CUDA, as flash-attn's paged kernel needs)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=512)
-    p.add_argument("--max-waiting", type=int, default=256)
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="choices (prompts x n) that may wait to start; beyond, new requests get 429")
+    p.add_argument("--max-queue-wait", type=float, default=30.0,
+                   help="seconds a request may wait to start: one whose estimated wait is longer gets 429 with "
+                   "Retry-After, and one still waiting after this long ends with a 429 error (0: no bound)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores); on a "
                    "machine shared with busy processes, one fewer than the cores (see README: Threads)")
@@ -117,7 +121,8 @@ def load_deployment(args: argparse.Namespace, parallel=None):
         log.info("loaded %s in %.2fs", dname, diff.load_seconds)
         specs.append(ServedSpec(dname, diff))
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-                       max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching)
+                       max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
+                       max_queue_wait=args.max_queue_wait or None)
     block_size = args.block_size or (256 if args.device.startswith("cuda") else 16)
     pool = PoolSpec(block_size=block_size, num_blocks=args.num_blocks, memory_gb=kv_memory_gb(args.kv_memory_gb))
     compile_spec = None if args.no_compile else CompileSpec(cache_dir=cache / "compile",

@@ -27,7 +27,7 @@ class ErrorKind(enum.Enum):
     INVALID_REQUEST = (400, "invalid_request_error")
     UNAUTHENTICATED = (401, "invalid_request_error")  # as OpenAI answers a wrong key
     NOT_FOUND = (404, "invalid_request_error")
-    OVERLOADED = (429, "rate_limit_error")            # the engine's queue is full
+    OVERLOADED = (429, "rate_limit_error")            # the queue is full or too slow, or the wait ran out
     INTERNAL = (500, "server_error")                  # a decoder or engine step failed
     NO_CAPACITY = (503, "server_error")               # the prompt can never fit in the KV block pool
     TIMEOUT = (504, "timeout_error")
@@ -66,16 +66,20 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 # What a client is told when the engine fails its request, by the engine's kind of failure.
 ENGINE_FAILURES = {FailureKind.CAPACITY: ErrorKind.NO_CAPACITY, FailureKind.BAD_REQUEST: ErrorKind.INVALID_REQUEST,
-                   FailureKind.INTERNAL: ErrorKind.INTERNAL}
+                   FailureKind.INTERNAL: ErrorKind.INTERNAL, FailureKind.OVERLOADED: ErrorKind.OVERLOADED}
 
 
-def overloaded() -> APIError:
-    return APIError(ErrorKind.OVERLOADED, "The server is overloaded; retry shortly.", None, "server_overloaded",
-                    headers={"Retry-After": "1"})
+def overloaded(message: str = "The server is overloaded; retry shortly.", retry_after: int = 1,
+               code: str = "server_overloaded") -> APIError:
+    """A 429 with ``Retry-After`` (seconds): the queue is full, its estimated wait too long, or a
+    queued request's wait ran out (code ``queue_timeout``)."""
+    return APIError(ErrorKind.OVERLOADED, message, None, code, headers={"Retry-After": str(retry_after)})
 
 
 def engine_error(failure: FailureKind, message: str) -> APIError:
     """A request the engine finished with an error (``Delta.failure``, ``Delta.error``)."""
+    if failure is FailureKind.OVERLOADED:
+        return overloaded(message, code="queue_timeout")
     return APIError(ENGINE_FAILURES[failure], message, None, "engine_error")
 
 

@@ -51,7 +51,8 @@ class Metrics:
         r = self.registry
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends: the soak tool reads RSS here
         # status: a finish reason (stop, length, ...), "error" (the engine failed it), "timeout"
-        # (--request-timeout), or "abort" (the client left, read too slowly, or the server shut down).
+        # (--request-timeout), "queue_timeout" (waited --max-queue-wait without starting), or "abort"
+        # (the client left, read too slowly, or the server shut down).
         self.requests = Counter("dualserve_requests", "Finished requests", ["decoder", "status"], registry=r)
         self.prompt_tokens = Counter("dualserve_prompt_tokens", "Prompt tokens", ["decoder"], registry=r)
         self.output_tokens = Counter("dualserve_generation_tokens", "Generated tokens", ["decoder"], registry=r)
@@ -66,6 +67,9 @@ class Metrics:
                                             registry=r)
         self.accept_length = Histogram("dualserve_eagle_accept_length", "Mean EAGLE acceptance length per request",
                                        buckets=(1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8), registry=r)
+        self.rejected = Counter("dualserve_requests_rejected", "Requests refused at admission (429): the waiting "
+                                "queue was full (queue_full) or the estimated wait too long (queue_wait)",
+                                ["reason"], registry=r)
         self.pool_usage = Gauge("dualserve_kv_pool_usage", "Share of KV blocks in use", registry=r)
         self.pool_blocks = Gauge("dualserve_kv_pool_blocks", "KV blocks in the pool", registry=r)
         self.forward_cost = Gauge("dualserve_forward_gemm_ms", "Start-up estimate of one forward's GEMM time on "

@@ -25,6 +25,22 @@ ROUTE_REASON_HEADER = "x-dualserve-route-reason"
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
+# Bounds on the arrays and maps of a request body, so that no field's size is limited only by the
+# body size (8 MB holds a million tiny items, each a Python object, then a loop or a template
+# pass). They follow OpenAI's own where it states one (2048 messages, 128 tools, 16 metadata
+# pairs) and are generous elsewhere; a body past one is a 400 (``array_above_max_length``) naming
+# the field. Prompts, stops and stop token ids are bounded in the service (``ServiceLimits``).
+MAX_MESSAGES = 2048        # messages, and /v1/responses input items
+MAX_CONTENT_PARTS = 256    # content parts in one message
+MAX_TOOLS = 128            # tools, and tool calls in one message
+MAX_LOGIT_BIAS = 300       # logit_bias entries
+MAX_INPUT_EXTRA = 256      # /infill input_extra chunks
+MAX_SMALL_LIST = 16        # include, metadata pairs
+
+
+def bounded(kind: Any, length: int) -> Any:
+    return Annotated[kind, msgspec.Meta(max_length=length)]
+
 
 class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
@@ -47,7 +63,7 @@ class SamplingFields(Struct, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: bounded(dict[str, float], MAX_LOGIT_BIAS) | None = None
     seed: Seed | None = None
     user: str | None = None
     ignore_eos: bool = False
@@ -78,9 +94,9 @@ class ToolCall(Struct, kw_only=True):
 
 class ChatMessage(Struct, kw_only=True):
     role: Role
-    content: str | list[dict[str, Any]] | None = None
+    content: str | bounded(list[dict[str, Any]], MAX_CONTENT_PARTS) | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: bounded(list[dict[str, Any]], MAX_TOOLS) | None = None
     tool_call_id: str | None = None
 
 
@@ -90,11 +106,11 @@ class ResponseFormat(Struct, kw_only=True):
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
-    messages: list[ChatMessage] | None = None
+    messages: bounded(list[ChatMessage], MAX_MESSAGES) | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: bounded(list[dict[str, Any]], MAX_TOOLS) | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
@@ -120,18 +136,18 @@ class ResponsesRequest(SamplingFields, kw_only=True):
     """POST /v1/responses. ``input`` items (messages, ``function_call``, ``function_call_output``)
     and ``tools`` keep OpenAI's shapes and are checked item by item in ``server.responses_input``."""
 
-    input: str | list[dict[str, Any]] | None = None
+    input: str | bounded(list[dict[str, Any]], MAX_MESSAGES) | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: bounded(list[dict[str, Any]], MAX_TOOLS) | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: ResponsesText | None = None
     store: bool = True
     previous_response_id: str | None = None
-    include: list[str] | None = None
+    include: bounded(list[str], MAX_SMALL_LIST) | None = None
     top_logprobs: int | None = None
-    metadata: dict[str, str] | None = None
+    metadata: bounded(dict[str, str], MAX_SMALL_LIST) | None = None
     truncation: str | None = None
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
@@ -143,7 +159,7 @@ class InfillRequest(Struct, kw_only=True):
 
     input_prefix: str = ""
     input_suffix: str = ""
-    input_extra: list[dict[str, Any]] = field(default_factory=list)
+    input_extra: bounded(list[dict[str, Any]], MAX_INPUT_EXTRA) = field(default_factory=list)
     prompt: str = ""
     n_predict: int | None = None
     max_tokens: int | None = None

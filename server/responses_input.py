@@ -20,7 +20,8 @@ from typing import Any
 from msgspec import structs
 
 from .errors import APIError, ErrorKind, bad_request
-from .protocol import ChatCompletionRequest, ChatMessage, ResponseFormat, ResponsesRequest, SamplingFields
+from .protocol import (MAX_CONTENT_PARTS, ChatCompletionRequest, ChatMessage, ResponseFormat, ResponsesRequest,
+                       SamplingFields)
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 ROLES = ("user", "assistant", "system", "developer")
@@ -95,6 +96,8 @@ def part_text(content: Any, param: str) -> str:
         return content or ""
     if not isinstance(content, list):
         raise bad_request(f"{param} must be a string or a list of content parts", param, "invalid_type")
+    if len(content) > MAX_CONTENT_PARTS:
+        raise bad_request(f"{param} has more than {MAX_CONTENT_PARTS} content parts", param, "array_above_max_length")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None

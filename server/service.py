@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Any, AsyncIterator
 
 from dualserve.decoders.engine.engine import Engine
 from dualserve.decoders.engine.grammar import Constraint, GrammarError
-from dualserve.decoders.engine.request import Delta
+from dualserve.decoders.engine.request import Delta, FailureKind
 from dualserve.decoders.engine.sampling import SamplingParams, TokenLogprob
 from dualserve.decoders.engine.scheduler import QueueFull
 
@@ -32,6 +33,8 @@ from .router import DecoderTraits, Route, Router
 # [0.01, 10] it only turns the distribution into a one-hot on whatever was (or was not) seen.
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
+# Retry-After (seconds) when the estimated wait is too long: the excess over the bound, at most this.
+MAX_RETRY_AFTER = 30
 
 
 @dataclass
@@ -158,14 +161,20 @@ class Service:
             prompts = prompt
         elif isinstance(prompt, list) and prompt and all(type(p) is int for p in prompt):
             return [self._check_ids(model, prompt)]
-        elif isinstance(prompt, list) and prompt and all(
-                isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt):
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p for p in prompt):
+            if len(prompt) > self.limits.max_prompts:
+                raise bad_request(f"at most {self.limits.max_prompts} prompts per request", "prompt",
+                                  "array_above_max_length")
+            if not all(type(t) is int for p in prompt for t in p):
+                raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
+                                  "lists of token ids, and must not be empty", "prompt", "invalid_type")
             return [self._check_ids(model, p) for p in prompt]
         else:
             raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
                               "lists of token ids, and must not be empty", "prompt", "invalid_type")
         if len(prompts) > self.limits.max_prompts:
-            raise bad_request(f"at most {self.limits.max_prompts} prompts per request", "prompt")
+            raise bad_request(f"at most {self.limits.max_prompts} prompts per request", "prompt",
+                              "array_above_max_length")
         self.check_length(model, prompts, "prompt")
         return [tok.encode(text, add_special_tokens=True) or self.start_of_text(model) for text in prompts]
 
@@ -183,6 +192,9 @@ class Service:
                               "context_length_exceeded")
 
     def _check_ids(self, model: ServedModel, ids: list[int]) -> list[int]:
+        if len(ids) >= model.max_model_len:
+            raise bad_request(f"This model's maximum context length is {model.max_model_len} tokens, and the "
+                              f"prompt has {len(ids)}.", "prompt", "context_length_exceeded")
         vocab = model.tokenizer.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise bad_request(f"token ids must be in [0, {vocab})", "prompt", "invalid_value")
@@ -288,6 +300,7 @@ class Service:
                                                          constraint=constraints[p_idx]))
             except QueueFull:
                 self.cancel(job)
+                self._rejected("queue_full")
                 raise overloaded() from None
             except Exception:
                 self.cancel(job)
@@ -298,15 +311,33 @@ class Service:
     def admit(self, choices: int) -> None:
         """Admission, fair between requests: one request may ask for at most half the waiting queue,
         and one of several choices only while a quarter of the queue stays free, kept for requests
-        of one choice, so that one client's prompts x n never takes every place."""
-        bound = self.engine.config.max_waiting
+        of one choice, so that one client's prompts x n never takes every place. Bounded in time
+        too: a request whose estimated wait to start exceeds ``max_queue_wait`` is refused (429,
+        with Retry-After the excess), rather than queued to time out."""
+        config = self.engine.config
+        bound = config.max_waiting
         most = max(1, bound // 2)
         if choices > most:
             raise bad_request(f"this request asks for {choices} completions (prompts x n); at most {most} "
                               "per request", "n", "invalid_value")
         kept = 0 if choices == 1 else bound // 4
         if self.engine.num_queued() + choices > bound - kept:
+            self._rejected("queue_full")
             raise overloaded()
+        if config.max_queue_wait is None:
+            return
+        wait = self.engine.estimated_wait(choices)
+        if wait > config.max_queue_wait:
+            self._rejected("queue_wait")
+            excess = wait - config.max_queue_wait
+            retry = MAX_RETRY_AFTER if math.isinf(excess) else min(MAX_RETRY_AFTER, max(1, math.ceil(excess)))
+            said = "more than a minute" if wait > 60 else f"about {wait:.0f} s"
+            raise overloaded(f"The server is overloaded: this request would wait {said} to start (the bound is "
+                             f"{config.max_queue_wait:g} s); retry after {retry} s.", retry)
+
+    def _rejected(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected.labels(reason).inc()
 
     def prepare(self, plan: Plan) -> Plan:
         """Compile the plan's grammar once for the request; the app calls it off the event loop."""
@@ -354,7 +385,7 @@ class Service:
                         yield i, Delta("", [], None, "abort")
                     return
                 if delta.error and delta.finish_reason == "error":
-                    ended = "error"
+                    ended = "queue_timeout" if delta.failure is FailureKind.OVERLOADED else "error"
                     raise engine_error(delta.failure, delta.error)
                 if delta.token_ids and index not in first:
                     first[index] = time.monotonic() - started

@@ -12,10 +12,14 @@ An aborted request leaves at the start of the next step, blocks and all.
 
 Overload is refused at the door: ``submit`` raises ``QueueFull`` once the
 bounded waiting queue (``max_waiting`` choices not yet running) is full, and the
-server answers 429 with Retry-After. Per-request timeouts are the server's: it
-aborts what it stops waiting for. A request whose plan, sampling, grammar, drafting or
-forward raises is failed alone and its neighbours go on (``isolation.py``); only a
-scheduler failure that names no request fails every request. The thread goes on.
+server answers 429 with Retry-After; it also refuses a request whose estimated wait
+for a place to run (``estimated_wait``, ``admission.py``) exceeds ``max_queue_wait``.
+A choice that has still not started after ``max_queue_wait`` seconds is failed
+(``FailureKind.OVERLOADED``, a 429 to the client) and leaves the queue. Per-request
+timeouts are the server's: it aborts what it stops waiting for. A request whose plan,
+sampling, grammar, drafting or forward raises is failed alone and its neighbours go on
+(``isolation.py``); only a scheduler failure that names no request fails every request.
+The thread goes on.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .admission import WaitEstimator
 from .blocks import BlockPool
 from .decoder import Decoder
 from .detokenize import TextStream
@@ -48,6 +53,9 @@ class EngineConfig:
     max_batched_tokens: int = 512
     max_waiting: int = 256
     enable_prefix_caching: bool = True
+    # Seconds a request may wait to start: refused at admission when its estimated wait is longer,
+    # failed when it has waited this long (None: no bound, for offline tools).
+    max_queue_wait: float | None = None
 
 
 @dataclass
@@ -83,6 +91,9 @@ class Engine:
         # Choices not yet running (waiting or held), as of the last step plus what the inbox took
         # in since; guarded by ``_wake``, so the server's thread never reads the scheduler's queues.
         self._num_queued = 0
+        self._num_running = 0       # published with _num_queued, for estimated_wait
+        self._freed = 0             # running choices finished this step (each freed a place)
+        self.admission = WaitEstimator()  # guarded by ``_wake``
 
     # ---- registration and lifecycle ------------------------------------------
 
@@ -173,6 +184,11 @@ class Engine:
         with self._wake:
             return self._num_queued
 
+    def estimated_wait(self, n: int = 1) -> float:
+        """Seconds until the last of ``n`` new choices would start (``admission.py``); any thread."""
+        with self._wake:
+            return self.admission.estimate(self._num_queued, self._num_running, self.config.max_num_seqs, n)
+
     def abort(self, request_id: str) -> None:
         with self._wake:
             for r in self._requests.get(request_id, []):
@@ -225,6 +241,7 @@ class Engine:
 
     def _deliver(self, req: Request, delta: Delta) -> None:
         if delta.finish_reason is not None:
+            self._freed += req.admitted  # a running choice ends: its place is free (admission.py)
             req.status = Status.FINISHED
             delta.stats = req.decoder_stats()
             siblings = self._requests.get(req.request_id, [])
@@ -255,6 +272,7 @@ class Engine:
     def step(self) -> None:
         """One scheduling step; public so tests can drive the engine without its thread."""
         self._drain_inbox()
+        self._expire_queued()
         started = time.perf_counter()
         scheduled = self.scheduler.schedule(self._plan)
         self._current = None
@@ -275,16 +293,32 @@ class Engine:
         for key, batch in groups.items():
             # A request that raises fails alone; its neighbours finish the step (isolation.py).
             run_isolated(self.decoders[key].step, batch, self.emit, self._fail)
-        self._count_queued()
+        elapsed = time.perf_counter() - started
+        self._count_queued(elapsed if scheduled else 0.0)
         if scheduled:
             self.stats.steps += 1
-            elapsed = time.perf_counter() - started
             self.stats.busy_seconds += elapsed
 
-    def _count_queued(self) -> None:
+    def _expire_queued(self) -> None:
+        """Fail the choices that have waited ``max_queue_wait`` seconds without starting (a
+        preempted one has started: its client has seen tokens, so it waits on)."""
+        limit = self.config.max_queue_wait
+        if limit is None:
+            return
+        cutoff = time.monotonic() - limit
+        for req in [r for r in self.scheduler.waiting if not r.admitted and r.arrived < cutoff]:
+            self._fail(req, FailureKind.OVERLOADED, f"the request waited {limit:g} s without a place to run; the "
+                       "server is overloaded, retry shortly")
+
+    def _count_queued(self, busy_seconds: float = 0.0) -> None:
+        """Publish the queue counts and feed the step to the wait estimate."""
         with self._wake:
             self._num_queued = len(self.scheduler.waiting) + self._num_held + sum(
                 1 for kind, _ in self._inbox if kind == "add")
+            self._num_running = len(self.scheduler.running)
+            if busy_seconds:
+                self.admission.observe(busy_seconds, self._freed)
+            self._freed = 0
 
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self._inbox) or bool(self._held)

@@ -13,6 +13,7 @@ penalty counts. Prompt logprobs, when asked for, ride on the first delta.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
@@ -36,6 +37,7 @@ class FailureKind(enum.Enum):
     CAPACITY = "capacity"        # the KV block pool can never hold the request
     BAD_REQUEST = "bad_request"  # the decoder cannot serve what the request asks
     INTERNAL = "internal"        # a decoder or engine step raised
+    OVERLOADED = "overloaded"    # it waited longer than the queue timeout without starting
 
 
 @dataclass
@@ -90,6 +92,7 @@ class Request:
     num_preemptions: int = 0             # set by the scheduler
     cached_prompt_tokens: int = 0        # prefix-cache hit at first admission, set by the engine
     admitted: bool = False               # set by the engine at first admission
+    arrived: float = field(default_factory=time.monotonic)  # submission time; the queue timeout counts from it
     counters: DecoderCounters | None = None  # the decoder's own statistics (see ``counters_of``)
     generator: torch.Generator | None = None
     decoder_state: DecoderState | None = None  # private to the request's decoder

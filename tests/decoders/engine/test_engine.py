@@ -318,6 +318,43 @@ def test_the_waiting_queue_is_bounded(make_engine):
     engine.run_until_idle()
 
 
+def test_a_choice_that_waits_too_long_fails_as_overloaded(make_engine):
+    """max_queue_wait: a choice still waiting after it is failed (OVERLOADED) and leaves the queue;
+    a running one goes on, and so does one that has started once (preempted back to waiting)."""
+    engine = make_engine(max_num_seqs=1, max_queue_wait=0.2)
+    client = Client(engine)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    running = client.submit([1, 2, 3], params)
+    waiting = client.submit([4, 5, 6], params)
+    engine.step()
+    time.sleep(0.25)
+    engine.step()
+    final = client.final(waiting)
+    assert final.finish_reason == "error" and final.failure is FailureKind.OVERLOADED
+    assert "waited" in final.error and not client.tokens(waiting)
+    assert not engine.scheduler.waiting and engine.num_queued() == 0
+    (started,) = engine.scheduler.running
+    engine.scheduler.preempt(started)  # it has streamed tokens: it waits on, however long
+    time.sleep(0.25)
+    engine.run_until_idle()
+    assert client.final(running).finish_reason == "length" and len(client.tokens(running)) == 40
+
+
+def test_the_estimated_wait_follows_finished_requests(make_engine):
+    engine = make_engine(max_num_seqs=2, max_queue_wait=30)
+    engine.admission.min_busy = 0.0
+    client = Client(engine)
+    assert engine.estimated_wait() == 0.0
+    for prompt in random_prompts(4, 4, 8):
+        client.submit(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.step()
+    assert engine.estimated_wait() == float("inf")  # two running, two queued, nothing finished yet
+    engine.run_until_idle()
+    assert engine.admission.finished == pytest.approx(4, abs=0.1)
+    assert engine.estimated_wait() == 0.0  # idle: a place is free
+    assert 0 < engine.estimated_wait(3) < float("inf")  # one of three must wait for a finish
+
+
 def test_the_engine_thread_serves_requests(make_engine):
     engine = make_engine()
     client = Client(engine)
