@@ -31,7 +31,7 @@ from TP=1 in the last bits; the README's tensor parallelism section gives the me
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,14 @@ from .quant import GROUP, Int4Linear, Int8Linear, QuantEmbedding
 from .transformer import Attention, DecoderLayer, SwiGLU, Transformer
 
 
+# How a block half's row-parallel layer is combined across ranks:
+#   "sum"   Megatron's: each rank multiplies its input columns, one all-reduce adds the partials;
+#   "exact" each rank gathers the whole input, computes its slice of the output rows with the full
+#           inner sum, and the slices are gathered: every output element is computed as at TP=1, so
+#           greedy output is identical (two all-gathers per half instead of one all-reduce).
+Reduction = Literal["sum", "exact"]
+
+
 @dataclass(frozen=True)
 class Shard:
     """This process's place in a tensor-parallel group."""
@@ -50,6 +58,7 @@ class Shard:
     rank: int
     world: int
     group: dist.ProcessGroup | None = None  # None: the default group
+    reduction: Reduction = "sum"
 
 
 def split_sizes(n: int, world: int, unit: int = 1) -> list[int]:
@@ -137,6 +146,29 @@ def all_reduce_output(group: dist.ProcessGroup | None):
     return hook
 
 
+def gather_last(x: torch.Tensor, sizes: Sequence[int], group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Concatenate every rank's (..., sizes[rank]) slice along the last dimension, in rank order."""
+    width = max(sizes)
+    if x.shape[-1] < width:  # all_gather takes equal shapes: pad, then trim
+        x = F.pad(x, (0, width - x.shape[-1]))
+    parts = [torch.empty_like(x) for _ in sizes]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+
+
+class GatheredLinear(nn.Module):
+    """A row-parallel layer done exactly (``Reduction`` "exact"): gather the input columns, multiply
+    by this rank's output rows (the full inner sum, as at TP=1), gather the output slices."""
+
+    def __init__(self, local: nn.Module, in_sizes: Sequence[int], out_sizes: Sequence[int],
+                 group: dist.ProcessGroup | None):
+        super().__init__()
+        self.local, self.in_sizes, self.out_sizes, self.group = local, list(in_sizes), list(out_sizes), group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_last(self.local(gather_last(x, self.in_sizes, self.group)), self.out_sizes, self.group)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows lo..hi of an embedding; other ids give zeros here and their owner's row after the sum."""
 
@@ -165,13 +197,7 @@ class VocabParallelHead(nn.Module):
         self.local, self.sizes, self.group = local, list(sizes), group
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        part = self.local(hidden)  # (tokens, this rank's vocab)
-        width = max(self.sizes)
-        if part.shape[-1] < width:  # all_gather takes equal shapes: pad, then trim
-            part = F.pad(part, (0, width - part.shape[-1]))
-        parts = [torch.empty_like(part) for _ in self.sizes]
-        dist.all_gather(parts, part.contiguous(), group=self.group)
-        return torch.cat([p[..., :n] for p, n in zip(parts, self.sizes)], dim=-1)
+        return gather_last(self.local(hidden), self.sizes, self.group)  # (tokens, vocab)
 
     def dequantize(self) -> torch.Tensor:
         """This rank's rows as floats (``linear_weight``)."""
@@ -189,20 +215,36 @@ class Sharder:
         self.shard = shard
         # id(module) -> (module, its shard); the module is held so its id is not reused meanwhile.
         # Drop the sharder when done: it keeps the unsharded modules alive.
-        self.memo: dict[int, tuple[nn.Module, nn.Module]] = {}
+        self.memo: dict[tuple[int, bool], tuple[nn.Module, nn.Module]] = {}
 
-    def once(self, old: nn.Module, make) -> nn.Module:
-        if id(old) not in self.memo:
+    def once(self, old: nn.Module, make, variant: bool = False) -> nn.Module:
+        key = (id(old), variant)
+        if key not in self.memo:
             new = make(old)
-            self.memo[id(old)] = (old, new)
-            self.memo[id(new)] = (new, new)  # already sharded maps to itself
-        return self.memo[id(old)][1]
+            self.memo[key] = (old, new)
+            self.memo[(id(new), variant)] = (new, new)  # already sharded maps to itself
+        return self.memo[key][1]
 
-    def rows(self, layer: nn.Module, rows: torch.Tensor) -> nn.Module:
+    def rows(self, layer: nn.Module, rows: torch.Tensor, whole_input: bool = False) -> nn.Module:
+        """Output rows of ``layer`` (``whole_input``: of a row-parallel layer done exactly, a module
+        distinct from a column-parallel slice of the same layer)."""
         if isinstance(layer, LoRA):  # B's rows follow the base's; A sees the whole input
-            return self.once(layer, lambda m: LoRA(self.rows(m.base, rows), m.lora_A, m.lora_B_t[:, rows].t(),
-                                                   m.scale))
-        return self.once(layer, lambda m: take_rows(m, rows))
+            return self.once(layer, lambda m: LoRA(self.rows(m.base, rows, whole_input), m.lora_A,
+                                                   m.lora_B_t[:, rows].t(), m.scale), whole_input)
+        return self.once(layer, lambda m: take_rows(m, rows), whole_input)
+
+    def row_parallel(self, layer: nn.Module, in_sizes: Sequence[int], owner: nn.Module) -> nn.Module:
+        """``layer`` (input split by ``in_sizes``) as this rank's part of a row-parallel layer: its input
+        columns, summed by a hook on ``owner`` ("sum"), or its output rows, gathered ("exact")."""
+        if self.shard.reduction == "sum":
+            owner.register_forward_hook(all_reduce_output(self.shard.group))
+            return self.cols(layer, *span(in_sizes, self.shard.rank))
+        out = layer.base.out_features if isinstance(layer, LoRA) else layer.out_features
+        unit = 16 if out % (16 * self.shard.world) == 0 else 1  # the CPU int4 packing takes rows in 16s
+        out_sizes = split_sizes(out, self.shard.world, unit)
+        lo, hi = span(out_sizes, self.shard.rank)
+        return self.once(layer, lambda m: GatheredLinear(self.rows(m, torch.arange(lo, hi), whole_input=True),
+                                                         in_sizes, out_sizes, self.shard.group))
 
     def cols(self, layer: nn.Module, lo: int, hi: int) -> nn.Module:
         if isinstance(layer, LoRA):  # A's columns follow the base's; each rank adds its partial product
@@ -219,19 +261,19 @@ class Sharder:
         q = torch.arange(kv_lo * group * d, kv_hi * group * d)
         kv = torch.arange(kv_lo * d, kv_hi * d)
         attn.qkv_proj = self.rows(attn.qkv_proj, torch.cat([q, q_size + kv, q_size + kv_size + kv]))
-        attn.o_proj = self.cols(attn.o_proj, kv_lo * group * d, kv_hi * group * d)
+        widths = [n * group * d for n in split_sizes(attn.num_kv_heads, world)]
+        attn.o_proj = self.row_parallel(attn.o_proj, widths, attn)
         attn.num_heads, attn.num_kv_heads = (kv_hi - kv_lo) * group, kv_hi - kv_lo
         attn.split = (attn.num_heads * d, attn.num_kv_heads * d, attn.num_kv_heads * d)
-        attn.register_forward_hook(all_reduce_output(self.shard.group))
 
     def mlp(self, mlp: SwiGLU, intermediate: int) -> None:
         # Whole int4 groups where the size allows (a quantized layer needs them; tiny float models do not).
         unit = GROUP if intermediate % GROUP == 0 and intermediate // GROUP >= self.shard.world else 1
-        lo, hi = span(split_sizes(intermediate, self.shard.world, unit), self.shard.rank)
+        sizes = split_sizes(intermediate, self.shard.world, unit)
+        lo, hi = span(sizes, self.shard.rank)
         rows = torch.cat([torch.arange(lo, hi), intermediate + torch.arange(lo, hi)])
         mlp.gate_up_proj = self.rows(mlp.gate_up_proj, rows)
-        mlp.down_proj = self.cols(mlp.down_proj, lo, hi)
-        mlp.register_forward_hook(all_reduce_output(self.shard.group))
+        mlp.down_proj = self.row_parallel(mlp.down_proj, sizes, mlp)
 
     def embedding(self, emb: nn.Module, vocab: int) -> nn.Module:
         if isinstance(emb, MaskedEmbedding):  # a twin's [MASK] row goes in after the sum

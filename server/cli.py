@@ -72,6 +72,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks the model is sharded over (spawned here, or started by torchrun; see README: "
                    "Tensor parallelism)")
+    p.add_argument("--tp-reduction", default="exact", choices=["exact", "sum"],
+                   help="how row-parallel layers combine ranks: exact (gather, output identical to one rank) or "
+                   "sum (one all-reduce per block half, Megatron's; sums in another order)")
     p.add_argument("--tp-timeout", type=float, default=60.0,
                    help="seconds a tensor-parallel collective may wait before its rank is declared failed")
     p.add_argument("--tp-heartbeat", type=float, default=5.0,

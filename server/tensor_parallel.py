@@ -62,12 +62,13 @@ def init(args: argparse.Namespace, rank: int, world: int, init_method: str) -> S
                             timeout=timedelta(seconds=args.tp_timeout))
     if not args.threads and args.device == "cpu":  # the ranks share this host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // min(world, os.cpu_count() or 1)))
-    return Shard(rank, world)
+    return Shard(rank, world, reduction=args.tp_reduction)
 
 
-def start(args: argparse.Namespace) -> ParallelGroup | None:
-    """Join or create the group for rank 0 (None without tensor parallelism). A torchrun rank other
-    than 0 never returns: it serves steps, then exits the process."""
+def start(args: argparse.Namespace, force: bool = False) -> ParallelGroup | None:
+    """Join or create the group for rank 0 (None without tensor parallelism; ``force``: a group even
+    of one rank, to run its path on a single device). A torchrun rank other than 0 never returns:
+    it serves steps, then exits the process."""
     world = args.tensor_parallel_size
     env = torchrun_env()
     if env is not None and env[1] > 1:
@@ -78,7 +79,7 @@ def start(args: argparse.Namespace) -> ParallelGroup | None:
         if rank != 0:
             sys.exit(run_worker(args, shard))
         return ParallelGroup(shard, args.device, args.tp_timeout, args.tp_heartbeat)
-    if world <= 1:
+    if world <= 1 and not force:
         return None
     init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = torch.multiprocessing.get_context("spawn")

@@ -1,0 +1,245 @@
+"""Tensor parallelism on the CPU: 2 ranks over gloo, started the way ``dualserve serve`` starts them.
+
+Rank 0 is this test process (``tensor_parallel.start`` spawns rank 1); both load the same
+checkpoint through ``load_deployment`` and rank 0 drives the engine. Every generation is compared
+token for token with a one-rank deployment of the same checkpoint. The step description's
+encoding and the exact slicing of quantized layers are checked without ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from dualserve.decoders.engine.paged_attention import AttentionMetadata, SeqAttention
+from dualserve.decoders.engine.parallel import RankFailure, decode_forward, encode_forward
+from dualserve.decoders.engine.sampling import SamplingParams
+from dualserve.models.quant import Int4Linear, Int8Linear
+from dualserve.models.sharding import sharded_bytes, split_sizes, take_cols, take_rows
+from dualserve.server import tensor_parallel
+from dualserve.server.cli import add_model_args, load_deployment
+from tiny_checkpoints import write_tiny_llada
+from tiny_twin import write_chat_tokenizer, write_tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [[1, 5, 7, 9, 11], [1, 3, 4, 20, 21, 22, 23, 30, 31], [1, 12, 13]]
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+
+
+def model_args(*argv: str, tp: int = 1) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    args = p.parse_args(["--device", "cpu", "--no-compile", "--threads", "1", "--tensor-parallel-size", str(tp),
+                         "--tp-timeout", "120", "--tp-heartbeat", "2", *argv])
+    args.command = "generate"
+    return args
+
+
+@contextmanager
+def ranks(*argv: str) -> Iterator:
+    """A 2-rank deployment; the spawned rank is stopped (or killed) however the test ends."""
+    args = model_args(*argv, tp=2)
+    group = tensor_parallel.start(args)
+    try:
+        yield load_deployment(args, group)
+    finally:
+        group.shutdown(timeout=10)
+        for p in group.processes:
+            assert not p.is_alive()
+
+
+def generate(dep, prompts, max_tokens: int = 12, decoder: str | None = None, chat: bool = False) -> list[list[int]]:
+    name = next(iter(dep.models))
+    decoder = decoder or dep.engine.decoders_for(name)[0]
+    tok = dep.models[name].tokenizer
+    outs: list[list[int]] = []
+    for p in prompts:
+        if chat:
+            p = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+                           add_special_tokens=False)
+        got: list[int] = []
+        dep.engine.submit(name, decoder, list(p), SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                 ignore_eos=not chat),
+                          lambda _, d, got=got: got.extend(d.token_ids))
+        outs.append(got)
+    dep.engine.run_until_idle()
+    return outs
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("qwen2"), family="qwen2")
+
+
+# ---- without ranks -------------------------------------------------------------------------------
+
+
+def test_step_description_round_trips():
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    seqs = [SeqAttention(5, 2, [3, 4], "causal"), SeqAttention(0, 3, [7], tree, torch.tensor([1, 2, 9])),
+            SeqAttention(16, 1, [1, 2, 5], "bidirectional")]
+    meta = AttentionMetadata(seqs, torch.arange(6) + 40, 16)
+    ids, pos = torch.arange(6) + 100, torch.tensor([5, 6, 0, 1, 1, 16])
+    sizes, payload = encode_forward(ids, pos, meta, (2, 7))
+    ids2, pos2, meta2, aux = decode_forward(sizes, payload, 16, torch.device("cpu"))
+    assert torch.equal(ids, ids2) and torch.equal(pos, pos2) and aux == (2, 7)
+    assert torch.equal(meta2.slot_mapping, meta.slot_mapping) and meta2.block_size == 16
+    for a, b in zip(meta.seqs, meta2.seqs):
+        assert (a.context_len, a.query_len, a.block_table) == (b.context_len, b.query_len, b.block_table)
+        assert (a.context_slots is None) == (b.context_slots is None)
+        if a.context_slots is not None:
+            assert torch.equal(a.context_slots, b.context_slots)
+        assert torch.equal(a.mask, b.mask) if isinstance(a.mask, torch.Tensor) else a.mask == b.mask
+
+
+def test_split_sizes_are_whole_units_and_uneven_heads_split():
+    assert split_sizes(3, 2) == [2, 1]  # SmolLM2-135M's KV heads
+    assert split_sizes(1536, 2, 32) == [768, 768]
+    assert split_sizes(96, 2, 32) == [64, 32]
+    with pytest.raises(ValueError):
+        split_sizes(1, 2)
+
+
+@pytest.mark.parametrize("kind", [Int4Linear, Int8Linear])
+def test_quantized_layers_slice_exactly(kind):
+    """Rows and columns of a quantized layer multiply exactly as the same rows and columns of the
+    whole layer: no re-quantization."""
+    torch.manual_seed(0)
+    layer = kind.from_float(torch.randn(96, 128))
+    full = layer.dequantize()
+    rows = torch.cat([torch.arange(16), torch.arange(48, 64)])  # the CPU int4 packing takes rows in 16s
+    assert torch.equal(take_rows(layer, rows).dequantize(), full[rows])
+    assert torch.equal(take_cols(layer, 32, 96, keep_bias=True).dequantize(), full[:, 32:96])
+
+
+# ---- two ranks ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("reduction", ["exact", "sum"])
+def test_tiny_models_greedy_identical(family, reduction, llama, qwen2):
+    """Tied (llama, GQA) and untied with q/k/v biases (qwen2), in fp32: both reductions give the
+    one-rank tokens (fp32 partial sums of these tiny layers round alike)."""
+    path = str(llama if family == "llama" else qwen2)
+    argv = ("--model", path, "--eagle", "none", "--twin", "none", "--quantization", "none",
+            "--num-blocks", "64", "--tp-reduction", reduction)
+    want = generate(load_deployment(model_args(*argv)), PROMPTS)
+    with ranks(*argv) as dep:
+        assert generate(dep, PROMPTS) == want
+
+
+def test_each_rank_holds_its_share_of_the_weights(llama):
+    argv = ("--model", str(llama), "--eagle", "none", "--twin", "none", "--quantization", "none", "--num-blocks", "16")
+    whole = sharded_bytes(next(iter(load_deployment(model_args(*argv)).models.values())).model)
+    with ranks(*argv) as dep:
+        model = next(iter(dep.models.values())).model
+        # 4 heads / 2 KV heads, MLP 48, vocab 64: everything splits evenly, so exactly half
+        # (the tied head is the embedding's own rows, counted once).
+        assert sharded_bytes(model) == whole // 2
+        runner = next(iter(dep.runners.values()))
+        assert runner.kv.k[0].shape[2] == 1  # one of the two KV heads per block
+
+
+@pytest.fixture(scope="module")
+def llada(tmp_path_factory) -> Path:
+    path = write_tiny_llada(tmp_path_factory.mktemp("llada"), vocab_size=64, mask_token_id=63)
+    write_chat_tokenizer(path)
+    return path
+
+
+def test_tiny_llada_diffusion_greedy_identical(llada):
+    argv = ("--model", str(llada), "--quantization", "none", "--num-blocks", "64")
+    want = generate(load_deployment(model_args(*argv)), PROMPTS, max_tokens=16)
+    with ranks(*argv) as dep:
+        assert dep.engine.decoders_for(next(iter(dep.models))) == ["diffusion"]
+        assert generate(dep, PROMPTS, max_tokens=16) == want
+
+
+def test_abort_and_preemption_free_every_block(llama):
+    """Blocks are rank 0's bookkeeping; the other ranks only index their KV shards with the ids it
+    sends. After an abort and under preemption (a pool too small for every request), every block
+    is free again, and requests that reuse the freed blocks still get the one-rank tokens."""
+    argv = ("--model", str(llama), "--eagle", "none", "--twin", "none", "--quantization", "none",
+            "--num-blocks", "6", "--block-size", "4")
+    prompts = PROMPTS * 2
+    want = generate(load_deployment(model_args(*argv)), prompts, max_tokens=10)
+    with ranks(*argv) as dep:
+        pool = dep.engine.pool
+        name = next(iter(dep.models))
+        rid = dep.engine.submit(name, "ar", PROMPTS[1], SamplingParams(max_tokens=50, temperature=0.0,
+                                                                       ignore_eos=True), lambda *_: None)
+        for _ in range(3):
+            dep.engine.step()
+        assert pool.num_free_blocks < pool.num_blocks
+        dep.engine.abort(rid)
+        dep.engine.run_until_idle()
+        assert pool.num_free_blocks == pool.num_blocks
+        assert generate(dep, prompts, max_tokens=10) == want
+        assert dep.engine.scheduler.num_preemptions > 0
+        assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_a_killed_rank_fails_requests_not_hangs(llama):
+    """SIGKILL the other rank mid-generation: the running request ends with an error, the group is
+    failed, and later requests fail at once."""
+    argv = ("--model", str(llama), "--eagle", "none", "--twin", "none", "--quantization", "none", "--num-blocks", "64")
+    with ranks(*argv) as dep:
+        group, name = dep.parallel, next(iter(dep.models))
+        reasons: list[str] = []
+        group.on_failure(reasons.append)
+        finishes: list[str] = []
+        dep.engine.submit(name, "ar", PROMPTS[0], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True),
+                          lambda _, d: finishes.append(d.finish_reason) if d.finish_reason else None)
+        for _ in range(3):
+            dep.engine.step()
+        os.kill(group.processes[0].pid, signal.SIGKILL)
+        started = time.monotonic()
+        dep.engine.run_until_idle()
+        assert time.monotonic() - started < 60  # a closed connection fails the next collective at once
+        assert finishes == ["error"] and reasons and group.failure
+        with pytest.raises(RankFailure):
+            next(iter(dep.runners.values())).logits(torch.zeros(1, 32))
+
+
+def test_a_hung_rank_is_noticed_within_the_timeout(llama):
+    """SIGSTOP the other rank while idle: the heartbeat's all-reduce times out and fails the group."""
+    argv = ("--model", str(llama), "--eagle", "none", "--twin", "none", "--quantization", "none",
+            "--num-blocks", "16", "--tp-timeout", "4", "--tp-heartbeat", "1")
+    with ranks(*argv) as dep:
+        group = dep.parallel
+        os.kill(group.processes[0].pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            while group.failure is None and time.monotonic() - started < 30:
+                time.sleep(0.1)
+            assert group.failure is not None
+            assert time.monotonic() - started < 4 + 1 + 5  # timeout + heartbeat, with slack for a busy host
+        finally:
+            os.kill(group.processes[0].pid, signal.SIGCONT)
+
+
+@pytest.mark.slow
+def test_default_model_greedy_identical_for_every_decoder():
+    """SmolLM2-135M (int4, 9 heads over 3 KV heads: split 6/3) with its EAGLE head and diffusion
+    twin: the ``exact`` reduction gives the one-rank tokens for ar, eagle and diffusion."""
+    argv = ("--quantization", "int4", "--num-blocks", "128")
+    one = load_deployment(model_args(*argv))
+    want = {d: generate(one, CHATS, 24, d, chat=True) for d in ("ar", "eagle", "diffusion")}
+    del one
+    with ranks(*argv) as dep:
+        for decoder in ("ar", "eagle", "diffusion"):
+            assert generate(dep, CHATS, 24, decoder, chat=True) == want[decoder], decoder
