@@ -41,9 +41,13 @@ Without the engine, ``generate`` runs the same loop for one prompt over ``DenseC
 the prefix as the reference's ``DynamicCache`` does.
 
 Sampling parameters: ``temperature`` scales the schedule (1, the OpenAI default, is the
-checkpoint's own); 0 takes the argmax instead of a sample. ``top_k``/``top_p``/``min_p`` truncate
-the per-position distribution. Penalties and logit bias do not apply to a canvas and are ignored;
-grammars, infill suffixes and prompt logprobs are refused (``_unsupported``).
+checkpoint's own); 0 takes the argmax instead of a sample. The canvas noise still comes from the
+request's generator, which at temperature 0 without a seed starts from a fixed seed
+(``sampling.request_seed``), so temperature 0 gives the same text on every call and in any batch
+(each request draws only from its own generator); a seed picks other noise.
+``top_k``/``top_p``/``min_p`` truncate the per-position distribution. Penalties and logit bias do
+not apply to a canvas and are ignored; grammars, infill suffixes and prompt logprobs are refused
+(``_unsupported``).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ from ..engine.blocks import BlockPool
 from ..engine.paged_attention import window_pattern
 from ..engine.request import DecoderState, Request
 from ..engine.runner import ForwardItem, ModelRunner
-from ..engine.sampling import SamplingParams, token_logprobs, truncated_probs
+from ..engine.sampling import SamplingParams, make_generator, request_seed, token_logprobs, truncated_probs
 from ..engine.scheduler import Scheduled
 from .decoder import DiffusionCounters
 
@@ -308,11 +312,13 @@ class DiffusionGemmaDecoder:
         req.decoder_state = new_canvas(self.config, self.denoising.max_denoising_steps, self._generator(req))
 
     def _generator(self, req: Request) -> torch.Generator:
-        """The request's generator, moved to the model's device once (seeded the same way)."""
+        """The request's generator, moved to the model's device once (seeded the same way: the
+        request's seed, or the fixed one at temperature 0, ``request_seed``)."""
         if req.generator.device != self.device:
-            seed = req.params.seed + req.index if req.params.seed is not None else \
-                int(torch.randint(2**62, (1,), generator=req.generator))
-            req.generator = torch.Generator(self.device).manual_seed(seed)
+            seed = request_seed(req.params, req.index)
+            if seed is None:
+                seed = int(torch.randint(2**62, (1,), generator=req.generator))
+            req.generator = make_generator(seed, self.device)
         return req.generator
 
     @torch.inference_mode()

@@ -22,7 +22,7 @@ import torch
 from .blocks import BlockTable
 from .detokenize import TextStream
 from .grammar import Constraint
-from .sampling import PenaltyState, SamplingParams, TokenLogprob, make_generator
+from .sampling import PenaltyState, SamplingParams, TokenLogprob, make_generator, request_seed
 
 
 class Status(enum.Enum):
@@ -106,8 +106,7 @@ class Request:
     _prompt_logprobs_sent: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        seed = None if self.params.seed is None else self.params.seed + self.index
-        self.generator = make_generator(seed)
+        self.generator = make_generator(request_seed(self.params, self.index))
         self._ids = self.prompt_ids + self.output_ids
         if self.params.prompt_logprobs and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]

@@ -11,7 +11,10 @@ CTRL paper's repetition penalty (Keskar et al., 2019, section 4.1; over prompt a
 generated tokens, divide positive logits and multiply negative ones).
 
 Seeds: each request owns a ``torch.Generator``, so its samples do not depend on
-what else shares the batch.
+what else shares the batch. At temperature 0 without a seed the generator starts from
+a fixed seed (``request_seed``): temperature 0 samples nothing, but a decoder may still
+draw noise (DiffusionGemma's canvas starts from random tokens and re-noises what it does
+not accept), and temperature 0 must give the same text on every call.
 """
 
 from __future__ import annotations
@@ -168,6 +171,19 @@ def stable_logits(logits: torch.Tensor) -> torch.Tensor:
     logits = torch.where(pos_inf, torch.where(torch.isposinf(logits), 0.0, float("-inf")), logits)
     shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     return logits - shift
+
+
+# The seed of a request's noise at temperature 0 when it gives none.
+GREEDY_SEED = 0
+
+
+def request_seed(params: SamplingParams, index: int = 0) -> int | None:
+    """The seed of choice ``index``'s generator: the request's seed plus the index (so choices
+    differ); at temperature 0 without a seed, ``GREEDY_SEED`` for every choice (they agree, as
+    argmax choices do); otherwise None, fresh entropy."""
+    if params.seed is not None:
+        return params.seed + index
+    return GREEDY_SEED if params.greedy else None
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -245,6 +245,19 @@ def test_greedy_temperature_and_refusals(loaded) -> None:
     assert infill.finish_reason == "error" and "infill" in infill.error and not infill.tokens
 
 
+def test_temperature_zero_without_a_seed_is_the_same_every_time(loaded) -> None:
+    """The canvas noise at temperature 0 comes from a fixed seed: the same text on every call, alone,
+    beside other requests and for every choice; a seed still picks the noise at temperature 1."""
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    [alone] = run(make_engine(loaded, 8), [SHORT], greedy)
+    [again] = run(make_engine(loaded, 8), [SHORT], greedy)
+    assert again.tokens == alone.tokens and (len(alone.tokens) == 24 or alone.tokens[-1] == EOS)
+    crowd = run(make_engine(loaded, 8), [LONG, SHORT, [2, 7, 9], SHORT], greedy, n=2)
+    assert [o.tokens for o in crowd[2:4] + crowd[6:8]] == [alone.tokens] * 4
+    hot = [run(make_engine(loaded, 8), [SHORT], SamplingParams(max_tokens=24, seed=s))[0].tokens for s in (1, 1, 2, 3)]
+    assert hot[0] == hot[1] and len({tuple(t) for t in hot}) == 3
+
+
 def test_batched_canvases_see_only_their_own_prefix(loaded) -> None:
     """Two canvases in one paged forward give what each gives alone (mixed self-conditioning)."""
     model = loaded.model
