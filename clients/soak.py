@@ -9,7 +9,12 @@ least ``--minutes``:
     but a deliberate 503 / 504, OpenAI-shaped errors, streams that end with their marker);
   * every ``--storm-every``-th request is instead a longer stream on a decoder in turn that the
     client cuts after a few events (a disconnect storm: the server must free its work).
-A request with no answer within ``--hang-seconds`` is a hang.
+A request with no answer within ``--hang-seconds`` is a hang, reported apart from the problems.
+A 429 is a deliberate rejection, not a problem: the server refuses what would wait longer
+than ``--max-queue-wait`` (or overflow ``--max-waiting``), with ``Retry-After``, and ends a
+stream that waited too long with a ``rate_limit_error`` event then its end. Rejections are
+counted by endpoint and code; a 429 without ``Retry-After`` is a problem. The report also gives
+the latency of the answered requests (p50, p99, max), so a bounded queue shows as a bounded tail.
 
 Before and after, it reads ``/metrics``: KV pool usage, running and waiting requests, and the
 server's RSS. After the run it waits (up to a minute) for the server to go idle, so leaked
@@ -48,6 +53,8 @@ class Report:
     statuses: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
     problems: list[str] = field(default_factory=list)
     hangs: list[str] = field(default_factory=list)
+    rejected: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))  # endpoint -> code -> n
+    latencies: list[float] = field(default_factory=list)  # seconds, answered fuzzed requests
     disconnects: int = 0
     sent: int = 0
     before: dict[str, float] = field(default_factory=dict)
@@ -57,8 +64,17 @@ class Report:
     def as_dict(self) -> dict:
         return {"sent": self.sent, "seconds": round(self.seconds, 1), "disconnects": self.disconnects,
                 "statuses": {e: dict(sorted(c.items(), key=lambda kv: str(kv[0]))) for e, c in self.statuses.items()},
+                "rejected": sum(sum(c.values()) for c in self.rejected.values()),
+                "rejected_by": {e: dict(c) for e, c in self.rejected.items()}, "latency_s": self.latency(),
                 "problems": len(self.problems), "problem_examples": self.problems[:10], "hangs": len(self.hangs),
                 "hang_examples": self.hangs[:10], "before": self.before, "after": self.after}
+
+    def latency(self) -> dict[str, float]:
+        if not self.latencies:
+            return {}
+        ranked = sorted(self.latencies)
+        at = lambda q: round(ranked[min(len(ranked) - 1, int(q * len(ranked)))], 2)  # noqa: E731
+        return {"p50": at(0.5), "p99": at(0.99), "max": round(ranked[-1], 2)}
 
     @property
     def failed(self) -> bool:
@@ -97,7 +113,25 @@ async def settle(client: httpx.AsyncClient, seconds: float = 60.0) -> dict[str, 
         await asyncio.sleep(0.5)
 
 
+def rejection(status: int, content: bytes, streamed: bool) -> str | None:
+    """The error code when the server refused the request for overload: a 429, or a stream that
+    ends with a ``rate_limit_error`` event (it waited too long to start); else None."""
+    if status == 429:
+        try:
+            return json.loads(content)["error"]["code"] or "429"
+        except (ValueError, KeyError, TypeError):
+            return "429"
+    if status == 200 and streamed and b'"rate_limit_error"' in content:
+        for line in content.decode("utf-8", "replace").split("\n"):
+            if line.startswith('data: {"error"'):
+                error = json.loads(line[6:])["error"]
+                if error.get("type") == "rate_limit_error":
+                    return error.get("code") or "rate_limit_error"
+    return None
+
+
 async def fuzzed(client: httpx.AsyncClient, endpoint: str, raw: bytes, report: Report, hang_s: float) -> None:
+    started = time.monotonic()
     try:
         r = await asyncio.wait_for(client.post(endpoint, content=raw), hang_s)
     except (asyncio.TimeoutError, httpx.TimeoutException):
@@ -106,8 +140,15 @@ async def fuzzed(client: httpx.AsyncClient, endpoint: str, raw: bytes, report: R
     except httpx.TransportError as e:
         report.problems.append(f"{endpoint} {raw[:200]!r} -> connection error {type(e).__name__}")
         return
+    report.latencies.append(time.monotonic() - started)
     report.statuses[endpoint][r.status_code] += 1
-    problem = verdict(r.status_code, r.content, is_stream(raw), endpoint)
+    streamed = is_stream(raw)
+    problem = verdict(r.status_code, r.content, streamed, endpoint)
+    code = rejection(r.status_code, r.content, streamed)
+    if code is not None:
+        report.rejected[endpoint][code] += 1
+        if r.status_code == 429 and "retry-after" not in r.headers:
+            problem = problem or "429 without Retry-After"
     if problem is not None:
         report.problems.append(f"{endpoint} {raw[:300]!r} -> {problem}")
 
@@ -117,18 +158,22 @@ async def storm(client: httpx.AsyncClient, endpoint: str, decoder: str, cut_afte
     """A longer stream the client leaves after ``cut_after`` events."""
     body = {**STORM_BODIES[endpoint], "stream": True, "decoder": decoder}
 
-    async def run() -> None:
+    async def run() -> bool:
+        """Whether the client cut the stream (False: the server refused it)."""
         async with client.stream("POST", endpoint, json=body) as r:
             report.statuses[f"{endpoint} (cut)"][r.status_code] += 1
+            if r.status_code == 429:
+                report.rejected[f"{endpoint} (cut)"][rejection(429, await r.aread(), False)] += 1
+                return False
             seen = 0
             async for line in r.aiter_lines():
                 seen += line.startswith("data: ")
                 if seen > cut_after:
                     break
+        return True
 
     try:
-        await asyncio.wait_for(run(), hang_s)
-        report.disconnects += 1
+        report.disconnects += await asyncio.wait_for(run(), hang_s)
     except (asyncio.TimeoutError, httpx.TimeoutException):
         report.hangs.append(f"{endpoint} stream on {decoder}, cut after {cut_after} events")
     except httpx.TransportError as e:
@@ -175,8 +220,16 @@ def print_report(report: Report) -> None:
     print(f"sent {d['sent']} requests in {d['seconds']} s ({d['disconnects']} cut by the client)")
     for endpoint, statuses in sorted(d["statuses"].items()):
         print(f"  {endpoint:32s} " + "  ".join(f"{s}: {n}" for s, n in statuses.items()))
-    print(f"problems: {d['problems']}  hangs: {d['hangs']}")
-    for line in d["problem_examples"] + d["hang_examples"]:
+    print(f"rejected for overload (429, deliberate): {d['rejected']}")
+    for endpoint, codes in sorted(d["rejected_by"].items()):
+        print(f"  {endpoint:32s} " + "  ".join(f"{c}: {n}" for c, n in sorted(codes.items())))
+    if d["latency_s"]:
+        print("latency of answered requests (s): " + "  ".join(f"{k} {v}" for k, v in d["latency_s"].items()))
+    print(f"problems: {d['problems']}")
+    for line in d["problem_examples"]:
+        print(f"  {line}")
+    print(f"hangs (no answer within --hang-seconds): {d['hangs']}")
+    for line in d["hang_examples"]:
         print(f"  {line}")
     for key in ("kv_pool_usage", "running", "waiting", "rss_mb"):
         print(f"  {key:14s} before {d['before'].get(key)}  after {d['after'].get(key)}")
