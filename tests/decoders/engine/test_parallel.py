@@ -243,3 +243,17 @@ def test_default_model_greedy_identical_for_every_decoder():
     with ranks(*argv) as dep:
         for decoder in ("ar", "eagle", "diffusion"):
             assert generate(dep, CHATS, 24, decoder, chat=True) == want[decoder], decoder
+
+
+def test_diffusion_gemma_is_refused_clearly():
+    """DiffusionGemma (its own layers, experts and entry points) is not sharded: a start-up with
+    it under tensor parallelism stops with a message that names it, before any rank serves."""
+    from dualserve.models.diffusion_gemma import DiffusionGemma, DiffusionGemmaConfig
+    from dualserve.models.sharding import Shard, Sharder
+    from tiny_checkpoints import _tiny_diffusion_gemma_config
+
+    config = DiffusionGemmaConfig.from_hf(_tiny_diffusion_gemma_config(16, 64).to_dict())
+    with torch.device("meta"):
+        model = DiffusionGemma(config)
+    with pytest.raises(TypeError, match="DiffusionGemma"):
+        Sharder(Shard(0, 2))(model)
