@@ -257,3 +257,25 @@ def test_diffusion_gemma_is_refused_clearly():
         model = DiffusionGemma(config)
     with pytest.raises(TypeError, match="DiffusionGemma"):
         Sharder(Shard(0, 2))(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reduction", ["exact", "sum"])
+def test_default_model_shards_partition_its_weights(reduction, cache_dir):
+    """Each rank's share of SmolLM2-135M's sharded tensors (int4 layers, int8 embedding and head),
+    built for rank 0 and rank 1 (sharding itself needs no group): together exactly the whole, each
+    within a few percent of half (3 KV heads split 2 and 1)."""
+    from dualserve.models.hub import resolve_model
+    from dualserve.models.loader import load_model
+    from dualserve.models.sharding import Shard, Sharder
+
+    name, path = resolve_model(None, cache_dir)
+
+    def load():
+        return load_model(path, name=name, dtype=torch.float32, device="cpu", cache_dir=cache_dir,
+                          quantization="int4").model
+
+    whole = sharded_bytes(load())
+    shares = [sharded_bytes(Sharder(Shard(rank, 2, reduction=reduction))(load())) for rank in range(2)]
+    assert sum(shares) == whole
+    assert all(0.47 < s / whole < 0.53 for s in shares), [s / whole for s in shares]
