@@ -316,9 +316,9 @@ class Engine:
             self._num_queued = len(self.scheduler.waiting) + self._num_held + sum(
                 1 for kind, _ in self._inbox if kind == "add")
             self._num_running = len(self.scheduler.running)
-            if busy_seconds:
+            if busy_seconds:  # a step without work (aborts only) keeps its finishes for the next
                 self.admission.observe(busy_seconds, self._freed)
-            self._freed = 0
+                self._freed = 0
 
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self._inbox) or bool(self._held)
