@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {args.device}, tp {known.tp} ({args.tp_reduction}), batch {known.batch} x {known.max_tokens} tokens")
     print(f"{'decoder':<10} {'tp1 tok/s':>10} {'tp' + str(known.tp) + ' tok/s':>10} {'ratio':>6}  identical")
     for r in rows:
-        print(f"{r['decoder']:<10} {r['tp1_tok_s']:>10} {r[f'tp{known.tp}_tok_s']:>10} {r['ratio']:>6}  {r['identical']}")
+        tp = r[f"tp{known.tp}_tok_s"]
+        print(f"{r['decoder']:<10} {r['tp1_tok_s']:>10} {tp:>10} {r['ratio']:>6}  {r['identical']}")
     return 0
 
 

@@ -3,18 +3,27 @@
 As in gpt-fast's ``tp.py`` (and Megatron-LM, Shoeybi et al., 2019, section 3), each rank keeps a
 slice of every large matrix and the model file never mentions ranks:
 
-  * attention: q/k/v rows of this rank's KV heads (and the query heads that share them), ``o_proj``
-    columns of the same heads; the attention module's output is all-reduced (one all-reduce);
-  * MLP: ``gate_up_proj`` rows (this rank's part of gate and of up), ``down_proj`` columns; the
-    MLP's output is all-reduced (the block's second all-reduce);
-  * embedding: a slice of the vocabulary; rows outside it are zero and the all-reduce fills them
+  * attention: q/k/v rows of this rank's KV heads (and the query heads that share them), then
+    ``o_proj`` row-parallel over the same heads;
+  * MLP: ``gate_up_proj`` rows (this rank's part of gate and of up), then ``down_proj`` row-parallel;
+  * embedding: a slice of the vocabulary; rows outside it are zero and an all-reduce fills them
     in (adding zeros is exact, so the embedding equals the unsharded one bit for bit);
   * output head: a slice of the vocabulary, gathered into full logits.
 
-The reductions hang on the attention and MLP modules (forward hooks), never on the linear layers,
-because a diffusion twin shares the AR model's linear layers and wraps some of them in a LoRA: the
-adapter's partial product must join the base's before the sum. Shared modules are sharded once and
-every model that references them gets the same sharded object (``Sharder.memo``).
+A row-parallel layer is combined across ranks one of two ways (``Reduction``):
+
+  * "sum", Megatron's: each rank multiplies its input columns and one all-reduce per block half
+    adds the partial products. The all-reduce adds them in another order than one GEMM does (and
+    the int4 kernel rounds each partial to bf16), so hidden states differ from one rank in the last
+    bits, and greedy output can differ at near-ties (measured in the README);
+  * "exact": each rank gathers the whole input and computes its slice of the output rows with the
+    full inner sum, and the slices are gathered (``GatheredLinear``, two all-gathers per half).
+    Every element is computed as on one rank, so greedy output is the one rank's.
+
+The "sum" reductions hang on the attention and MLP modules (forward hooks), never on the linear
+layers, because a diffusion twin shares the AR model's linear layers and wraps some of them in a
+LoRA: the adapter's partial product must join the base's before the sum. Shared modules are
+sharded once and every model that references them gets the same sharded object (``Sharder.memo``).
 
 Heads split by KV head, as evenly as they go: SmolLM2-135M's 3 KV heads on 2 ranks give 2 and 1
 (6 and 3 query heads). The MLP's intermediate size splits in whole int4 groups of 32.
@@ -22,10 +31,6 @@ Heads split by KV head, as evenly as they go: SmolLM2-135M's 3 KV heads on 2 ran
 Quantized layers shard without re-quantizing: int8 rows and columns are sliced with their
 per-channel scales; an int4 layer's integers are read back exactly (its kernel with unit scales,
 ``int4_values``), sliced with their groups' scales and zeros, and packed again.
-
-Sums: a row-parallel layer's partial products are added by the all-reduce in a different order than
-one GEMM adds them (and a quantized kernel rounds each partial to bf16), so hidden states differ
-from TP=1 in the last bits; the README's tensor parallelism section gives the measured effect.
 """
 
 from __future__ import annotations

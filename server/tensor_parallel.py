@@ -78,7 +78,7 @@ def start(args: argparse.Namespace, force: bool = False) -> ParallelGroup | None
         shard = init(args, rank, world, "env://")
         if rank != 0:
             sys.exit(run_worker(args, shard))
-        return ParallelGroup(shard, args.device, args.tp_timeout, args.tp_heartbeat)
+        return ParallelGroup(shard, args.device, args.tp_heartbeat)
     if world <= 1 and not force:
         return None
     init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -87,7 +87,7 @@ def start(args: argparse.Namespace, force: bool = False) -> ParallelGroup | None
                          daemon=True) for r in range(1, world)]
     for p in procs:
         p.start()
-    group = ParallelGroup(init(args, 0, world, init_method), args.device, args.tp_timeout, args.tp_heartbeat)
+    group = ParallelGroup(init(args, 0, world, init_method), args.device, args.tp_heartbeat)
     group.processes = procs
     threading.Thread(target=watch, args=(group,), name="dualserve-tp-watch", daemon=True).start()
     return group
@@ -116,7 +116,7 @@ def run_worker(args: argparse.Namespace, shard: Shard) -> int:
     from .cli import load_deployment
 
     try:
-        dep = load_deployment(args, ParallelGroup(shard, args.device, args.tp_timeout, args.tp_heartbeat))
+        dep = load_deployment(args, ParallelGroup(shard, args.device, args.tp_heartbeat))
         serve_steps(list(dep.runners.values()), shard)
     except Exception:  # noqa: BLE001 - rank 0 died, hung or failed: this rank's work is over
         log.exception("rank %d stopped", shard.rank)

@@ -128,11 +128,11 @@ class ParallelGroup:
 
     One lock orders rank 0's collectives (the engine thread's steps, the heartbeat thread's pings)."""
 
-    def __init__(self, shard: Shard, device: torch.device | str = "cpu", timeout: float = 30.0,
-                 heartbeat: float = 5.0):
+    def __init__(self, shard: Shard, device: torch.device | str = "cpu", heartbeat: float = 5.0):
+        """``heartbeat``: idle seconds between liveness checks; each collective's own bound is the
+        timeout the process group was created with (``--tp-timeout``)."""
         self.shard = shard
         self.device = torch.device(device)
-        self.timeout = timeout
         self.heartbeat = heartbeat
         self.failure: str | None = None            # set once, by fail()
         self.runners: list[TensorParallelRunner] = []  # in creation order: the index workers use
@@ -253,12 +253,13 @@ class ParallelGroup:
 
 
 def head_view(model: Transformer) -> Transformer:
-    """A transformer that has only ``model``'s embedding, final norm and output head, unsharded: what
-    an EAGLE head borrows. Its layers stay on the meta device (never run)."""
+    """A transformer with only ``model``'s embedding, final norm and output head, unsharded: what an
+    EAGLE head borrows (built on meta, its layers dropped: it is never run)."""
     with torch.device("meta"):
         view = Transformer(model.config)
     view.layers = nn.ModuleList()
-    view.embed_tokens, view.norm, view.rotary, view.lm_head = model.embed_tokens, model.norm, model.rotary, model.lm_head
+    view.embed_tokens, view.norm, view.rotary = model.embed_tokens, model.norm, model.rotary
+    view.lm_head = model.lm_head
     return view
 
 
