@@ -78,7 +78,7 @@ def long_stream(url: str) -> Iterator[None]:
     started, leave = threading.Event(), threading.Event()
 
     def run() -> None:
-        body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
+        body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "temperature": 0,
                 "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
             for line in r.iter_lines():
