@@ -13,9 +13,9 @@ cached slots,
   context   (S, W)        flat KV slot of each cached token; padding -> slot 0, masked out
   mask      (S, Q, W + Q) what each query sees: valid cached slots, then its own new tokens
 
-and each layer stores its new keys/values at ``slot_mapping`` and attends with
-two batched matmuls. No Python runs per layer, so there is nothing to gather
-per sequence.
+and each layer attends with two batched matmuls; the graph returns every layer's
+new keys/values, stored at ``slot_mapping`` after it runs (``KVCache.store``). No
+Python runs per layer, so there is nothing to gather per sequence.
 
 Shapes are dynamic, so one graph serves every length; PyTorch still
 specialises sizes 0 and 1, so a step compiles into one of four graphs by
@@ -58,6 +58,12 @@ class PaddedPagedAttention:
         self.rows = rows                           # (S, Q)
         self.context = context                     # (S, W)
         self.mask = mask                           # (S, Q, W + Q) bool
+        # Each layer's new keys and values, as stored (cache dtype), in layer order. The graph
+        # returns them and the caller writes the cache (``KVCache.store``) after the forward: a
+        # cache write inside the graph is a mutation of a graph input, which inductor may turn into
+        # a copy of the whole layer's cache on every step.
+        self.new_k: list[torch.Tensor] = []
+        self.new_v: list[torch.Tensor] = []
 
     @classmethod
     def build(cls, cache: KVCache, meta: AttentionMetadata, device) -> "PaddedPagedAttention":
@@ -86,8 +92,8 @@ class PaddedPagedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc = self.k[layer_idx].view(-1, *self.k[layer_idx].shape[2:])   # (slots, kv_heads, head_dim)
         vc = self.v[layer_idx].view(-1, *self.v[layer_idx].shape[2:])
-        kc.index_copy_(0, self.slot_mapping, k.to(kc.dtype))
-        vc.index_copy_(0, self.slot_mapping, v.to(vc.dtype))
+        self.new_k.append(k.to(kc.dtype))
+        self.new_v.append(v.to(vc.dtype))
         k, v = as_stored(k, kc), as_stored(v, vc)
         S, Q = self.rows.shape
         T, heads, d = q.shape
@@ -128,9 +134,15 @@ class ForwardWithFeatures(torch.nn.Module):
         self.model = model
         self.aux_layers = aux_layers
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor,
-                attn: PaddedPagedAttention) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return self.model(ids, pos, attn, aux_layers=self.aux_layers)
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, attn: PaddedPagedAttention
+                ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """(hidden, features, new keys, new values): keys and values (layers, tokens, kv_heads,
+        head_dim) for the caller to store."""
+        hidden, aux = self.model(ids, pos, attn, aux_layers=self.aux_layers)
+        new_k, new_v = torch.stack(attn.new_k), torch.stack(attn.new_v)
+        attn.new_k.clear()
+        attn.new_v.clear()
+        return hidden, aux, new_k, new_v
 
 
 class CompileWorker:
@@ -209,7 +221,9 @@ class CompiledStep:
             if key not in self.ready:
                 return None
         attn = PaddedPagedAttention.build(self.cache, meta, ids.device)
-        return self.fn(key[1])(ids, pos, attn)
+        hidden, aux, new_k, new_v = self.fn(key[1])(ids, pos, attn)
+        self.cache.store(attn.slot_mapping, new_k, new_v)
+        return hidden, aux
 
     def _request(self, key: tuple[StepShape, tuple[int, ...]]) -> None:
         with self._lock:

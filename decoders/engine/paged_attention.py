@@ -45,17 +45,17 @@ SeqMask = Union[Literal["causal", "bidirectional"], torch.Tensor]
 
 
 def zeroed(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
-    """Zero-filled tensors for a KV pool. On the CPU they are views of one anonymous memory map:
-    the kernel hands out zero pages on first write, so blocks the pool has never used take no
-    resident memory (the default model's 377 MB pool costs only what traffic has touched)."""
-    if torch.device(device).type != "cpu":
-        return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+    """Zero-filled tensors for a KV pool, as consecutive views of one buffer. On the CPU the buffer
+    is an anonymous memory map: the kernel hands out zero pages on first write, so blocks the pool
+    has never used take no resident memory (the default model's 377 MB pool costs only what
+    traffic has touched)."""
     sizes = [math.prod(shape) for shape in shapes]
-    if sum(sizes) == 0:
-        return [torch.zeros(shape, dtype=dtype) for shape in shapes]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    memory = mmap.mmap(-1, sum(sizes) * itemsize)
-    flat = torch.frombuffer(memory, dtype=dtype, count=sum(sizes))  # the tensor keeps the map alive
+    if torch.device(device).type != "cpu" or sum(sizes) == 0:
+        flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+    else:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        memory = mmap.mmap(-1, sum(sizes) * itemsize)
+        flat = torch.frombuffer(memory, dtype=dtype, count=sum(sizes))  # the tensor keeps the map alive
     return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
 
 
@@ -70,6 +70,13 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         tensors = zeroed([shape] * (2 * num_layers), dtype, device)
         self.k, self.v = tensors[:num_layers], tensors[num_layers:]
+        # Every layer's keys, then every layer's values, as one (2 * layers, slots, kv_heads, head_dim)
+        # view of the same buffer: ``store`` writes a step's new keys and values in one copy.
+        self.stacked: torch.Tensor | None = None
+        if num_layers:
+            base = tensors[0]
+            self.stacked = torch.as_strided(base, (2 * num_layers, num_blocks * block_size, num_kv_heads, head_dim),
+                                            (base.numel(), num_kv_heads * head_dim, head_dim, 1))
 
     @classmethod
     def of_layers(cls, layer_shapes: Sequence[tuple[int, int]], num_blocks: int, block_size: int,
@@ -92,6 +99,17 @@ class KVCache:
         """Bytes one block takes in an ``of_layers`` cache (every layer stores every token)."""
         per_token = sum(2 * kv_heads * head_dim for kv_heads, head_dim in layer_shapes)
         return per_token * block_size * torch.finfo(dtype).bits // 8
+
+    def store(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write new keys and values of every layer: ``k``, ``v`` are (layers, tokens, kv_heads,
+        head_dim), stored at ``slot_mapping`` (tokens,)."""
+        if self.stacked is not None:
+            self.stacked.index_copy_(1, slot_mapping, torch.cat([k, v]).to(self.dtype))
+            return
+        for layer in range(len(self.k)):
+            kc, vc = self.flat(layer)
+            kc.index_copy_(0, slot_mapping, k[layer].to(kc.dtype))
+            vc.index_copy_(0, slot_mapping, v[layer].to(vc.dtype))
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(num_slots, kv_heads, head_dim) views of one layer's keys and values."""
