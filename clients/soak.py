@@ -173,7 +173,8 @@ async def storm(client: httpx.AsyncClient, endpoint: str, decoder: str, cut_afte
         return True
 
     try:
-        report.disconnects += await asyncio.wait_for(run(), hang_s)
+        cut = await asyncio.wait_for(run(), hang_s)  # awaited first: += would read the count before the wait
+        report.disconnects += cut
     except (asyncio.TimeoutError, httpx.TimeoutException):
         report.hangs.append(f"{endpoint} stream on {decoder}, cut after {cut_after} events")
     except httpx.TransportError as e:
