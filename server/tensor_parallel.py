@@ -22,7 +22,6 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 from datetime import timedelta
@@ -48,18 +47,19 @@ def torchrun_env() -> tuple[int, int] | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init(args: argparse.Namespace, rank: int, world: int, init_method: str) -> Shard:
+def init(args: argparse.Namespace, rank: int, world: int, init_method: str | None,
+         store: dist.TCPStore | None = None) -> Shard:
     if args.device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         args.device = f"cuda:{torch.cuda.current_device()}"
-    dist.init_process_group(backend_for(args.device), init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=args.tp_timeout))
+    try:
+        dist.init_process_group(backend_for(args.device), init_method=init_method, store=store, rank=rank,
+                                world_size=world, timeout=timedelta(seconds=args.tp_timeout))
+    except Exception:
+        # A failed rendezvous leaves c10d's module-global group counter advanced: a later group in this
+        # process would then wait for store keys that no freshly started rank writes.
+        dist.distributed_c10d._world.group_count = 0
+        raise
     if not args.threads and args.device == "cpu":  # the ranks share this host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // min(world, os.cpu_count() or 1)))
     return Shard(rank, world, reduction=args.tp_reduction)
@@ -81,13 +81,22 @@ def start(args: argparse.Namespace, force: bool = False) -> ParallelGroup | None
         return ParallelGroup(shard, args.device, args.tp_heartbeat)
     if world <= 1 and not force:
         return None
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    # The store listens before any rank starts, on a port the OS picks as it binds: a port chosen
+    # first and bound later can be taken meanwhile by another process on a busy host.
+    store = dist.TCPStore("127.0.0.1", 0, world, True, timedelta(seconds=args.tp_timeout), wait_for_workers=False)
     ctx = torch.multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=worker_main, args=(args, r, world, init_method), name=f"dualserve-rank{r}",
+    procs = [ctx.Process(target=worker_main, args=(args, r, world, store.port), name=f"dualserve-rank{r}",
                          daemon=True) for r in range(1, world)]
     for p in procs:
         p.start()
-    group = ParallelGroup(init(args, 0, world, init_method), args.device, args.tp_heartbeat)
+    try:
+        shard = init(args, 0, world, None, store)
+    except BaseException:
+        for p in procs:  # ranks that never met rank 0 must not outlive it
+            p.kill()
+            p.join(5)
+        raise
+    group = ParallelGroup(shard, args.device, args.tp_heartbeat)
     group.processes = procs
     threading.Thread(target=watch, args=(group,), name="dualserve-tp-watch", daemon=True).start()
     return group
@@ -103,10 +112,11 @@ def watch(group: ParallelGroup) -> None:
             group.fail(f"tensor-parallel rank {rank} exited (code {p.exitcode})")
 
 
-def worker_main(args: argparse.Namespace, rank: int, world: int, init_method: str) -> None:
-    """A spawned rank: meet rank 0, load and shard, replay steps; exits non-zero on a failure."""
+def worker_main(args: argparse.Namespace, rank: int, world: int, port: int) -> None:
+    """A spawned rank: meet rank 0 at its store, load and shard, replay steps; exits non-zero on a failure."""
     logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(name)s: %(message)s")
-    code = run_worker(args, init(args, rank, world, init_method))
+    store = dist.TCPStore("127.0.0.1", port, world, False, timedelta(seconds=args.tp_timeout))
+    code = run_worker(args, init(args, rank, world, None, store))
     sys.exit(code)
 
 
