@@ -257,7 +257,15 @@ class CompiledStep:
             # per code object (8 by default): four shapes for each runner (AR, twin), plus EAGLE's
             # auxiliary-feature variants, pass it, and a shape past the cap silently stays eager.
             # Dynamo's config is per thread: the cap is raised on the thread that compiles.
-            with torch._dynamo.config.patch(recompile_limit=GRAPH_LIMIT), torch.inference_mode():
+            # On the CPU the graph's wrapper is generated as C++ too (inductor's cpp_wrapper): a decode
+            # step calls some 400 kernels, and their Python wrapper cost about 1.5 ms of a 12 ms step.
+            # Inductor's own kernels (norms, rotary, softmax: small at decode) run on one thread, so a
+            # step opens OpenMP parallel regions only in the GEMMs, as in eager mode: every region is
+            # a barrier, and a barrier is what costs when OpenMP cannot spin (see ``openmp``).
+            cpu = self.cache.k[0].device.type == "cpu"
+            inductor = {"cpp_wrapper": True, "cpp.threads": 1} if cpu else {}
+            with torch._dynamo.config.patch(recompile_limit=GRAPH_LIMIT), \
+                    torch._inductor.config.patch(inductor), torch.inference_mode():
                 for n in (3, 5):  # two sizes: the graph must be the dynamic one
                     ids, pos, meta = self._example(shape, n)
                     attn = PaddedPagedAttention.build(self.cache, meta, self.cache.k[0].device)

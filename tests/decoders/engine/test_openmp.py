@@ -36,6 +36,8 @@ def test_governor_throttles_while_neighbours_leave_too_few_cores():
     g.cpus, g.threads = 2, 2
     g.update(0.1)                      # 1.9 free cores for 2 threads: within the margin
     assert not g.throttled and holders() == 0
+    g.update(0.5)                      # a streaming client's share: still within the margin
+    assert not g.throttled and holders() == 0
     g.update(1.0)                      # a busy neighbour: one core left
     assert g.throttled and g.switches == 1 and holders() == 1
     g.update(0.0)                      # one calm sample is not enough (hysteresis)
@@ -57,7 +59,21 @@ def test_governor_leaves_spare_cores_alone():
     g.cpus, g.threads = 8, 4
     g.update(3.0)                      # 5 free cores for 4 threads
     assert not g.throttled
-    g.update(4.5)                      # 3.5 free: short of 4 by more than the margin
+    g.update(4.7)                      # 3.3 free: short of 4 by more than the margin
+    assert g.throttled
+    g.stop()
+
+
+def test_governor_averages_bursts():
+    """One busy sample among idle ones (a client reading a chunk) does not throttle; a neighbour
+    that stays busy does, within about half a second."""
+    g = SpinGovernor(interval=0.1, smoothing=0.5)
+    g.cpus, g.threads = 2, 2
+    for load in (0.0, 1.0, 0.0, 0.0, 1.0, 0.0):
+        g.observe(load)
+    assert not g.throttled
+    for _ in range(5):
+        g.observe(1.0)
     assert g.throttled
     g.stop()
 
