@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -103,6 +104,10 @@ def load_deployment(args: argparse.Namespace, parallel=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     cache = default_cache_dir(args.cache_dir)
+    if not args.no_compile:
+        # Inductor reads its cache location once, when it first needs it (loading may already
+        # do): set it before anything loads, unless the environment names one.
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "compile"))
     dtype = pick_dtype(args.dtype, args.device)
     name, path = resolve_model(args.model, cache)
     quantization, dtype, table = pick_format(args, Path(path), cache, dtype)
