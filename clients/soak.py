@@ -73,8 +73,9 @@ class Report:
         if not self.latencies:
             return {}
         ranked = sorted(self.latencies)
-        at = lambda q: round(ranked[min(len(ranked) - 1, int(q * len(ranked)))], 2)  # noqa: E731
-        return {"p50": at(0.5), "p99": at(0.99), "max": round(ranked[-1], 2)}
+        # Four decimals: a refused request answers in a few milliseconds.
+        at = lambda q: round(ranked[min(len(ranked) - 1, int(q * len(ranked)))], 4)  # noqa: E731
+        return {"p50": at(0.5), "p99": at(0.99), "max": round(ranked[-1], 4)}
 
     @property
     def failed(self) -> bool:
