@@ -8,9 +8,11 @@ never answers, the test fails with the tail of its log.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -94,3 +96,24 @@ def sdk_client(server_url: str, needs: str | None = None):
         if needs not in decoders:
             pytest.fail(f"the default model should offer {needs!r}; it serves {decoders}")
     return client
+
+
+@contextlib.contextmanager
+def serve_in_thread(app) -> Iterator[str]:
+    """Serve ``app`` (an in-process deployment's ASGI app) with uvicorn on a free port, on a
+    thread; yields the base URL and stops the server on exit. The engine is the caller's."""
+    import uvicorn
+
+    from dualserve.server.lifecycle import bind_port
+
+    sock = bind_port("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

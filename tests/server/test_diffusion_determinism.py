@@ -10,14 +10,11 @@ is served in this process behind uvicorn and driven with the real openai SDK:
 
 from __future__ import annotations
 
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import openai
 import pytest
-import uvicorn
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
@@ -26,10 +23,10 @@ from dualserve.decoders.engine.engine import EngineConfig
 from dualserve.models.diffusion_gemma import load_diffusion_gemma
 from dualserve.models.tokenizer import Tokenizer
 from dualserve.server.app import AppState, create_app
-from dualserve.server.lifecycle import bind_port
 from dualserve.server.router import Router
 from dualserve.server.service import ServedModel, Service
 from tiny_checkpoints import write_tiny_diffusion_gemma
+from server_fixture import serve_in_thread
 
 MODEL = "tiny-diffusion-gemma"
 VOCAB = 512
@@ -55,16 +52,8 @@ def client(tmp_path_factory) -> Iterator[openai.OpenAI]:
     served = {MODEL: ServedModel(MODEL, loaded.tokenizer, 512, dep.engine.decoders_for(MODEL))}
     service = Service(dep.engine, served, Router())
     dep.engine.start()
-    sock = bind_port("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(AppState(service=service)), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="unused",
-                        max_retries=0, timeout=120)
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serve_in_thread(create_app(AppState(service=service))) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     dep.engine.shutdown()
 
 

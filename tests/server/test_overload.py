@@ -27,17 +27,16 @@ from typing import Iterator
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from dualserve.decoders.deployment import PoolSpec, build_deployment
 from dualserve.decoders.engine.admission import WaitEstimator
 from dualserve.decoders.engine.engine import Engine, EngineConfig
 from dualserve.models.loader import load_model
 from dualserve.server.app import AppState, create_app
-from dualserve.server.lifecycle import bind_port
 from dualserve.server.metrics import Metrics
 from dualserve.server.router import Router
 from dualserve.server.service import ServedModel, Service, ServiceLimits
+from server_fixture import serve_in_thread
 
 MODEL = "SmolLM2-135M-Instruct"
 QUEUE_WAIT = 1.5
@@ -55,16 +54,8 @@ def live(default_gguf: Path, cache_dir: Path) -> Iterator[tuple[str, Engine]]:
     metrics = Metrics()
     service = Service(dep.engine, served, Router(), ServiceLimits(), metrics=metrics)
     dep.engine.start()
-    sock = bind_port("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(AppState(service=service, metrics=metrics)),
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", dep.engine
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serve_in_thread(create_app(AppState(service=service, metrics=metrics))) as url:
+        yield url, dep.engine
     dep.engine.shutdown()
 
 

@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -30,7 +29,6 @@ import httpx
 import msgspec
 import openai
 import pytest
-import uvicorn
 
 from dualserve.decoders.deployment import PoolSpec, build_deployment
 from dualserve.decoders.engine.engine import EngineConfig
@@ -38,11 +36,11 @@ from dualserve.models.loader import load_model
 from dualserve.server.app import AppState, create_app
 from dualserve.server.completions import CompletionHandler
 from dualserve.server.errors import APIError
-from dualserve.server.lifecycle import bind_port
 from dualserve.server.metrics import Metrics
 from dualserve.server.protocol import CompletionRequest
 from dualserve.server.router import Router
 from dualserve.server.service import ServedModel, Service, ServiceLimits
+from server_fixture import serve_in_thread
 
 MODEL = "SmolLM2-135M-Instruct"
 FAULT_SEED = 4242
@@ -80,16 +78,8 @@ def live(default_gguf: Path, cache_dir: Path) -> Iterator[Live]:
     metrics = Metrics()
     service = Service(dep.engine, served, Router(), ServiceLimits(), metrics=metrics)
     dep.engine.start()
-    sock = bind_port("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(AppState(service=service, metrics=metrics)),
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield Live(f"http://127.0.0.1:{sock.getsockname()[1]}", service, loaded)
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serve_in_thread(create_app(AppState(service=service, metrics=metrics))) as url:
+        yield Live(url, service, loaded)
     dep.engine.shutdown()
 
 
