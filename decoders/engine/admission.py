@@ -1,9 +1,11 @@
-"""How long a new request would wait for a place to run: the estimate admission refuses on.
+"""Admission, bounded in time: how long a new request would wait for a place, and whether
+starting it keeps every running choice within the time it was promised.
 
-Continuous batching runs up to ``max_num_seqs`` choices at once; a new choice starts at the
-next step if a place is free and nobody queues ahead of it, and otherwise once enough running
-choices have finished to make room for it and for every choice queued before it. Places free at
-the rate running choices finish, which this module measures (Little's law): finished choices per
+**Waiting** (``WaitEstimator``). Continuous batching runs up to ``capacity`` choices at once
+(``max_num_seqs``, or fewer while the run bound below holds choices back); a new choice starts
+at the next step if a place is free and nobody queues ahead of it, and otherwise once enough
+running choices have finished to make room for it and for every choice queued before it. Places
+free at the rate running choices finish, which is measured (Little's law): finished choices per
 busy second of the engine, decayed over the last ``horizon`` busy seconds, so the estimate
 follows the current mix of short and long generations without guessing from ``max_tokens``
 (most requests stop long before it).
@@ -14,14 +16,37 @@ Until ``min_busy`` busy seconds have been seen there is no rate and the estimate
 waiting-queue bound and the queue timeout (``EngineConfig.max_queue_wait``) still hold. A rate
 of 0 after that (long generations running, none finished for a while) is an infinite wait.
 
-The engine owns one estimator and updates it at the end of each step, under its lock; the
-server reads ``estimate`` through ``Engine.estimated_wait`` from its own thread. Plain Python.
+**Running** (``RunEstimator``). Bounding the wait is not enough: on a small CPU, 64 choices
+running together each get a couple of tokens a second, and a 64-token request admitted at once
+can take minutes. So each admitted choice is *promised* a finish time,
+
+    promise = max(max_run_time, max_tokens / min_token_rate)   seconds after it starts,
+
+(a short request finishes within ``max_run_time``; a long one is never slowed, on average,
+below ``min_token_rate`` tokens/s), and a waiting choice starts only while the estimated finish
+of every running choice, and its own, stays within its promise. Otherwise it waits, and the
+wait bound turns a too-long wait into a 429. Estimated finishes assume the batch shares each
+step (processor sharing, ``finish_times``): a choice needs ``steps`` more steps (prompt left to
+prefill over the step's token budget, plus tokens left, ``max_tokens`` less those made, over
+its decoder's measured tokens per step), and a step of a given batch costs the measured time
+(``Fit``: per decoder, seconds of its part of a step against its running choices, linear,
+decayed least squares; plus the engine's own overhead). On a host fast enough that the
+promise is never at risk (a GPU) every check passes and admission is exactly ``max_num_seqs``
+places; before ``min_busy`` busy seconds, or for a decoder not yet measured, it is too.
+
+The engine owns one of each, updated at the end of each step on its own thread; the server
+reads ``WaitEstimator.estimate`` through ``Engine.estimated_wait`` (under the engine's lock).
+Plain Python.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+Key = tuple[str, str]  # (model, decoder): one measured cost and token rate each
 
 
 @dataclass
@@ -45,7 +70,8 @@ class WaitEstimator:
         return self.finished / self.busy
 
     def estimate(self, queued: int, running: int, max_num_seqs: int, n: int = 1) -> float:
-        """Seconds until the last of ``n`` new choices starts, behind ``queued`` waiting ones."""
+        """Seconds until the last of ``n`` new choices starts, behind ``queued`` waiting ones
+        (``max_num_seqs``: the places the engine currently lets run)."""
         short = queued + n - max(max_num_seqs - running, 0)
         if short <= 0:
             return 0.0
@@ -53,3 +79,140 @@ class WaitEstimator:
         if rate is None:
             return 0.0
         return math.inf if rate <= 0 else short / rate
+
+
+# ---- the run bound: pure parts ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class Member:
+    """One choice of the batch as the run bound sees it."""
+
+    key: Key
+    steps: float      # engine steps it still needs
+    deadline: float   # seconds from now by which it was promised to finish
+
+
+def finish_times(members: list[Member], step_seconds: Callable[[Counter], float]) -> list[float]:
+    """Seconds from now until each member finishes, if every member advances one step per engine
+    step and each step costs ``step_seconds(batch)`` for the batch still running (by key): the
+    batch shrinks as members finish, so the member with the k-th fewest steps finishes after
+    sum over j <= k of (steps_j - steps_{j-1}) * step_seconds(batch_j)."""
+    batch = Counter(m.key for m in members)
+    out = [0.0] * len(members)
+    now = done = 0.0
+    for i in sorted(range(len(members)), key=lambda i: members[i].steps):
+        now += (members[i].steps - done) * step_seconds(batch)
+        done = members[i].steps
+        out[i] = now
+        batch[members[i].key] -= 1
+    return out
+
+
+def promise(max_run_time: float, min_token_rate: float, tokens: int) -> float:
+    """Seconds a choice asking for ``tokens`` is promised, from its start."""
+    return max(max_run_time, tokens / min_token_rate)
+
+
+class Fit:
+    """Seconds of one decoder's part of a step against its running choices: t(b) = a + slope * b,
+    by least squares over decayed samples. Flat on a GPU (slope ~ 0), about linear on a CPU.
+    While the batch size has barely varied, a proportional t(b) = b * mean(t) / mean(b) (no
+    fixed cost: the cautious guess for a larger batch)."""
+
+    def __init__(self) -> None:
+        self.w = self.x = self.xx = self.y = self.xy = 0.0
+
+    def observe(self, b: int, seconds: float, keep: float) -> None:
+        self.w = self.w * keep + 1
+        self.x = self.x * keep + b
+        self.xx = self.xx * keep + b * b
+        self.y = self.y * keep + seconds
+        self.xy = self.xy * keep + b * seconds
+
+    def seconds(self, b: int) -> float:
+        mx, my = self.x / self.w, self.y / self.w
+        var = self.xx / self.w - mx * mx
+        if var >= 0.25:
+            slope = max(0.0, (self.xy / self.w - mx * my) / var)
+            if my - slope * mx >= 0:
+                return my + slope * (b - mx)
+        return b * my / max(mx, 1e-9)
+
+
+# ---- the run bound: measured -----------------------------------------------------------
+
+@dataclass
+class StepSample:
+    """What one engine step did, gathered by the engine for ``RunEstimator.observe``."""
+
+    batch: Counter                                                  # running choices by key
+    seconds: dict[Key, float] = field(default_factory=dict)       # each key's part of the step
+    tokens: Counter = field(default_factory=Counter)              # tokens committed by decoding choices
+    decoding: Counter = field(default_factory=Counter)            # choices past their prompt
+
+
+class RunEstimator:
+    """The run bound: measures step costs and token rates, and says whether a choice may start.
+
+    ``max_run_time``, ``min_token_rate``: the promise (module docstring). ``max_batched_tokens``:
+    the step's token budget, over which a prompt is prefilled."""
+
+    def __init__(self, max_run_time: float, min_token_rate: float, max_batched_tokens: int,
+                 horizon: float = 30.0, min_busy: float = 1.0):
+        self.max_run_time = max_run_time
+        self.min_token_rate = min_token_rate
+        self.max_batched_tokens = max_batched_tokens
+        self.horizon = horizon
+        self.min_busy = min_busy
+        self.busy = 0.0                                   # decayed busy seconds
+        self.outside = self.steps = 0.0                   # decayed step time outside decoders, steps
+        self.fits: dict[Key, Fit] = {}
+        self.rates: dict[Key, list[float]] = {}           # key -> [decayed tokens, decayed choice-steps]
+
+    def observe(self, sample: StepSample, seconds: float) -> None:
+        """One engine step of ``seconds``, doing ``sample``."""
+        keep = math.exp(-seconds / self.horizon)
+        self.busy = self.busy * keep + seconds
+        self.outside = self.outside * keep + max(0.0, seconds - sum(sample.seconds.values()))
+        self.steps = self.steps * keep + 1
+        for key, b in sample.batch.items():
+            if b > 0:
+                self.fits.setdefault(key, Fit()).observe(b, sample.seconds.get(key, 0.0), keep)
+        for key, steps in sample.decoding.items():
+            rate = self.rates.setdefault(key, [0.0, 0.0])
+            rate[0] = rate[0] * keep + sample.tokens[key]
+            rate[1] = rate[1] * keep + steps
+
+    def step_seconds(self, batch: Counter) -> float:
+        """Measured seconds of one engine step running ``batch`` (choices by key)."""
+        overhead = self.outside / self.steps if self.steps else 0.0  # scheduling, inbox, sinks
+        return overhead + sum(self.fits[k].seconds(b) for k, b in batch.items() if b > 0)
+
+    def tokens_per_step(self, key: Key) -> float | None:
+        """A decoding choice's committed tokens per engine step (None: not measured yet)."""
+        rate = self.rates.get(key)
+        if rate is None or rate[1] < 1 or rate[0] <= 0 or key not in self.fits:
+            return None
+        return rate[0] / rate[1]
+
+    def promise(self, tokens: int) -> float:
+        return promise(self.max_run_time, self.min_token_rate, tokens)
+
+    def member(self, key: Key, prompt_left: int, tokens_left: int, deadline: float) -> Member | None:
+        """The bound's view of one choice (None while its decoder is not measured)."""
+        per_step = self.tokens_per_step(key)
+        if per_step is None:
+            return None
+        steps = prompt_left / self.max_batched_tokens + max(tokens_left, 0) / per_step
+        return Member(key, steps, deadline)
+
+    def admits(self, candidate: Member | None, running: Iterable[Member | None]) -> bool:
+        """Whether ``candidate`` may start beside ``running``: every estimated finish, its own
+        included, within its deadline. Nothing to protect (an empty batch), nothing measured yet,
+        or a member whose decoder is not measured: it may."""
+        members = list(running)
+        if not members or self.busy < self.min_busy or candidate is None or None in members:
+            return True
+        members.append(candidate)
+        done = finish_times(members, self.step_seconds)
+        return all(f <= m.deadline for f, m in zip(done, members))

@@ -15,7 +15,10 @@ bounded waiting queue (``max_waiting`` choices not yet running) is full, and the
 server answers 429 with Retry-After; it also refuses a request whose estimated wait
 for a place to run (``estimated_wait``, ``admission.py``) exceeds ``max_queue_wait``.
 A choice that has still not started after ``max_queue_wait`` seconds is failed
-(``FailureKind.OVERLOADED``, a 429 to the client) and leaves the queue. Per-request
+(``FailureKind.OVERLOADED``, a 429 to the client) and leaves the queue. With ``max_run_time``
+a choice starts only while the estimated finish of every running choice, its own included,
+stays within the time each was promised (the run bound, ``admission.RunEstimator``, measured
+from the steps this engine runs); else it waits, so running work is bounded too. Per-request
 timeouts are the server's: it aborts what it stops waiting for. A request whose plan,
 sampling, grammar, drafting or forward raises is failed alone and its neighbours go on
 (``isolation.py``); only a scheduler failure that names no request fails every request.
@@ -28,11 +31,11 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .admission import WaitEstimator
+from .admission import Member, RunEstimator, StepSample, WaitEstimator
 from .blocks import BlockPool
 from .decoder import Decoder
 from .detokenize import TextStream
@@ -56,6 +59,10 @@ class EngineConfig:
     # Seconds a request may wait to start: refused at admission when its estimated wait is longer,
     # failed when it has waited this long (None: no bound, for offline tools).
     max_queue_wait: float | None = None
+    # Seconds a started choice is promised to finish in, at least (admission.RunEstimator); a long
+    # one is promised max_tokens / min_token_rate. None: no run bound (admission by places only).
+    max_run_time: float | None = None
+    min_token_rate: float = 4.0
 
 
 @dataclass
@@ -94,6 +101,10 @@ class Engine:
         self._num_running = 0       # published with _num_queued, for estimated_wait
         self._freed = 0             # running choices finished this step (each freed a place)
         self.admission = WaitEstimator()  # guarded by ``_wake``
+        self.run_bound = (RunEstimator(config.max_run_time, config.min_token_rate, config.max_batched_tokens)
+                          if config.max_run_time else None)  # engine thread only
+        self._held_back = False     # the run bound kept the queue's head waiting this step
+        self._capacity = config.max_num_seqs  # places the engine lets run, for estimated_wait
 
     # ---- registration and lifecycle ------------------------------------------
 
@@ -187,7 +198,7 @@ class Engine:
     def estimated_wait(self, n: int = 1) -> float:
         """Seconds until the last of ``n`` new choices would start (``admission.py``); any thread."""
         with self._wake:
-            return self.admission.estimate(self._num_queued, self._num_running, self.config.max_num_seqs, n)
+            return self.admission.estimate(self._num_queued, self._num_running, self._capacity, n)
 
     def abort(self, request_id: str) -> None:
         with self._wake:
@@ -274,7 +285,8 @@ class Engine:
         self._drain_inbox()
         self._expire_queued()
         started = time.perf_counter()
-        scheduled = self.scheduler.schedule(self._plan)
+        self._held_back = False
+        scheduled = self.scheduler.schedule(self._plan, self._may_start if self.run_bound else None)
         self._current = None
         for req, error in self._unplanned:
             if not req.finished:
@@ -289,15 +301,53 @@ class Engine:
             if not req.admitted and s.num_new_tokens:
                 req.admitted = True
                 req.cached_prompt_tokens = req.table.num_cached_tokens
+                if self.run_bound is not None:
+                    req.deadline = time.monotonic() + self.run_bound.promise(req.params.max_tokens)
             groups.setdefault((req.model, req.decoder), []).append(s)
+        sample, made = self._sample_start() if self.run_bound is not None else (None, [])
         for key, batch in groups.items():
+            began = time.perf_counter()
             # A request that raises fails alone; its neighbours finish the step (isolation.py).
             run_isolated(self.decoders[key].step, batch, self.emit, self._fail)
+            if sample is not None:
+                sample.seconds[key] = time.perf_counter() - began
         elapsed = time.perf_counter() - started
+        if sample is not None and scheduled:
+            self._sample_end(sample, made, elapsed)
         self._count_queued(elapsed if scheduled else 0.0)
         if scheduled:
             self.stats.steps += 1
             self.stats.busy_seconds += elapsed
+
+    # ---- the run bound (admission.RunEstimator) -----------------------------
+
+    def _member(self, req: Request, now: float) -> Member | None:
+        """The run bound's view of ``req``: steps left, and seconds to its promised finish (a choice
+        not yet started is promised from now)."""
+        bound = self.run_bound
+        deadline = req.deadline if req.deadline is not None else now + bound.promise(req.params.max_tokens)
+        prompt_left = max(0, req.num_tokens - req.num_computed - 1)  # to prefill (or recompute, if preempted)
+        return bound.member((req.model, req.decoder), prompt_left, req.remaining, deadline - now)
+
+    def _may_start(self, req: Request) -> bool:
+        """The scheduler asks before ``req`` (the queue's head) starts beside the running ones."""
+        now = time.monotonic()
+        ok = self.run_bound.admits(self._member(req, now), [self._member(r, now) for r in self.scheduler.running])
+        self._held_back |= not ok
+        return ok
+
+    def _sample_start(self) -> tuple[StepSample, list[tuple[Request, int]]]:
+        """The running batch by decoder, and each decoding choice's output length, before decoders step."""
+        running = self.scheduler.running
+        made = [(r, len(r.output_ids)) for r in running if r.output_ids or r.num_computed >= len(r.prompt_ids)]
+        return StepSample(Counter((r.model, r.decoder) for r in running)), made
+
+    def _sample_end(self, sample: StepSample, made: list[tuple[Request, int]], elapsed: float) -> None:
+        for req, before in made:
+            key = (req.model, req.decoder)
+            sample.decoding[key] += 1
+            sample.tokens[key] += len(req.output_ids) - before
+        self.run_bound.observe(sample, elapsed)
 
     def _expire_queued(self) -> None:
         """Fail the choices that have waited ``max_queue_wait`` seconds without starting (a
@@ -316,6 +366,7 @@ class Engine:
             self._num_queued = len(self.scheduler.waiting) + self._num_held + sum(
                 1 for kind, _ in self._inbox if kind == "add")
             self._num_running = len(self.scheduler.running)
+            self._capacity = self._num_running if self._held_back else self.config.max_num_seqs
             if busy_seconds:  # a step without work (aborts only) keeps its finishes for the next
                 self.admission.observe(busy_seconds, self._freed)
                 self._freed = 0

@@ -93,6 +93,7 @@ class Request:
     cached_prompt_tokens: int = 0        # prefix-cache hit at first admission, set by the engine
     admitted: bool = False               # set by the engine at first admission
     arrived: float = field(default_factory=time.monotonic)  # submission time; the queue timeout counts from it
+    deadline: float | None = None        # promised finish (monotonic), set by the engine at first admission
     counters: DecoderCounters | None = None  # the decoder's own statistics (see ``counters_of``)
     generator: torch.Generator | None = None
     decoder_state: DecoderState | None = None  # private to the request's decoder

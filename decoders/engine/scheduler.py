@@ -15,6 +15,10 @@ so nothing a client saw is lost or repeated; full blocks it had written stay in
 the prefix cache, so the recompute often starts from a cache hit. No new request
 is admitted in a step that preempted.
 
+The engine may also hold a waiting request back while starting it would slow the
+running ones past the finish times they were promised (``may_start``, the run
+bound in ``admission.py``).
+
 How many tokens a request wants is its decoder's business (``plan``): one for
 an AR decode, the tree size for an EAGLE step, a canvas for diffusion.
 """
@@ -137,7 +141,10 @@ class Scheduler:
                 budget -= n
         return budget, preempted
 
-    def schedule(self, plan: Planner) -> list[Scheduled]:
+    def schedule(self, plan: Planner, may_start: Callable[[Request], bool] | None = None) -> list[Scheduled]:
+        """This step's work. ``may_start``: whether the head of the waiting queue may start beside
+        the running requests (the engine's run bound, ``admission.py``); while it may not, nobody
+        behind it starts either (arrival order), and it waits."""
         out: list[Scheduled] = []
         budget, preempted = self._schedule_running(plan, out)
         if preempted:
@@ -146,6 +153,8 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if may_start is not None and not may_start(req):
+                break
             n, lookahead = plan(req, budget)
             if n <= 0:
                 break

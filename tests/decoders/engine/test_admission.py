@@ -1,12 +1,22 @@
-"""The wait estimate admission refuses on (``admission.py``), in plain Python: places free at the
-measured finish rate, nothing is estimated before a second of busy time, and a rate of 0 is an
-infinite wait."""
+"""Admission bounded in time (``admission.py``), in plain Python.
+
+* The wait estimate: places free at the measured finish rate, nothing is estimated before a
+  second of busy time, and a rate of 0 is an infinite wait.
+* The run bound: finish times under a shared batch, the step cost fit (linear on a CPU, flat on
+  a GPU), and the admission rule: a choice starts only while every running choice, and itself,
+  is estimated to finish within its promise; so a slow host runs fewer at once, a fast one
+  exactly as many as before, and a running choice is never slowed past its promise.
+"""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
-from dualserve.decoders.engine.admission import WaitEstimator
+from dualserve.decoders.engine.admission import (Fit, Member, RunEstimator, StepSample, WaitEstimator,
+                                                 finish_times, promise)
+
+AR, EAGLE = ("m", "ar"), ("m", "eagle")
 
 
 def test_a_free_place_means_no_wait() -> None:
@@ -40,3 +50,93 @@ def test_old_steps_fade() -> None:
     for _ in range(60):
         est.observe(1.0, 0)  # ...then a minute of long generations, none finished
     assert est.finish_rate < 0.2
+
+
+# ---- the run bound -----------------------------------------------------------------------
+
+def measured(cost, tokens_per_step: float = 1.0, key=AR, sizes=range(1, 9), **bound) -> RunEstimator:
+    """A run bound that has seen ``key``'s part of a step cost ``cost(b)`` for b running choices."""
+    est = RunEstimator(**{"max_run_time": 20.0, "min_token_rate": 4.0, "max_batched_tokens": 512, **bound})
+    for _ in range(20):
+        for b in sizes:
+            sample = StepSample(Counter({key: b}), {key: cost(b)}, Counter({key: round(tokens_per_step * b)}),
+                                Counter({key: b}))
+            est.observe(sample, cost(b))
+    return est
+
+
+def member(est: RunEstimator, tokens: int, deadline: float | None = None, prompt: int = 0, key=AR) -> Member:
+    return est.member(key, prompt, tokens, est.promise(tokens) if deadline is None else deadline)
+
+
+def test_a_shared_batch_finishes_its_shortest_first() -> None:
+    def cost(batch: Counter) -> float:
+        return 0.1 * sum(batch.values())
+
+    # Both run at 0.2 s a step for 10 steps; then the longer alone at 0.1 s for 10 more.
+    assert finish_times([Member(AR, 10, 0), Member(AR, 20, 0)], cost) == [2.0, 3.0]
+    assert finish_times([], cost) == []
+
+
+def test_the_promise_is_the_run_bound_or_the_token_rate_floor() -> None:
+    assert promise(20.0, 4.0, 64) == 20.0       # a short request: within max_run_time
+    assert promise(20.0, 4.0, 4096) == 1024.0   # a long one: never below 4 tokens/s on average
+
+
+def test_step_cost_fit_is_linear_on_a_cpu_flat_on_a_gpu_and_cautious_without_spread() -> None:
+    cpu, gpu, fixed = Fit(), Fit(), Fit()
+    for b in range(1, 17):
+        cpu.observe(b, 0.01 + 0.02 * b, keep=0.99)
+        gpu.observe(b, 0.015, keep=0.99)
+        fixed.observe(4, 0.08, keep=0.99)
+    assert math.isclose(cpu.seconds(64), 0.01 + 0.02 * 64, rel_tol=1e-6)
+    assert math.isclose(gpu.seconds(64), 0.015, rel_tol=1e-6)
+    assert math.isclose(fixed.seconds(8), 0.16)  # one batch size seen: proportional
+
+
+def test_tokens_per_step_and_step_cost_are_measured() -> None:
+    est = measured(lambda b: 0.01 * b, tokens_per_step=2.0, key=EAGLE)
+    assert math.isclose(est.tokens_per_step(EAGLE), 2.0)
+    assert est.tokens_per_step(AR) is None
+    assert math.isclose(est.step_seconds(Counter({EAGLE: 10})), 0.1, rel_tol=1e-6)
+    assert math.isclose(member(est, tokens=100, prompt=1024, key=EAGLE).steps, 2 + 50)  # prefill, then decode
+
+
+def test_a_slow_host_runs_fewer_at_once() -> None:
+    est = measured(lambda b: 0.095 * b)  # a 100-token choice takes 9.5 s alone, 19 s beside one other
+    running = [member(est, 100)]
+    assert est.admits(member(est, 100), running)
+    running.append(member(est, 100))
+    assert not est.admits(member(est, 100), running)  # 3 x 0.095 x 100 = 28.5 s > 20 s
+    assert est.admits(member(est, 4), running)         # a short one slows the others by 4 steps only
+
+
+def test_a_fast_host_admits_as_before() -> None:
+    est = measured(lambda b: 0.015)  # GPU-like: a step costs the same at any batch size
+    running: list[Member] = []
+    for _ in range(64):
+        assert est.admits(member(est, 1000), running)
+        running.append(member(est, 1000))
+    assert est.admits(member(est, 4096), running)
+
+
+def test_long_choices_keep_the_token_rate_floor() -> None:
+    est = measured(lambda b: 0.045 * b)  # per-choice rate 1 / (0.045 b): 4.4 tokens/s at 5, 3.7 at 6
+    running = [member(est, 4000) for _ in range(5)]
+    assert est.admits(member(est, 4000), running[:4])
+    assert not est.admits(member(est, 4000), running)
+
+
+def test_a_newcomer_never_pushes_a_running_choice_past_its_promise() -> None:
+    est = measured(lambda b: 0.1 * b)
+    late = [member(est, 50, deadline=6.0)]  # started earlier: 6 s left of its promise, needs 5 s alone
+    assert est.admits(member(est, 1), late)         # 0.2 + 4.9 = 5.1 s
+    assert not est.admits(member(est, 20), late)    # 20 x 0.2 + 30 x 0.1 = 7 s, though it would itself fit
+
+
+def test_nothing_to_protect_or_nothing_measured_admits() -> None:
+    est = measured(lambda b: 10.0 * b)
+    assert est.admits(member(est, 100), [])  # an empty batch: the best a request can get
+    fresh = RunEstimator(20.0, 4.0, 512)
+    assert fresh.admits(fresh.member(AR, 0, 100, 20.0), [fresh.member(AR, 0, 100, 20.0)])  # None: not measured
+    assert est.admits(est.member(EAGLE, 0, 100, 20.0), [member(est, 100)])  # eagle never measured
