@@ -7,7 +7,12 @@ A step of an EAGLE request (Li et al., EAGLE-1/2/3; the tree rules live in
      has not seen (the prompt after prefill, then each step's accepted tokens),
      writing its own one-layer KV at those positions' slots;
   2. **draft**: from the head's output at the last committed token (the "root"),
-     grow an EAGLE-2 tree (or a chain); tree nodes live in scratch tensors;
+     grow an EAGLE-2 tree (or a chain); tree nodes live in scratch tensors. Suffix
+     lookup (``suffix.py``) drafts continuations of the prompt, the output so far
+     and earlier outputs; both trees merge into one (shared prefixes once). How
+     deep each source drafts, or whether to draft at all, is set per step from the
+     host's measured verify cost and the request's running acceptance (``budget.py``);
+     the head catches up only on steps it drafts;
   3. **verify**: ONE target forward over root + tree with a tree attention mask
      on top of the paged KV, writing into the request's lookahead slots (the
      scheduler reserved them from ``plan``), capturing the features EAGLE needs;
@@ -27,6 +32,9 @@ SAME block tables as the target's: a request's blocks hold both. Positions whose
 blocks came from the prefix cache have no head KV (another decoder may have
 written them), so the head attends only from where this request started
 computing; drafts get a shorter context there, results stay exact.
+
+Sources per request: ``SamplingParams.draft`` ("auto" or "both": every source this
+decoder has; "head"; "suffix"). Without a head, ``eagle`` drafts from suffix lookup alone.
 """
 
 from __future__ import annotations
@@ -50,7 +58,10 @@ from ..engine.request import DecoderCounters, DecoderState, Request
 from ..engine.runner import ForwardItem, ModelRunner
 from ..engine.sampling import process_logits, token_logprobs, truncated_probs
 from ..engine.scheduler import Scheduled
-from .tree import DraftTree, DraftTreeAttention, TreeConfig, accept_greedy, accept_sampled, grow_tree
+from .budget import NO_DRAFT, PRIOR_RATE, Batch, Budget, CostCurve, Offer, Source, SourceRate, choose_budget
+from .suffix import SuffixConfig, SuffixDraft, SuffixDrafter, TokenIndex
+from .tree import (DraftTree, DraftTreeAttention, TreeConfig, accept_greedy, accept_sampled, grow_tree, merge_trees,
+                   source_outcome)
 
 # CPU: measured with the bundled SmolLM2 head (clients/bench_eagle.py). On an AVX2
 # CPU a forward over 2..8 tokens costs about twice a 1-token forward (GEMM packs
@@ -59,6 +70,11 @@ CPU_TREE = TreeConfig(depth=3, top_k=2, num_nodes=4)
 # GPU: verify cost is flat in tree size at batch 1; upstream EAGLE-2's evaluation
 # setting (depth 5, top-k 10, 60 tokens) scaled to a small target. Not yet measured.
 GPU_TREE = TreeConfig(depth=5, top_k=8, num_nodes=48)
+# Suffix drafts: the most nodes and the deepest path offered per step (the budget picks less).
+SUFFIX_NODES = 16
+# Head features waiting for the head: past this many the head catches up even on a step it does
+# not draft, so a request drafting from suffix alone does not hold features for its whole output.
+MAX_PENDING = 64
 
 
 @dataclass
@@ -69,6 +85,9 @@ class EagleState(DecoderState):
     head_len: int                # head KV holds pairs (feature j, token j+1) for head_start <= j < head_len
     pending: torch.Tensor        # (n, hidden) features of positions head_len .. head_len + n - 1
     last_hidden: torch.Tensor | None = None  # head output at the newest pair: predicts the root's child
+    index: TokenIndex = field(default_factory=TokenIndex)  # prompt + output, for suffix drafts
+    # This step's budget and suffix draft, made by plan for the request at this many tokens.
+    planned: tuple[int, Budget, SuffixDraft | None] | None = None
 
 
 @dataclass
@@ -78,30 +97,57 @@ class EagleCounters(DecoderCounters):
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    plain_steps: int = 0         # verify steps that drafted nothing (the budget said drafting cannot pay)
+    rates: dict[Source, SourceRate] = field(
+        default_factory=lambda: {s: SourceRate(p) for s, p in PRIOR_RATE.items()})
+    drafted: dict[Source, int] = field(default_factory=dict)   # steps each source drafted in
+    accepted: dict[Source, int] = field(default_factory=dict)  # its drafted tokens accepted in all
 
     def report(self) -> dict:
         if not self.accept_lengths:
             return {}
-        return {"mean_accept_length": round(sum(self.accept_lengths) / len(self.accept_lengths), 3),
-                "draft_seconds": round(self.draft_seconds, 4), "verify_seconds": round(self.verify_seconds, 4)}
+        out = {"mean_accept_length": round(sum(self.accept_lengths) / len(self.accept_lengths), 3),
+               "draft_seconds": round(self.draft_seconds, 4), "verify_seconds": round(self.verify_seconds, 4),
+               "plain_steps": self.plain_steps}
+        for source, steps in self.drafted.items():  # accepted drafted tokens per step that drafted from it
+            out[f"{source}_accept_length"] = round(self.accepted.get(source, 0) / steps, 3)
+            out[f"{source}_steps"] = steps
+        return out
+
+
+# Bit of each source in ``DraftTree.sources``: the order trees are merged in.
+SOURCE_BITS: dict[Source, int] = {"head": 0, "suffix": 1}
 
 
 class EagleDecoder:
-    """EAGLE speculative decoding on the target's runner (a ``Decoder``)."""
+    """Speculative decoding on the target's runner (a ``Decoder``): EAGLE head and suffix drafts."""
 
     name = "eagle"
     shares_prompt_blocks = True
     supports_infill = False
     default_max_tokens = None
 
-    def __init__(self, runner: ModelRunner, pool: BlockPool, head: EagleHead, tree: TreeConfig | None = None):
+    def __init__(self, runner: ModelRunner, pool: BlockPool, head: EagleHead | None, tree: TreeConfig | None = None,
+                 suffix: SuffixConfig | None = SuffixConfig(), cost: CostCurve | None = None):
+        """``head`` None: suffix drafts alone; ``suffix`` None: the head alone. ``cost`` None: every
+        step drafts the whole tree from each source; a ``CostCurve``: ``choose_budget`` sizes each
+        step, down to no draft at all, and the curve learns from the verify forwards."""
+        if head is None and suffix is None:
+            raise ValueError("eagle needs a draft head or suffix drafts")
         self.runner = runner
         self.pool = pool
         self.head = head
         self.tree = tree or (GPU_TREE if runner.device.type == "cuda" else CPU_TREE)
-        c = head.config.layer
-        self.kv = runner.head_kv(head.config.num_layers, c.num_kv_heads, c.head_dim)
-        self.aux_layers = head.config.aux_layers
+        self.suffix = SuffixDrafter(suffix) if suffix is not None else None
+        self.cost = cost
+        self.kv = None
+        self.aux_layers: tuple[int, ...] | list[int] = ()
+        if head is not None:
+            c = head.config.layer
+            self.kv = runner.head_kv(head.config.num_layers, c.num_kv_heads, c.head_dim)
+            self.aux_layers = head.config.aux_layers
+        self.head_level_seconds: float | None = None  # EMA: head seconds per drafted level (catch-up included)
+        self._last = (0, 0, 0)  # the previous step: requests, forward tokens, tokens emitted
 
     @property
     def kv_owner(self) -> ModelRunner:
@@ -110,13 +156,72 @@ class EagleDecoder:
     # ---- scheduling ------------------------------------------------------------
 
     def plan(self, req: Request, budget: int) -> tuple[int, int]:
-        """Prefill chunks stop before the last known token; then one root + a tree of lookahead slots."""
+        """Prefill chunks stop before the last known token; then one root + this step's draft budget."""
         pending = req.num_tokens - 1 - self.pool.computed_tokens(req.table, req.all_ids, req.uses_prefix_cache)
         if budget <= 0:
             return 0, 0
         if pending > 0:
             return min(pending, budget), 0
-        return 1, max(0, min(self.tree.num_nodes, budget - 1, req.remaining - 1))
+        cap = max(0, min(budget - 1, req.remaining - 1))
+        return 1, min(cap, self._budget(req, cap)[0].nodes)
+
+    def sources(self, req: Request) -> tuple[bool, bool]:
+        """(head, suffix): whether each drafts for ``req``, by its ``draft`` choice within what exists.
+        A grammar constraint's state cannot branch, so constrained requests go token by token."""
+        if req.constraint is not None:
+            return False, False
+        choice = req.params.draft
+        return self.head is not None and choice != "suffix", self.suffix is not None and choice != "head"
+
+    def _budget(self, req: Request, cap: int) -> tuple[Budget, SuffixDraft | None]:
+        """This step's budget and suffix draft for ``req`` (kept in its state for ``step``)."""
+        st: EagleState | None = req.decoder_state
+        if st is None or cap <= 0:  # a fresh state starts with a plain step
+            return NO_DRAFT, None
+        use_head, use_suffix = self.sources(req)
+        # The head drafts once it has seen (or can catch up to) the pair ending at the root.
+        use_head = use_head and st.head_len + len(st.pending) == req.num_tokens - 1 and (
+            len(st.pending) > 0 or st.last_hidden is not None)
+        draft = None
+        if use_suffix:
+            st.index.sync(req.all_ids)
+            draft = self.suffix.propose(st.index, req.all_ids, min(SUFFIX_NODES, cap), min(SUFFIX_NODES, cap))
+            draft = draft if draft.num_nodes else None
+        head_nodes = [n for n in (self._head_nodes(d) for d in range(1, self.tree.depth + 1)) if n <= cap] \
+            if use_head else []
+        suffix_nodes = [sum(1 for x in draft.tree.depths[1:] if x <= d) for d in range(1, max(draft.tree.depths) + 1)] \
+            if draft is not None else []
+        if self.cost is None:  # fixed sizes: everything on offer
+            budget = Budget(len(head_nodes), head_nodes[-1] if head_nodes else 0,
+                            len(suffix_nodes), suffix_nodes[-1] if suffix_nodes else 0)
+        else:
+            rates = req.counters_of(EagleCounters).rates
+            head = Offer(tuple(head_nodes), rates["head"].rate, tuple(self._head_seconds(d) for d in
+                                                                        range(1, len(head_nodes) + 1)))
+            suffix = Offer(tuple(suffix_nodes), rates["suffix"].rate)
+            budget = choose_budget(self.cost, head if head_nodes else None, suffix if suffix_nodes else None,
+                                   self._others(), cap)
+        st.planned = (req.num_tokens, budget, draft)
+        return budget, draft
+
+    def _head_nodes(self, depth: int) -> int:
+        """Tree nodes the head drafts at ``depth``: the configured tree's share, as a tree can hold."""
+        t = self.tree
+        return min(t.num_nodes, TreeConfig(depth, t.top_k, 1).pool_size, max(depth, -(-t.num_nodes * depth // t.depth)))
+
+    def _head_seconds(self, depth: int) -> float:
+        # Before any measurement: a level costs about a quarter of a one-token target forward (one
+        # layer plus the full-vocabulary logits, which are a fifth of a small model's weights).
+        level = self.head_level_seconds if self.head_level_seconds is not None else 0.25 * self.cost(1)
+        return level * (depth + 1)
+
+    def _others(self) -> Batch:
+        """The rest of the batch, as the previous step had it."""
+        n, tokens, emitted = self._last
+        if n <= 1:
+            return Batch()
+        share = (n - 1) / n
+        return Batch(round(tokens * share), emitted * share)
 
     # ---- the step --------------------------------------------------------------
 
@@ -127,15 +232,28 @@ class EagleDecoder:
         for s in batch:
             if s.request.decoder_state is None:
                 n = s.request.num_computed
-                s.request.decoder_state = EagleState(n, n, torch.zeros(0, self.head.config.layer.hidden_size,
-                                                                        device=self.runner.device))
+                s.request.decoder_state = EagleState(n, n, self._no_features())
         decode = [s for s in batch if s.request.num_computed == s.request.num_tokens - 1]
         started = time.perf_counter()
-        self._catch_up([s.request for s in decode])
+        planned: dict[int, tuple[Budget, SuffixDraft | None]] = {}
+        for s in decode:
+            with guard(s.request, emit, "drafting"):
+                st: EagleState = s.request.decoder_state
+                hit = st.planned is not None and st.planned[0] == s.request.num_tokens
+                planned[id(s.request)] = st.planned[1:] if hit else self._budget(s.request, s.num_lookahead)
+        decode = [s for s in decode if not s.request.finished]
+        catch_up = [s.request for s in decode if planned[id(s.request)][0].head_depth
+                    or len(s.request.decoder_state.pending) >= MAX_PENDING]
+        self._catch_up(catch_up)
         trees = {}
         for s in decode:
             with guard(s.request, emit, "drafting"):
-                trees[id(s.request)] = self._draft(s)
+                trees[id(s.request)] = self._draft(s, *planned[id(s.request)])
+        levels = sum(planned[id(s.request)][0].head_depth + 1 for s in decode if planned[id(s.request)][0].head_depth)
+        if levels:
+            per_level = (time.perf_counter() - started) / levels
+            old = self.head_level_seconds
+            self.head_level_seconds = per_level if old is None else old + 0.3 * (per_level - old)
         batch = [s for s in batch if not s.request.finished]  # a failed draft leaves the step
         if not batch:
             return
@@ -143,7 +261,10 @@ class EagleDecoder:
         started = time.perf_counter()
         items = [self._item(s, trees.get(id(s.request))) for s in batch]
         final, aux = self.runner.forward(items, aux_layers=self.aux_layers)
-        offset = 0
+        num_tokens = sum(len(it.token_ids) for it in items)
+        if self.cost is not None and all(id(s.request) in trees for s in batch):  # decode steps only
+            self.cost.observe(num_tokens, time.perf_counter() - started)
+        offset, emitted = 0, 0
         for s, item in zip(batch, items):
             n = len(item.token_ids)
             req = s.request
@@ -157,15 +278,20 @@ class EagleDecoder:
                     continue
                 counters = req.counters_of(EagleCounters)
                 counters.draft_seconds += draft_time
-                self._verify(req, tree, final[rows], [a[rows] for a in aux], emit)
+                emitted += self._verify(req, tree, final[rows], [a[rows] for a in aux], emit)
                 counters.verify_seconds += time.perf_counter() - started
+        self._last = (len(batch), num_tokens, emitted)
+
+    def _no_features(self) -> torch.Tensor:
+        width = self.head.config.layer.hidden_size if self.head is not None else 0
+        return torch.zeros(0, width, device=self.runner.device)
 
     def _item(self, s: Scheduled, tree: DraftTree | None) -> ForwardItem:
         req = s.request
         start = req.num_computed
         table = req.table.blocks
-        if tree is None:
-            end = start + s.num_new_tokens
+        if tree is None or len(tree) == 1:  # a prefill chunk, or a plain step (just the root)
+            end = start + (s.num_new_tokens if tree is None else 1)
             return ForwardItem(req.all_ids[start:end], range(start, end), start, table,
                                self.pool.slot_mapping(req.table, start, end))
         n = len(tree)
@@ -178,7 +304,8 @@ class EagleDecoder:
         start = req.num_computed
         if req.needs_prompt_logprobs:
             fill_prompt_logprobs(self.runner, req, final, start)
-        state.pending = torch.cat([state.pending, self.head.features(final, aux)])
+        if self.head is not None:
+            state.pending = torch.cat([state.pending, self.head.features(final, aux)])
         self.pool.mark_written(req.table, req.all_ids, start + n)
 
     # ---- draft -----------------------------------------------------------------
@@ -187,7 +314,7 @@ class EagleDecoder:
     def _catch_up(self, reqs: list[Request]) -> None:
         """One head forward over every request's unseen (feature, next token) pairs."""
         reqs = [r for r in reqs if len(r.decoder_state.pending)]
-        if not reqs:
+        if not reqs or self.head is None:
             return
         ids, pos, hidden, seqs, slots = [], [], [], [], []
         for r in reqs:
@@ -218,24 +345,30 @@ class EagleDecoder:
                             device=self.runner.device)
 
     @torch.inference_mode()
-    def _draft(self, s: Scheduled) -> DraftTree:
+    def _draft(self, s: Scheduled, budget: Budget, suffix: SuffixDraft | None) -> DraftTree:
+        """The merged tree of this step's sources (head first, then suffix), within the reserved slots."""
         req = s.request
         st: EagleState = req.decoder_state
         root = req.all_ids[-1]
-        # The head must have seen the pair ending at the root, and the slots must be reserved.
-        # A grammar constraint's state cannot branch, so constrained requests go token by token.
-        if (st.last_hidden is None or st.head_len != req.num_tokens - 1 or s.num_lookahead == 0
-                or req.constraint is not None):
-            return DraftTree([root], [-1])
-        attn = DraftTreeAttention(self.kv, self._head_context(req, st))
-        depth_cap = min(req.remaining - 1, s.num_lookahead)
-        config = self.tree if s.num_lookahead >= self.tree.num_nodes else TreeConfig(
-            self.tree.depth, self.tree.top_k, min(s.num_lookahead, self.tree.pool_size))
-        return grow_tree(self.head, attn, root, st.last_hidden, req.num_tokens - 1, config, depth_cap)
+        plain = DraftTree([root], [-1])
+        head = plain
+        # The head must have seen the pair ending at the root (catch-up ran for it this step).
+        if budget.head_depth and st.last_hidden is not None and st.head_len == req.num_tokens - 1:
+            attn = DraftTreeAttention(self.kv, self._head_context(req, st))
+            config = TreeConfig(budget.head_depth, self.tree.top_k, budget.head_nodes)
+            head = grow_tree(self.head, attn, root, st.last_hidden, req.num_tokens - 1, config, req.remaining - 1)
+        tail = plain
+        if budget.suffix_depth and suffix is not None:
+            tail = suffix.tree.cut(budget.suffix_nodes, budget.suffix_depth)
+            self.suffix.used(suffix)
+        if len(head) == 1 and len(tail) == 1:
+            return plain
+        return merge_trees([head, tail]).cut(s.num_lookahead)
 
     # ---- verify ----------------------------------------------------------------
 
-    def _verify(self, req: Request, tree: DraftTree, final: torch.Tensor, aux: list[torch.Tensor], emit) -> None:
+    def _verify(self, req: Request, tree: DraftTree, final: torch.Tensor, aux: list[torch.Tensor], emit) -> int:
+        """Accept, commit and keep the accepted path; returns the tokens committed."""
         params = req.params
         cache: dict[int, torch.Tensor] = {}
 
@@ -250,6 +383,8 @@ class EagleDecoder:
             logits = process_logits(raw(node), req.prompt_ids, req.output_ids + accepted, params)
             return logits if req.constraint is None else req.constraint.mask_logits(logits)
 
+        # A suffix draft is deterministic, like the head's top-k: both are point masses, which
+        # is what accept_sampled's rule assumes, so the merged tree stays exact.
         if params.greedy:
             path, bonus = accept_greedy(tree, processed)
         else:
@@ -258,7 +393,7 @@ class EagleDecoder:
         tokens = [tree.tokens[n] for n in path] + [bonus]
         if req.constraint is not None:  # root-only tree: exactly one token
             req.constraint.consume(bonus)
-        req.counters_of(EagleCounters).accept_lengths.append(len(tokens))
+        self._count(req, tree, path, len(tokens))
         logprobs = None
         if params.logprobs is not None:
             parents = [0] + path  # each emitted token was predicted at its parent node
@@ -267,7 +402,25 @@ class EagleDecoder:
         delta = req.commit(tokens, logprobs)
         if delta.finish_reason is None:
             self._keep_path(req, path, start, final, aux)
+        elif self.suffix is not None:
+            self.suffix.finished(req.output_ids)
         emit(req, delta)
+        return len(delta.token_ids)
+
+    def _count(self, req: Request, tree: DraftTree, path: list[int], emitted: int) -> None:
+        """Acceptance statistics, and each source's running rate for the budget."""
+        counters = req.counters_of(EagleCounters)
+        counters.accept_lengths.append(emitted)
+        if len(tree) == 1:
+            counters.plain_steps += 1
+        for source, bit in SOURCE_BITS.items():
+            outcome = source_outcome(tree, path, bit) if tree.sources else None
+            if outcome is None:
+                counters.rates[source].idle()
+                continue
+            counters.rates[source].observe(*outcome)
+            counters.drafted[source] = counters.drafted.get(source, 0) + 1
+            counters.accepted[source] = counters.accepted.get(source, 0) + outcome[0]
 
     def _keep_path(self, req: Request, path: list[int], start: int, final: torch.Tensor,
                    aux: list[torch.Tensor]) -> None:
@@ -280,15 +433,16 @@ class EagleDecoder:
         written = start + 1 + len(path)  # root + accepted nodes
         self.pool.mark_written(req.table, req.all_ids, written)
         self.pool.truncate(req.table, written)
-        rows = torch.tensor([0] + path, device=final.device)
-        st: EagleState = req.decoder_state
-        st.pending = torch.cat([st.pending, self.head.features(final[rows], [a[rows] for a in aux])])
+        if self.head is not None:
+            rows = torch.tensor([0] + path, device=final.device)
+            st: EagleState = req.decoder_state
+            st.pending = torch.cat([st.pending, self.head.features(final[rows], [a[rows] for a in aux])])
 
 
 def eagle_decoder(loaded: LoadedModel, runner: ModelRunner, pool: BlockPool, head_path: Path | str | None = None,
-                  tree: TreeConfig | None = None) -> EagleDecoder | None:
+                  tree: TreeConfig | None = None, cost: CostCurve | None = None) -> EagleDecoder | None:
     """An EAGLE decoder for ``loaded``: from ``head_path``, else the bundled head for that model, else None."""
     path = Path(head_path) if head_path else default_eagle_head(loaded.name)
     if path is None:
         return None
-    return EagleDecoder(runner, pool, load_eagle_head(path, loaded.model), tree)
+    return EagleDecoder(runner, pool, load_eagle_head(path, loaded.model), tree, cost=cost)

@@ -1,5 +1,9 @@
 """EAGLE-2 draft trees and the acceptance rules that verify them, as small pure pieces.
 
+Trees from several draft sources (the head, suffix lookup) are merged into one
+(``merge_trees``) before the verify forward; each node remembers which sources
+proposed it, so each source's acceptance can be tracked (``source_outcome``).
+
 Growing a tree (EAGLE-2, Li et al. 2024, section 4; upstream ``cnets.py``
 ``topK_genrate``): from the head's output at the root, take the top-k tokens;
 then ``depth - 1`` times, feed the current frontier (k nodes) through the head,
@@ -63,6 +67,7 @@ class DraftTree:
     tokens: list[int]
     parents: list[int]
     depths: list[int] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)  # per node, a bit per draft source that proposed it
 
     def __post_init__(self) -> None:
         if not self.depths:
@@ -86,6 +91,53 @@ class DraftTree:
         for i, p in enumerate(self.parents[1:], start=1):
             out[p].append(i)
         return out
+
+    def cut(self, num_nodes: int, max_depth: int | None = None) -> "DraftTree":
+        """The first ``num_nodes`` drafted nodes no deeper than ``max_depth``: parents come first, so
+        a prefix of the node order (less the too deep ones) is still a tree."""
+        keep = [i for i in range(len(self.tokens)) if max_depth is None or self.depths[i] <= max_depth]
+        keep = keep[:num_nodes + 1]
+        index = {old: new for new, old in enumerate(keep)}
+        return DraftTree([self.tokens[i] for i in keep], [index.get(self.parents[i], -1) for i in keep],
+                         [self.depths[i] for i in keep], [self.sources[i] for i in keep] if self.sources else [])
+
+
+def merge_trees(trees: list[DraftTree]) -> DraftTree:
+    """One tree holding every node of ``trees`` (which share the root), shared prefixes once.
+
+    Node ``sources`` gets bit s for each ``trees[s]`` that proposed it. Every node keeps distinct
+    tokens among its children, as the acceptance rules need: a second child with a token
+    already tried would be skipped, and its subtree lost with it.
+    """
+    tokens, parents, sources = [trees[0].tokens[0]], [-1], [(1 << len(trees)) - 1]
+    child_of: dict[tuple[int, int], int] = {}
+    for s, tree in enumerate(trees):
+        if tree.tokens[0] != tokens[0]:
+            raise ValueError("merged trees must share their root")
+        where = [0]
+        for i in range(1, len(tree)):
+            key = (where[tree.parents[i]], tree.tokens[i])
+            node = child_of.get(key)
+            if node is None:
+                node = child_of[key] = len(tokens)
+                tokens.append(tree.tokens[i])
+                parents.append(key[0])
+                sources.append(0)
+            sources[node] |= 1 << s
+            where.append(node)
+    return DraftTree(tokens, parents, sources=sources)
+
+
+def source_outcome(tree: DraftTree, path: list[int], source: int) -> tuple[int, bool] | None:
+    """(accepted nodes the source proposed, whether it proposed a child where acceptance stopped),
+    or None when it proposed nothing. Its accepted nodes are a prefix of the path: a node
+    proposed by a source has its ancestors proposed by it too."""
+    bit = 1 << source
+    if not any(s & bit for s in tree.sources[1:]):
+        return None
+    accepted = sum(1 for n in path if tree.sources[n] & bit)
+    stop = path[accepted - 1] if accepted else 0  # the last accepted node it proposed, or the root
+    return accepted, any(tree.sources[c] & bit for c in tree.children()[stop])
 
 
 def select_nodes(scores: torch.Tensor, num: int) -> torch.Tensor:

@@ -20,11 +20,15 @@ not accept), and temperature 0 must give the same text on every call.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
 
 from .grammar import GrammarSpec
+
+
+DraftChoice = Literal["auto", "head", "suffix", "both"]
+DRAFT_CHOICES: tuple[DraftChoice, ...] = ("auto", "head", "suffix", "both")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,8 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None   # structured output (JSON schema, regex, Lark)
+    # ``eagle``'s draft sources: "auto"/"both" every one it has, "head" the EAGLE head, "suffix" lookup
+    draft: DraftChoice = "auto"
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,187 @@
+"""How much to draft each step: the verify cost of this host against what the drafts earn.
+
+A speculative step over a tree of n drafted nodes costs one target forward over 1 + n
+tokens (plus the head's drafting), and earns 1 + E tokens, E the expected accepted
+length. A plain ``ar`` step costs a forward over 1 token and earns 1. On a small CPU a
+forward over 8 tokens costs about twice one over a single token; on a GPU at batch 1 it
+costs the same; at a large batch every extra token costs its share of a GEMM-bound
+forward. So the right draft size depends on the host, the batch and how well the sources
+are doing, and no fixed tree is right everywhere (the same argument as EAGLE-2's dynamic
+trees, section 4, and the "goodput" budgets of Liu et al., "Optimizing Speculative
+Decoding for Serving", 2024).
+
+Inputs, each measured:
+
+* ``CostCurve``: seconds of a verify forward by token count, a prior (the start-up format
+  measurement's 1- and 8-token costs, ``models/formats.py``, or a default shape) corrected
+  by the forwards the decoder times as it runs;
+* ``SourceRate``: per draft source (the EAGLE head, suffix lookup), the request's running
+  per-level acceptance rate, an EMA; a source left unused drifts back towards its prior,
+  so a source that failed once is tried again later;
+* the batch: the tokens the rest of the batch puts in the same forward and the tokens it
+  emits (from the previous step).
+
+``choose_budget`` is pure: it scores every (head depth, suffix depth) pair by expected
+tokens per second of the whole step and returns the best; depth 0 for both is a plain
+``ar`` step, which it picks whenever drafting cannot pay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+Source = str  # "head" | "suffix"
+SOURCES: tuple[Source, ...] = ("head", "suffix")
+
+# Prior acceptance rates, per drafted level: the bundled head's measured mean acceptance
+# length 1.55 (README) is a per-level rate near 0.35; suffix drafts are verbatim repeats,
+# accepted far more often when they match at all (SuffixDecoding reports 0.6-0.8 on agents).
+PRIOR_RATE = {"head": 0.35, "suffix": 0.6}
+EMA = 0.3            # weight of the newest observation
+DRIFT = 0.02         # per unused step, towards the prior
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclass
+class SourceRate:
+    """A per-level acceptance rate (EMA) for one source, for one request."""
+
+    prior: float
+    rate: float = -1.0
+    accept_length: float = 0.0  # EMA of accepted drafted tokens per step that drafted (reported)
+
+    def __post_init__(self) -> None:
+        if self.rate < 0:
+            self.rate = self.prior
+
+    def observe(self, accepted: int, rejected: bool) -> None:
+        """A step that drafted from this source: ``accepted`` levels passed, then one failed or not."""
+        trials = accepted + int(rejected)
+        if trials:
+            self.rate += EMA * (accepted / trials - self.rate)
+        self.accept_length += EMA * (accepted - self.accept_length)
+
+    def idle(self) -> None:
+        self.rate += DRIFT * (self.prior - self.rate)
+
+
+def expected_accepted(rates: list[float]) -> float:
+    """Expected accepted drafted tokens when level i is accepted with probability rates[i] given
+    the levels above it were: sum over i of the product of the first i rates."""
+    total, reach = 0.0, 1.0
+    for r in rates:
+        reach *= r
+        total += reach
+    return total
+
+
+@dataclass
+class CostCurve:
+    """Seconds of a verify forward over n tokens: a prior shape scaled by measurement.
+
+    The prior is a line through (1, one) and (8, eight) (``models/formats.py`` measures those
+    two points at start-up; the router interpolates the same way). Measured forwards are
+    kept as an EMA per power-of-two bucket of token counts; an estimate at n takes the prior
+    at n scaled by the measured/prior ratio of the nearest measured buckets.
+    """
+
+    one: float = 1.0
+    eight: float = 2.0
+    measured: dict[int, float] = field(default_factory=dict)  # bucket -> EMA of measured / prior
+
+    @classmethod
+    def flat(cls) -> "CostCurve":
+        """A GPU at small batch: a forward's cost barely depends on its token count."""
+        return cls(1.0, 1.0)
+
+    def prior(self, n: int) -> float:
+        return max(self.one + (self.eight - self.one) * (n - 1) / 7, 1e-9)
+
+    @staticmethod
+    def bucket(n: int) -> int:
+        return next((b for b in BUCKETS if n <= b), BUCKETS[-1])
+
+    def observe(self, n: int, seconds: float) -> None:
+        b = self.bucket(n)
+        ratio = seconds / self.prior(n)
+        old = self.measured.get(b)
+        self.measured[b] = ratio if old is None else old + EMA * (ratio - old)
+
+    def __call__(self, n: int) -> float:
+        if not self.measured:
+            return self.prior(n)
+        b = self.bucket(n)
+        if b in self.measured:
+            return self.prior(n) * self.measured[b]
+        nearest = min(self.measured, key=lambda m: (abs(BUCKETS.index(m) - BUCKETS.index(b)), m))
+        return self.prior(n) * self.measured[nearest]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one request drafts this step: depth and nodes per source. All zero: a plain step."""
+
+    head_depth: int = 0
+    head_nodes: int = 0
+    suffix_depth: int = 0
+    suffix_nodes: int = 0
+
+    @property
+    def nodes(self) -> int:
+        return self.head_nodes + self.suffix_nodes
+
+
+NO_DRAFT = Budget()
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a source can draft this step: node counts by depth (``nodes[d - 1]`` for depth d),
+    its acceptance rate, and the drafting seconds it costs at each depth (0 for suffix lookup)."""
+
+    nodes: tuple[int, ...]
+    rate: float
+    seconds: tuple[float, ...] = ()
+
+    def cost(self, depth: int) -> float:
+        return self.seconds[depth - 1] if depth and self.seconds else 0.0
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The rest of the step's forward: its tokens and the tokens it emits."""
+
+    tokens: int = 0
+    emitted: float = 0.0
+
+
+def choose_budget(cost: Callable[[int], float], head: Offer | None, suffix: Offer | None, batch: Batch = Batch(),
+                  max_nodes: int = 1 << 30) -> Budget:
+    """The (head depth, suffix depth) that maximises the step's expected tokens per second.
+
+    Both sources verify in one tree: where both draft a level, it is accepted if either's
+    token is (taken as independent: 1 - (1 - a)(1 - b)); where one drafts, at its rate. The
+    step emits the batch's tokens plus 1 + E for this request, in one forward over the
+    batch's tokens plus 1 + nodes, plus the head's drafting time.
+    """
+    head_depths = range(len(head.nodes) + 1) if head is not None else range(1)
+    suffix_depths = range(len(suffix.nodes) + 1) if suffix is not None else range(1)
+    best, best_speed = NO_DRAFT, (batch.emitted + 1) / cost(batch.tokens + 1)
+    for dh in head_depths:
+        for ds in suffix_depths:
+            if not dh and not ds:
+                continue
+            nh = head.nodes[dh - 1] if dh else 0
+            ns = suffix.nodes[ds - 1] if ds else 0
+            if nh + ns > max_nodes:
+                continue
+            rates = []
+            for level in range(max(dh, ds)):
+                miss = (1 - head.rate if level < dh else 1.0) * (1 - suffix.rate if level < ds else 1.0)
+                rates.append(1 - miss)
+            seconds = cost(batch.tokens + 1 + nh + ns) + (head.cost(dh) if dh else 0.0)
+            speed = (batch.emitted + 1 + expected_accepted(rates)) / seconds
+            if speed > best_speed * (1 + 1e-9):
+                best, best_speed = Budget(dh, nh, ds, ns), speed
+    return best

@@ -1,0 +1,232 @@
+"""Suffix drafts: continuations of text the request, or an earlier request, already holds.
+
+Agents, code edits and extraction tasks repeat long spans of their prompt, of their own
+output, and of answers given before. Suffix decoding (Oliaro et al., "SuffixDecoding", 2024;
+Arctic Inference's ``suffix_decoding``, which vLLM uses) drafts those spans at no model cost:
+match the longest suffix of the current context against the sources, and propose what
+followed the matches, as a tree weighted by how often each continuation followed.
+
+Arctic keeps suffix trees in C++ and ships no CPU wheel for this Python/torch, so this is a
+small equivalent in plain Python:
+
+* a ``TokenIndex`` is a token sequence plus, for each key length in ``KEY_LENGTHS``, a map
+  from the k tokens ending at a position to the positions that follow them. A lookup tries
+  the longest key first, scans the newest ``max_candidates`` positions holding it, extends
+  each match backwards (up to ``max_match`` tokens), and keeps the positions whose match is
+  longest;
+* the draft is the trie of the continuations after those positions. A node's score is the
+  share of matches that pass through it (the product of its path's child frequencies), so a
+  child never scores above its parent; the best ``max_nodes`` nodes with score at least
+  ``min_prob`` are kept, in trie order, which keeps parents before children. Its depth is at
+  most ``spec_factor`` times the match length (Arctic's ``max_spec_factor``): a one-token
+  match earns a short draft, a long one a long draft;
+* the sources are the request's own prompt and output (one index, extended as tokens are
+  committed) and a ``SuffixCache`` of the outputs of recent requests, bounded in entries and
+  tokens, evicted least recently used (a lookup that drafts from an entry refreshes it).
+
+Every source is deterministic given the tokens so far, so a draft is a point mass and the
+acceptance rules in ``tree.py`` stay exact for it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+from .tree import DraftTree
+
+# Key lengths indexed, longest first: a hit on a long key starts a long match without a scan
+# over every position of a frequent token.
+KEY_LENGTHS = (4, 2, 1)
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    max_match: int = 24          # longest suffix compared
+    max_candidates: int = 32     # newest matching positions scanned per source and key
+    max_depth: int = 16          # longest continuation drafted
+    spec_factor: float = 2.0     # draft depth <= spec_factor * match length
+    min_prob: float = 0.1        # smallest share of matches a drafted node must carry
+    cache_entries: int = 256     # outputs kept from earlier requests
+    cache_tokens: int = 1 << 16  # and their tokens in all
+
+    def __post_init__(self) -> None:
+        if min(self.max_match, self.max_candidates, self.max_depth, self.cache_entries, self.cache_tokens) < 1:
+            raise ValueError("suffix limits must be positive")
+
+
+@dataclass(frozen=True)
+class Match:
+    """The longest match of a context in one source: its length and where continuations start."""
+
+    length: int
+    starts: tuple[int, ...]
+
+
+NO_MATCH = Match(0, ())
+
+
+class TokenIndex:
+    """A growing token sequence indexed by its short n-grams (see the module docstring)."""
+
+    def __init__(self, ids: Sequence[int] = ()):
+        self.tokens: list[int] = []
+        self.follows: dict[int, dict[tuple[int, ...], list[int]]] = {k: {} for k in KEY_LENGTHS}
+        self.extend(ids)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, ids: Sequence[int]) -> None:
+        toks = self.tokens
+        for t in ids:
+            toks.append(t)
+            n = len(toks)
+            for k, table in self.follows.items():
+                if n >= k:
+                    table.setdefault(tuple(toks[n - k:]), []).append(n)  # n: where the next token goes
+
+    def sync(self, ids: Sequence[int]) -> None:
+        """Index the tail of ``ids`` this index has not seen (``ids`` extends ``tokens``)."""
+        if len(ids) > len(self.tokens):
+            self.extend(ids[len(self.tokens):])
+
+    def match(self, context: Sequence[int], config: SuffixConfig) -> Match:
+        """The positions following the longest suffix of ``context`` found here.
+
+        A position with nothing after it yet (the context's own end, when this index is the
+        request's own sequence) is never a match.
+        """
+        toks, end = self.tokens, len(self.tokens)
+        for k, table in self.follows.items():
+            if len(context) < k:
+                continue
+            positions = table.get(tuple(context[-k:]))
+            if not positions:
+                continue
+            best, starts = 0, []
+            for p in reversed(positions[-config.max_candidates - 1:]):
+                if p >= end:
+                    continue
+                length = k
+                limit = min(config.max_match, p, len(context))
+                while length < limit and toks[p - length - 1] == context[-length - 1]:
+                    length += 1
+                if length > best:
+                    best, starts = length, [p]
+                elif length == best:
+                    starts.append(p)
+            if starts:
+                return Match(best, tuple(starts))
+        return NO_MATCH
+
+    def continuation(self, start: int, depth: int) -> list[int]:
+        return self.tokens[start: start + depth]
+
+
+class SuffixCache:
+    """Outputs of recent requests, each its own ``TokenIndex``; LRU within entry and token bounds."""
+
+    def __init__(self, config: SuffixConfig):
+        self.config = config
+        self.entries: OrderedDict[int, TokenIndex] = OrderedDict()
+        self.num_tokens = 0
+        self._next = 0
+
+    def add(self, ids: Sequence[int]) -> None:
+        ids = list(ids)[-self.config.cache_tokens:]
+        if len(ids) < 2:
+            return
+        self.entries[self._next] = TokenIndex(ids)
+        self._next += 1
+        self.num_tokens += len(ids)
+        while len(self.entries) > self.config.cache_entries or self.num_tokens > self.config.cache_tokens:
+            _, old = self.entries.popitem(last=False)
+            self.num_tokens -= len(old)
+
+    def touch(self, key: int) -> None:
+        if key in self.entries:
+            self.entries.move_to_end(key)
+
+
+@dataclass
+class SuffixDraft:
+    """A suffix draft: the tree (root first) and the cache entries it drew from."""
+
+    tree: DraftTree
+    match_length: int
+    cache_keys: tuple[int, ...] = ()
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tree) - 1
+
+
+def continuation_tree(root: int, continuations: list[list[int]], max_nodes: int, min_prob: float) -> DraftTree:
+    """The trie of ``continuations`` cut to its ``max_nodes`` most travelled nodes (share >= min_prob).
+
+    Trie nodes are numbered in insertion order, so a parent's number is below its children's,
+    and a child's count never exceeds its parent's: a stable sort by count keeps a tree.
+    """
+    tokens, parents, counts = [root], [-1], [len(continuations)]
+    children: dict[tuple[int, int], int] = {}
+    for seq in continuations:
+        node = 0
+        for t in seq:
+            child = children.get((node, t))
+            if child is None:
+                child = children[(node, t)] = len(tokens)
+                tokens.append(t)
+                parents.append(node)
+                counts.append(0)
+            counts[child] += 1
+            node = child
+    total = max(len(continuations), 1)
+    ranked = sorted(range(1, len(tokens)), key=lambda i: -counts[i])  # stable: ties keep trie order
+    kept = sorted(i for i in ranked[:max_nodes] if counts[i] / total >= min_prob)
+    index = {old: new for new, old in enumerate([0] + kept)}
+    return DraftTree([root] + [tokens[i] for i in kept], [-1] + [index[parents[i]] for i in kept])
+
+
+class SuffixDrafter:
+    """Drafts from the request's own tokens and the cache of earlier outputs (one per decoder)."""
+
+    def __init__(self, config: SuffixConfig | None = None):
+        self.config = config or SuffixConfig()
+        self.cache = SuffixCache(self.config)
+
+    def propose(self, own: TokenIndex, context: Sequence[int], max_nodes: int, max_depth: int) -> SuffixDraft:
+        """The draft after ``context`` (whose last token is the root) from ``own`` and the cache.
+
+        The longest match wins; sources that tie on it pool their continuations.
+        """
+        cfg = self.config
+        root = context[-1]
+        if max_nodes < 1 or max_depth < 1:
+            return SuffixDraft(DraftTree([root], [-1]), 0)
+        found: list[tuple[TokenIndex, Match, int | None]] = [(own, own.match(context, cfg), None)]
+        for key, entry in self.cache.entries.items():
+            found.append((entry, entry.match(context, cfg), key))
+        best = max(m.length for _, m, _ in found)
+        if best == 0:
+            return SuffixDraft(DraftTree([root], [-1]), 0)
+        depth = min(max_depth, cfg.max_depth, math.ceil(cfg.spec_factor * best))
+        continuations, keys = [], []
+        for index, m, key in found:
+            if m.length == best:
+                continuations += [index.continuation(p, depth) for p in m.starts]
+                if key is not None:
+                    keys.append(key)
+        tree = continuation_tree(root, continuations, max_nodes, cfg.min_prob)
+        return SuffixDraft(tree, best, tuple(keys))
+
+    def used(self, draft: SuffixDraft) -> None:
+        """The draft went to verification: refresh the cache entries it came from."""
+        for key in draft.cache_keys:
+            self.cache.touch(key)
+
+    def finished(self, output_ids: Sequence[int]) -> None:
+        """A request finished: its output joins the cache for later requests."""
+        self.cache.add(output_ids)
