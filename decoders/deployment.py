@@ -4,8 +4,10 @@ This is the single place that decides sizes at start-up, how many KV blocks
 the pool has (from a block count or a memory budget), and which decoders are
 registered under which served name:
 
-  * an AR model serves ``ar``, plus ``eagle`` when it has a draft head, plus
-    ``diffusion`` when it has a diffusion twin (an adapter on its weights);
+  * an AR model serves ``ar``, plus ``eagle`` when it has a draft head (or is asked to
+    draft from suffix lookup alone), plus ``diffusion`` when it has a diffusion twin
+    (an adapter on its weights); ``eagle`` sizes its drafts from a verify cost curve
+    seeded by the start-up format measurement, when there is one;
   * a diffusion-family model (LLaDA, Dream, block diffusion, DiffusionGemma)
     serves ``diffusion`` under its own name.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -62,7 +65,8 @@ class ServedSpec:
 
     name: str
     base: LoadedModel                  # an AR model, or a diffusion-family model
-    eagle_head: Path | None = None     # EAGLE draft head directory for an AR base
+    # EAGLE draft head directory for an AR base; "suffix": serve ``eagle`` from suffix drafts alone
+    eagle_head: Path | Literal["suffix"] | None = None
     twin: LoadedModel | None = None    # diffusion twin of an AR base, served as its "diffusion" decoder
 
 
@@ -118,7 +122,7 @@ def runner_for(model: LoadedModel, num_blocks: int, block_size: int, device: str
 
 def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int, device: str,
              runners: dict[str, ModelRunner], compile: CompileSpec | None = None,
-             parallel: ParallelGroup | None = None) -> None:
+             parallel: ParallelGroup | None = None, format_table: FormatTable | None = None) -> None:
     base = spec.base
     runner = runner_for(base, num_blocks, block_size, device, parallel)
     runners[spec.name] = runner
@@ -136,17 +140,7 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
         return
     engine.add_decoder(spec.name, ARDecoder(runner, engine.pool), base.tokenizer, base.config.vocab_size)
     if spec.eagle_head is not None:
-        from dualserve.models.eagle import load_eagle_head
-
-        from .eagle.decoder import EagleDecoder
-
-        # Under tensor parallelism the head drafts on rank 0 with the unsharded embedding and head.
-        target = parallel.head_views.get(id(base.model), base.model) if parallel is not None else base.model
-        head = load_eagle_head(spec.eagle_head, target, device=device)
-        if compile is not None and compile.background and runner.compiled is not None and head.config.aux_layers:
-            runner.compiled.prewarm(head.config.aux_layers)
-        engine.add_decoder(spec.name, EagleDecoder(runner, engine.pool, head), base.tokenizer,
-                           base.config.vocab_size)
+        register_eagle(engine, spec, runner, device, compile, parallel, format_table)
     if spec.twin is not None:
         from .diffusion.decoder import register_diffusion
 
@@ -157,11 +151,45 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
         register_diffusion(engine, spec.name, twin_runner, spec.twin)
 
 
+def register_eagle(engine: Engine, spec: ServedSpec, runner: ModelRunner, device: str, compile: CompileSpec | None,
+                   parallel: ParallelGroup | None, format_table: FormatTable | None) -> None:
+    from dualserve.models.eagle import load_eagle_head
+
+    from .eagle.budget import CostCurve
+    from .eagle.decoder import EagleDecoder
+
+    base, head = spec.base, None
+    if isinstance(spec.eagle_head, Path):
+        # Under tensor parallelism the head drafts on rank 0 with the unsharded embedding and head.
+        target = parallel.head_views.get(id(base.model), base.model) if parallel is not None else base.model
+        head = load_eagle_head(spec.eagle_head, target, device=device)
+        if compile is not None and compile.background and runner.compiled is not None and head.config.aux_layers:
+            runner.compiled.prewarm(head.config.aux_layers)
+    engine.add_decoder(spec.name, EagleDecoder(runner, engine.pool, head, cost=verify_cost(base, device, format_table)),
+                       base.tokenizer, base.config.vocab_size)
+
+
+def verify_cost(model: LoadedModel, device: str, table: FormatTable | None) -> "CostCurve":
+    """The prior of the verify cost curve: the measured 1- and 8-token costs of the model's format,
+    else flat on a GPU and twice the one-token cost at 8 tokens on a CPU (``eagle.decoder``'s note)."""
+    from .eagle.budget import CostCurve
+
+    if device.startswith("cuda"):
+        return CostCurve.flat()
+    fmt = model.quantization if model.quantization != "none" else (
+        "bf16" if next(model.model.parameters()).dtype == torch.bfloat16 else "fp32")
+    if table is not None and fmt in table.ms:
+        return CostCurve(table.ms[fmt]["1"] / 1e3, table.ms[fmt]["8"] / 1e3)
+    return CostCurve()
+
+
 def build_deployment(models: list[LoadedModel] | list[ServedSpec], engine_config: EngineConfig | None = None,
                      pool: PoolSpec = PoolSpec(), device: str = "cpu",
-                     compile: CompileSpec | None = None, parallel: ParallelGroup | None = None) -> Deployment:
+                     compile: CompileSpec | None = None, parallel: ParallelGroup | None = None,
+                     format_table: FormatTable | None = None) -> Deployment:
     """One pool for all models; each served name gets the decoders its parts allow. With ``parallel``,
-    every rank builds the same deployment over its shard of the weights; rank 0's sizes win."""
+    every rank builds the same deployment over its shard of the weights; rank 0's sizes win.
+    ``format_table``: the start-up format measurement, if it ran."""
     specs = [m if isinstance(m, ServedSpec) else ServedSpec(m.name, m) for m in models]
     loaded = kv_models(specs)
     kv_dtype = kv_dtype_of(loaded[0])
@@ -169,14 +197,15 @@ def build_deployment(models: list[LoadedModel] | list[ServedSpec], engine_config
     if parallel is not None:
         compile = None  # collectives are not traced into compiled graphs: tensor-parallel steps run eagerly
         parallel.shard_models([m.model for m in loaded],
-                              keep_head_for=[s.base.model for s in specs if s.eagle_head is not None])
+                              keep_head_for=[s.base.model for s in specs if isinstance(s.eagle_head, Path)])
         num_blocks = parallel.agree(num_blocks)
     cfg = engine_config or EngineConfig()
     cfg = dataclasses.replace(cfg, num_blocks=num_blocks, block_size=pool.block_size)
     engine = Engine(cfg)
-    dep = Deployment(engine=engine, models={s.name: s.base for s in specs}, parallel=parallel)
+    dep = Deployment(engine=engine, models={s.name: s.base for s in specs}, format_table=format_table,
+                     parallel=parallel)
     for spec in specs:
-        register(engine, spec, num_blocks, pool.block_size, device, dep.runners, compile, parallel)
+        register(engine, spec, num_blocks, pool.block_size, device, dep.runners, compile, parallel, format_table)
     if parallel is not None and parallel.shard.rank == 0:
         parallel.start()
     trim_heap()  # loading's temporaries: about 180 MB on the default model

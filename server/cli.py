@@ -41,7 +41,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the AR model: HF directory, .gguf file, or a known name (default: the embedded "
                    "SmolLM2-135M-Instruct)")
     p.add_argument("--eagle", default="auto", help="EAGLE draft head directory for the AR model; 'auto' uses "
-                   "the bundled head for the default model; 'none' disables")
+                   "the bundled head for the default model; 'suffix' serves eagle from suffix drafts alone "
+                   "(no head); 'none' disables")
     p.add_argument("--twin", default="auto", help="diffusion twin (adapter directory) of the AR model, served as "
                    "its 'diffusion' decoder; 'auto' uses the bundled twin for the default model; 'none' disables")
     p.add_argument("--diffusion", default=None, help="a diffusion model (LLaDA, Dream, block diffusion, "
@@ -116,7 +117,7 @@ def load_deployment(args: argparse.Namespace, parallel=None):
     log.info("loaded %s in %.2fs (weights: %s)", name, loaded.load_seconds, loaded.quantization)
     specs = [ServedSpec(name, loaded)]
     if not loaded.config.is_diffusion:
-        specs[0].eagle_head = bundled(args.eagle, name, default_eagle_head)
+        specs[0].eagle_head = "suffix" if args.eagle == "suffix" else bundled(args.eagle, name, default_eagle_head)
         if specs[0].eagle_head is not None:
             log.info("EAGLE head %s", specs[0].eagle_head)
         twin_path = bundled(args.twin, name, default_twin)
@@ -135,8 +136,8 @@ def load_deployment(args: argparse.Namespace, parallel=None):
     pool = PoolSpec(block_size=block_size, num_blocks=args.num_blocks, memory_gb=kv_memory_gb(args.kv_memory_gb))
     compile_spec = None if args.no_compile else CompileSpec(cache_dir=cache / "compile",
                                                             background=args.command == "serve")
-    dep = build_deployment(specs, cfg, pool, device=args.device, compile=compile_spec, parallel=parallel)
-    dep.format_table = table
+    dep = build_deployment(specs, cfg, pool, device=args.device, compile=compile_spec, parallel=parallel,
+                           format_table=table)
     log.info("KV pool: %d blocks of %d tokens (%.2f GB)", dep.engine.config.num_blocks, block_size, pool.memory_gb)
     return dep
 
