@@ -36,6 +36,13 @@ def pick_dtype(name: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+    return value
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "--ar", dest="model", default=None,
                    help="the AR model: HF directory, .gguf file, or a known name (default: the embedded "
@@ -68,6 +75,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue-wait", type=float, default=30.0,
                    help="seconds a request may wait to start: one whose estimated wait is longer gets 429 with "
                    "Retry-After, and one still waiting after this long ends with a 429 error (0: no bound)")
+    p.add_argument("--max-run-time", type=float, default=20.0,
+                   help="seconds a started request is promised to finish in: one starts only while every running "
+                   "request, and itself, is estimated (from measured step times) to finish within its promise; "
+                   "else it waits, bounded by --max-queue-wait (0: no bound, --max-num-seqs alone)")
+    p.add_argument("--min-token-rate", type=positive, default=4.0,
+                   help="tokens/s: a request asking for more than --max-run-time x this many tokens is promised "
+                   "max_tokens / this instead, so a running stream is never slowed below it on average")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores); on a "
                    "machine shared with busy processes, one fewer than the cores (see README: Threads)")
@@ -131,7 +145,8 @@ def load_deployment(args: argparse.Namespace, parallel=None):
         specs.append(ServedSpec(dname, diff))
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
-                       max_queue_wait=args.max_queue_wait or None)
+                       max_queue_wait=args.max_queue_wait or None, max_run_time=args.max_run_time or None,
+                       min_token_rate=args.min_token_rate)
     block_size = args.block_size or (256 if args.device.startswith("cuda") else 16)
     pool = PoolSpec(block_size=block_size, num_blocks=args.num_blocks, memory_gb=kv_memory_gb(args.kv_memory_gb))
     compile_spec = None if args.no_compile else CompileSpec(cache_dir=cache / "compile",

@@ -81,6 +81,9 @@ class Metrics:
                                  registry=r)
         self.running = Gauge("dualserve_requests_running", "Requests running", registry=r)
         self.waiting = Gauge("dualserve_requests_waiting", "Choices queued and not yet running", registry=r)
+        self.capacity = Gauge("dualserve_running_capacity", "Choices the engine lets run now: --max-num-seqs, or the "
+                              "running count while the run bound (--max-run-time) holds the next one back",
+                              registry=r)
         self.throughput = Gauge("dualserve_throughput_tokens_per_second", "Generated tokens per busy second",
                                 ["decoder"], registry=r)
         self.cost = Gauge("dualserve_cost_per_million_tokens", "Effective cost per 1M generated tokens",
@@ -114,6 +117,7 @@ class Metrics:
         self.pool_blocks.set(pool.num_blocks)
         self.running.set(len(engine.scheduler.running))
         self.waiting.set(engine.num_queued())  # read under the engine's lock, as admission reads it
+        self.capacity.set(engine.capacity())
         last_at, last_busy = self._busy_mark
         busy = engine.stats.busy_seconds
         util = min(1.0, (busy - last_busy) / (now - last_at)) if now - last_at > 0.5 else self._util

@@ -195,6 +195,12 @@ class Engine:
         with self._wake:
             return self._num_queued
 
+    def capacity(self) -> int:
+        """Choices the engine lets run now: ``max_num_seqs``, or the running count while the run
+        bound holds the queue's head back; safe from any thread."""
+        with self._wake:
+            return self._capacity
+
     def estimated_wait(self, n: int = 1) -> float:
         """Seconds until the last of ``n`` new choices would start (``admission.py``); any thread."""
         with self._wake:
