@@ -6,8 +6,9 @@ stay off the wire unless set. Encoders and decoders are created once, here.
 
 dualserve's own request hints ride along as extra body fields, which the
 OpenAI SDK sends through ``extra_body``: ``decoder``, ``priority``,
-``latency_budget_ms``, plus vLLM-style sampling extras (``top_k``, ``min_p``,
-``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``).
+``latency_budget_ms``, ``draft`` (the ``eagle`` decoder's draft sources), plus
+vLLM-style sampling extras (``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids``, ``ignore_eos``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class SamplingFields(Struct, kw_only=True):
     decoder: str | None = None
     priority: str | None = None
     latency_budget_ms: float | None = None
+    # eagle's draft sources: "head" (the EAGLE head), "suffix" (lookup), "both" or "auto" (all it has)
+    draft: str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator
 from dualserve.decoders.engine.engine import Engine
 from dualserve.decoders.engine.grammar import Constraint, GrammarError
 from dualserve.decoders.engine.request import Delta, FailureKind
-from dualserve.decoders.engine.sampling import SamplingParams, TokenLogprob
+from dualserve.decoders.engine.sampling import DRAFT_CHOICES, SamplingParams, TokenLogprob
 from dualserve.decoders.engine.scheduler import QueueFull
 
 from .errors import APIError, ErrorKind, bad_request, engine_error, overloaded
@@ -229,7 +229,8 @@ class Service:
                    f"between {MIN_REPETITION_PENALTY} and {MAX_REPETITION_PENALTY}"),
                   (1 <= body.n <= self.limits.max_n, "n", f"between 1 and {self.limits.max_n}"),
                   (logprobs is None or 0 <= logprobs <= self.limits.max_logprobs, "logprobs",
-                   f"between 0 and {self.limits.max_logprobs}")]
+                   f"between 0 and {self.limits.max_logprobs}"),
+                  (body.draft is None or body.draft in DRAFT_CHOICES, "draft", "one of " + ", ".join(DRAFT_CHOICES))]
         for ok, param, what in checks:
             if not ok:
                 raise bad_request(f"{param} must be {what}", param, "invalid_value")
@@ -256,7 +257,7 @@ class Service:
             top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0, seed=body.seed,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty or 1.0, logit_bias=bias, logprobs=logprobs,
-            stop=tuple(stop), stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos)
+            stop=tuple(stop), stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos, draft=body.draft or "auto")
 
     # ---- submission ------------------------------------------------------------
 

@@ -44,3 +44,21 @@ def test_streamed_stop_is_exact(client):
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full[: full.index(stop)]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+@pytest.mark.parametrize("draft", ["head", "suffix", "both"])
+def test_draft_sources_greedy_identical(client, draft):
+    """Each choice of draft sources (the ``draft`` body field) gives plain AR's greedy text."""
+    text = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    messages = [{"role": "user", "content": f"Repeat this code exactly:\n{text}"}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+    ar = client.chat.completions.create(**kw, extra_body={"decoder": "ar"})
+    eagle = client.chat.completions.create(**kw, extra_body={"decoder": "eagle", "draft": draft})
+    assert eagle.choices[0].message.content == ar.choices[0].message.content
+
+
+def test_unknown_draft_source_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body={"decoder": "eagle", "draft": "oracle"})
+    assert err.value.body["param"] == "draft"
