@@ -32,7 +32,10 @@ its decoder's measured tokens per step), and a step of a given batch costs the m
 (``Fit``: per decoder, seconds of its part of a step against its running choices, linear,
 decayed least squares; plus the engine's own overhead). On a host fast enough that the
 promise is never at risk (a GPU) every check passes and admission is exactly ``max_num_seqs``
-places; before ``min_busy`` busy seconds, or for a decoder not yet measured, it is too.
+places. A decoder not measured yet starts slowly: one choice runs until its first decoding step
+has been timed (a step or two), and while the batch size has barely varied the fit assumes cost
+grows in proportion to it, so a burst on a cold server grows the batch over a few steps instead
+of starting ``max_num_seqs`` choices at once on a host that cannot carry them.
 
 The engine owns one of each, updated at the end of each step on its own thread; the server
 reads ``WaitEstimator.estimate`` through ``Engine.estimated_wait`` (under the engine's lock).
@@ -88,8 +91,8 @@ class Member:
     """One choice of the batch as the run bound sees it."""
 
     key: Key
-    steps: float      # engine steps it still needs
-    deadline: float   # seconds from now by which it was promised to finish
+    steps: float | None  # engine steps it still needs (None: its decoder is not measured yet)
+    deadline: float      # seconds from now by which it was promised to finish
 
 
 def finish_times(members: list[Member], step_seconds: Callable[[Counter], float]) -> list[float]:
@@ -158,13 +161,11 @@ class RunEstimator:
     the step's token budget, over which a prompt is prefilled."""
 
     def __init__(self, max_run_time: float, min_token_rate: float, max_batched_tokens: int,
-                 horizon: float = 30.0, min_busy: float = 1.0):
+                 horizon: float = 30.0):
         self.max_run_time = max_run_time
         self.min_token_rate = min_token_rate
         self.max_batched_tokens = max_batched_tokens
         self.horizon = horizon
-        self.min_busy = min_busy
-        self.busy = 0.0                                   # decayed busy seconds
         self.outside = self.steps = 0.0                   # decayed step time outside decoders, steps
         self.fits: dict[Key, Fit] = {}
         self.rates: dict[Key, list[float]] = {}           # key -> [decayed tokens, decayed choice-steps]
@@ -172,7 +173,6 @@ class RunEstimator:
     def observe(self, sample: StepSample, seconds: float) -> None:
         """One engine step of ``seconds``, doing ``sample``."""
         keep = math.exp(-seconds / self.horizon)
-        self.busy = self.busy * keep + seconds
         self.outside = self.outside * keep + max(0.0, seconds - sum(sample.seconds.values()))
         self.steps = self.steps * keep + 1
         for key, b in sample.batch.items():
@@ -198,21 +198,25 @@ class RunEstimator:
     def promise(self, tokens: int) -> float:
         return promise(self.max_run_time, self.min_token_rate, tokens)
 
-    def member(self, key: Key, prompt_left: int, tokens_left: int, deadline: float) -> Member | None:
-        """The bound's view of one choice (None while its decoder is not measured)."""
+    def member(self, key: Key, prompt_left: int, tokens_left: int, deadline: float) -> Member:
+        """The bound's view of one choice."""
         per_step = self.tokens_per_step(key)
         if per_step is None:
-            return None
+            return Member(key, None, deadline)
         steps = prompt_left / self.max_batched_tokens + max(tokens_left, 0) / per_step
         return Member(key, steps, deadline)
 
-    def admits(self, candidate: Member | None, running: Iterable[Member | None]) -> bool:
+    def admits(self, candidate: Member, running: Iterable[Member]) -> bool:
         """Whether ``candidate`` may start beside ``running``: every estimated finish, its own
-        included, within its deadline. Nothing to protect (an empty batch), nothing measured yet,
-        or a member whose decoder is not measured: it may."""
-        members = list(running)
-        if not members or self.busy < self.min_busy or candidate is None or None in members:
+        included, within its deadline. An empty batch has nothing to protect: it may. A candidate
+        whose decoder is not measured may start only as the first of its decoder (slow start);
+        running members not measured yet are left out of the estimate for the step or two until
+        they are."""
+        running = list(running)
+        if not running:
             return True
-        members.append(candidate)
+        if candidate.steps is None:
+            return all(m.key != candidate.key for m in running)
+        members = [m for m in running if m.steps is not None] + [candidate]
         done = finish_times(members, self.step_seconds)
         return all(f <= m.deadline for f, m in zip(done, members))

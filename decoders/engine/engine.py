@@ -327,7 +327,7 @@ class Engine:
 
     # ---- the run bound (admission.RunEstimator) -----------------------------
 
-    def _member(self, req: Request, now: float) -> Member | None:
+    def _member(self, req: Request, now: float) -> Member:
         """The run bound's view of ``req``: steps left, and seconds to its promised finish (a choice
         not yet started is promised from now)."""
         bound = self.run_bound

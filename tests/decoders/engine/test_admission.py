@@ -120,6 +120,16 @@ def test_a_fast_host_admits_as_before() -> None:
     assert est.admits(member(est, 4096), running)
 
 
+def test_a_fast_host_seen_at_one_batch_size_grows_the_batch_over_steps() -> None:
+    est = measured(lambda b: 0.015, sizes=[1])  # cost assumed to grow with the batch: 1.5 s per 100 tokens
+    running: list[Member] = []
+    while est.admits(member(est, 100), running):
+        running.append(member(est, 100))
+    assert len(running) == 16  # promised 25 s (100 tokens at 4 tokens/s): 16 x 0.015 x 100 = 24 s
+    est = measured(lambda b: 0.015, sizes=[1, 13])  # then seen flat: the next step takes the rest
+    assert est.admits(member(est, 100), [member(est, 100)] * 63)
+
+
 def test_long_choices_keep_the_token_rate_floor() -> None:
     est = measured(lambda b: 0.045 * b)  # per-choice rate 1 / (0.045 b): 4.4 tokens/s at 5, 3.7 at 6
     running = [member(est, 4000) for _ in range(5)]
@@ -134,9 +144,16 @@ def test_a_newcomer_never_pushes_a_running_choice_past_its_promise() -> None:
     assert not est.admits(member(est, 20), late)    # 20 x 0.2 + 30 x 0.1 = 7 s, though it would itself fit
 
 
-def test_nothing_to_protect_or_nothing_measured_admits() -> None:
+def test_an_empty_batch_admits_and_an_unmeasured_decoder_starts_slowly() -> None:
     est = measured(lambda b: 10.0 * b)
     assert est.admits(member(est, 100), [])  # an empty batch: the best a request can get
-    fresh = RunEstimator(20.0, 4.0, 512)
-    assert fresh.admits(fresh.member(AR, 0, 100, 20.0), [fresh.member(AR, 0, 100, 20.0)])  # None: not measured
-    assert est.admits(est.member(EAGLE, 0, 100, 20.0), [member(est, 100)])  # eagle never measured
+    cold = RunEstimator(20.0, 4.0, 512)
+    first = cold.member(AR, 0, 100, 20.0)
+    assert first.steps is None
+    assert cold.admits(first, [])
+    assert not cold.admits(cold.member(AR, 0, 100, 20.0), [first])  # until its decoder is measured
+    eagle = est.member(EAGLE, 0, 100, 20.0)
+    assert est.admits(eagle, [member(est, 10)])       # the first eagle choice beside measured ar
+    assert not est.admits(est.member(EAGLE, 0, 100, 20.0), [member(est, 10), eagle])
+    # a measured candidate beside an unmeasured one: the estimate covers what is measured
+    assert est.admits(member(est, 1, deadline=100.0), [eagle])
