@@ -1,0 +1,281 @@
+"""Suffix drafts and the draft budget as pure pieces, then suffix drafting inside the engine.
+
+The engine tests reuse test_eagle's tiny targets: output must equal plain AR (greedy) or be
+distributed like it (sampling), whatever the sources propose, and every block comes back.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dualserve.decoders.ar import ARDecoder
+from dualserve.decoders.eagle.budget import (NO_DRAFT, Batch, Budget, CostCurve, Offer, SourceRate, choose_budget,
+                                             expected_accepted)
+from dualserve.decoders.eagle.decoder import EagleDecoder
+from dualserve.decoders.eagle.suffix import SuffixCache, SuffixConfig, SuffixDrafter, TokenIndex, continuation_tree
+from dualserve.decoders.eagle.tree import DraftTree, TreeConfig, merge_trees, source_outcome
+from dualserve.decoders.engine.engine import Engine, EngineConfig
+from dualserve.decoders.engine.runner import ModelRunner
+from dualserve.decoders.engine.sampling import SamplingParams
+from test_eagle import GREEDY, PROMPTS, Tok, oracle_head, run, tiny_target, tokens
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- the index, the cache, the drafter ---------------------------------------------
+
+def test_longest_match_wins_and_own_end_is_skipped() -> None:
+    cfg = SuffixConfig()
+    idx = TokenIndex([1, 2, 3, 9, 5, 2, 3, 7, 8, 2, 3])
+    m = idx.match(idx.tokens, cfg)  # the context is the sequence itself: its end has no continuation
+    assert m.length == 2 and set(m.starts) == {3, 7}
+    m = idx.match([5, 2, 3], cfg)  # "5 2 3" occurs once, followed by 7
+    assert m.length == 3 and m.starts == (7,)
+    assert idx.match([42], cfg).length == 0
+
+
+def test_continuation_tree_ranks_by_frequency_and_keeps_parents() -> None:
+    tree = continuation_tree(0, [[1, 2, 3], [1, 2, 4], [1, 5], [6]], max_nodes=3, min_prob=0.2)
+    assert tree.tokens == [0, 1, 2, 3]  # ties (3, 4, 5, 6 once each) go to the first seen: the newest match
+    assert all(p < i for i, p in enumerate(tree.parents) if i)
+    assert continuation_tree(0, [[1], [2], [3], [4], [5]], max_nodes=8, min_prob=0.3).tokens == [0]
+
+
+def test_drafter_pools_sources_and_refreshes_the_cache() -> None:
+    cfg = SuffixConfig(spec_factor=4.0)
+    drafter = SuffixDrafter(cfg)
+    drafter.finished([10, 11, 12, 13, 14, 15])
+    own = TokenIndex([1, 2, 10, 11])
+    draft = drafter.propose(own, own.tokens, max_nodes=8, max_depth=8)
+    assert draft.match_length == 2 and draft.tree.tokens == [11, 12, 13, 14, 15]
+    assert draft.cache_keys == (0,)
+    # The request's own text matches longer than the cache: it wins.
+    own = TokenIndex([7, 10, 11, 40, 41, 7, 10, 11])
+    draft = drafter.propose(own, own.tokens, max_nodes=8, max_depth=8)
+    assert draft.tree.tokens[:3] == [11, 40, 41] and draft.cache_keys == ()
+    # Depth follows the match length (spec_factor * length).
+    short = SuffixDrafter(SuffixConfig(spec_factor=1.0))
+    one = TokenIndex([4, 5, 6, 7, 4])
+    assert short.propose(one, one.tokens, 8, 8).tree.tokens == [4, 5]
+
+
+def test_cache_is_bounded_and_lru() -> None:
+    cache = SuffixCache(SuffixConfig(cache_entries=3, cache_tokens=10))
+    for i in range(3):
+        cache.add([i, i + 100, i + 200])
+    assert list(cache.entries) == [0, 1, 2] and cache.num_tokens == 9
+    cache.touch(0)
+    cache.add([7, 8, 9])  # over both bounds: the least recently used entry (1) goes
+    assert list(cache.entries) == [2, 0, 3] and cache.num_tokens == 9
+    cache.add(list(range(50)))  # longer than the whole cache: its tail is kept, alone
+    assert list(cache.entries) == [4] and cache.num_tokens == 10
+    cache.add([1])  # too short to draft from
+    assert list(cache.entries) == [4]
+
+
+# ---- merged trees ----------------------------------------------------------------
+
+def test_merge_dedupes_shared_prefixes_and_tracks_sources() -> None:
+    head = DraftTree([9, 1, 2, 3], [-1, 0, 0, 1])      # 9 -> 1 -> 3, 9 -> 2
+    suffix = DraftTree([9, 1, 3, 4], [-1, 0, 1, 2])    # 9 -> 1 -> 3 -> 4
+    tree = merge_trees([head, suffix])
+    assert tree.tokens == [9, 1, 2, 3, 4] and tree.parents == [-1, 0, 0, 1, 3]
+    assert tree.sources == [3, 3, 1, 3, 2]
+    assert source_outcome(tree, [1, 3, 4], 0) == (2, False)  # head's path fully accepted
+    assert source_outcome(tree, [1, 3, 4], 1) == (3, False)
+    assert source_outcome(tree, [2], 1) == (0, True)         # suffix proposed 1, the target took 2
+    assert source_outcome(merge_trees([head, DraftTree([9], [-1])]), [1], 1) is None
+    cut = tree.cut(2)
+    assert cut.tokens == [9, 1, 2] and cut.sources == [3, 3, 1]
+    assert tree.cut(8, max_depth=1).tokens == [9, 1, 2]
+
+
+# ---- the budget ------------------------------------------------------------------
+
+def test_budget_drafts_when_it_pays_and_not_otherwise() -> None:
+    cpu = CostCurve()  # 8 tokens cost twice one
+    head = Offer((2, 4, 4), 0.35, (0.1, 0.15, 0.2))
+    # A weak head alone on a CPU: a plain step is faster.
+    assert choose_budget(cpu, Offer((2, 4, 4), 0.1, (0.1, 0.15, 0.2)), None) == NO_DRAFT
+    # A strong suffix match: draft deep.
+    long = choose_budget(cpu, None, Offer((1, 2, 3, 4, 5, 6, 7, 8), 0.9))
+    assert long.suffix_depth >= 6 and long.head_depth == 0
+    # On a flat (GPU) curve with free drafting, every offered level pays.
+    assert choose_budget(CostCurve.flat(), Offer((2, 4, 4), 0.35), None) == Budget(3, 4, 0, 0)
+    # A large batch: each extra token costs its share of a GEMM-bound forward; drafting stops.
+    big = Batch(tokens=255, emitted=255)
+    assert choose_budget(CostCurve(1.0, 8.0), Offer((1, 2, 3), 0.7), None, big) == NO_DRAFT
+    # The node cap is respected.
+    assert choose_budget(CostCurve.flat(), head, Offer((1, 2, 3), 0.9), max_nodes=3).nodes <= 3
+
+
+def test_expected_accepted_and_rates() -> None:
+    assert expected_accepted([0.5, 0.5]) == pytest.approx(0.75)
+    rate = SourceRate(0.5)
+    for _ in range(20):
+        rate.observe(0, True)
+    assert rate.rate < 0.01
+    for _ in range(400):
+        rate.idle()  # unused: drifts back towards the prior, so the source is tried again
+    assert rate.rate > 0.45
+
+
+def test_cost_curve_learns_the_host() -> None:
+    curve = CostCurve()
+    assert curve(8) == pytest.approx(2 * curve(1))
+    for _ in range(30):
+        curve.observe(1, 0.010)
+        curve.observe(8, 0.012)
+    assert curve(1) == pytest.approx(0.010, rel=0.01) and curve(8) == pytest.approx(0.012, rel=0.01)
+    assert curve(6) == pytest.approx(0.012 * curve.prior(6) / curve.prior(8), rel=0.01)  # same bucket
+
+
+# ---- inside the engine ---------------------------------------------------------------
+
+def make_engine(target, head, tree=None, cost=None, num_blocks=256, block_size=4, **kw) -> Engine:
+    engine = Engine(EngineConfig(num_blocks=num_blocks, block_size=block_size, **kw))
+    runner = ModelRunner(target, num_blocks, block_size)
+    engine.add_decoder("m", ARDecoder(runner, engine.pool), Tok())
+    engine.add_decoder("m", EagleDecoder(runner, engine.pool, head, tree or TreeConfig(3, 2, 4), cost=cost), Tok())
+    return engine
+
+
+REPEAT = [5, 6, 7, 8, 9, 10, 11] * 4  # the bigram target continues periodic text periodically
+
+
+def same_as_ar(engine: Engine, prompts, params: SamplingParams = GREEDY) -> list[list]:
+    jobs = [(d, p, params) for p in prompts for d in ("ar", "eagle")]
+    outs = run(engine, jobs)
+    for i in range(0, len(jobs), 2):
+        assert tokens(outs[i + 1]) == tokens(outs[i])
+        assert "".join(d.text for d in outs[i + 1]) == "".join(d.text for d in outs[i])
+        assert outs[i + 1][-1].finish_reason == outs[i][-1].finish_reason
+    engine.pool.check()
+    return outs[1::2]
+
+
+@pytest.mark.parametrize("bigram", [0.0, 0.3])
+def test_suffix_alone_greedy_identical(bigram: float) -> None:
+    """No head: eagle drafts from suffix lookup alone; blocks all come back without a prefix cache."""
+    target = tiny_target(2, bigram)
+    engine = make_engine(target, None, enable_prefix_caching=False)
+    outs = same_as_ar(engine, PROMPTS + [REPEAT])
+    assert engine.pool.num_used_blocks == 0
+    if bigram == 0.0:
+        stats = outs[-1][-1].stats
+        assert stats["suffix_steps"] > 0 and stats["mean_accept_length"] > 1.5
+
+
+@pytest.mark.parametrize("draft", ["auto", "head", "suffix", "both"])
+def test_head_and_suffix_in_one_tree(draft: str) -> None:
+    target = tiny_target(3, 0.2)
+    engine = make_engine(target, oracle_head(target, noise=0.05, seed=2), TreeConfig(3, 2, 5))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, draft=draft)
+    outs = same_as_ar(engine, PROMPTS + [REPEAT], params)
+    used = {k.removesuffix("_steps") for o in outs for k in o[-1].stats if k.endswith("_steps") and k != "plain_steps"}
+    assert used <= {"head", "suffix"} and used
+    if draft in ("head", "suffix"):
+        assert used == {draft}
+
+
+def test_cost_budget_greedy_identical_and_degrades_to_plain_steps() -> None:
+    target = tiny_target(4, 0.3)
+    head = oracle_head(target, noise=0.3, seed=5)  # weak: the budget should stop drafting from it
+    curve = CostCurve(1.0, 100.0)  # a host where every extra token is dear
+    engine = make_engine(target, head, TreeConfig(3, 2, 4), cost=curve)
+    outs = same_as_ar(engine, PROMPTS)
+    assert all(o[-1].stats["plain_steps"] > 0 for o in outs)
+    assert curve.measured  # the decode steps were timed
+    engine = make_engine(target, oracle_head(target), TreeConfig(3, 2, 4), cost=CostCurve.flat())
+    same_as_ar(engine, PROMPTS + [REPEAT])
+
+
+def test_stops_and_logprobs_exact_with_suffix() -> None:
+    target = tiny_target(1)
+    engine = make_engine(target, None)
+    ar_text = "".join(d.text for d in run(engine, [("ar", REPEAT, GREEDY)])[0])
+    for params in [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(ar_text[9:11],)),
+                   SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, logprobs=2)]:
+        ar, eagle = run(engine, [("ar", REPEAT, params), ("eagle", REPEAT, params)])
+        assert tokens(eagle) == tokens(ar)
+        assert "".join(d.text for d in eagle) == "".join(d.text for d in ar)
+        if params.logprobs is not None:
+            assert [lp.token_id for d in eagle for lp in d.logprobs] == tokens(ar)
+
+
+def test_sampling_exact_with_suffix_and_cache() -> None:
+    """First two sampled tokens after a periodic prompt, drawn by suffix drafts (the request's own
+    text and, request after request, the cache of earlier outputs), follow the target's joint law."""
+    from test_eagle import truncated_probs
+    from dualserve.models.attention import DenseAttention
+
+    vocab = 8
+    target = tiny_target(6, 0.3, vocab=vocab)
+    engine = make_engine(target, None, num_blocks=1024, max_num_seqs=64, max_waiting=4096, max_batched_tokens=4096)
+    params = SamplingParams(max_tokens=2, temperature=0.9, top_k=6, ignore_eos=True, seed=0)
+    prompt = [3, 1, 4, 3, 1, 4, 3, 1]
+    n = 600
+    outs = run(engine, [("eagle", prompt, SamplingParams(**{**params.__dict__, "seed": i})) for i in range(n)])
+    assert sum(o[-1].stats.get("suffix_steps", 0) for o in outs) > n // 2
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        counts[tuple(tokens(o))] = counts.get(tuple(tokens(o)), 0) + 1
+
+    def probs(ids):
+        x = torch.tensor(ids)
+        return truncated_probs(target.logits(target(x, torch.arange(len(ids)), DenseAttention([len(ids)]))[0])[-1],
+                               params)
+
+    first = probs(prompt)
+    chi2, cells = 0.0, 0
+    for a in range(vocab):
+        if first[a] == 0:
+            continue
+        second = probs(prompt + [a])
+        for b in range(vocab):
+            expected = n * float(first[a] * second[b])
+            got = counts.pop((a, b), 0)
+            if expected > 0:
+                chi2 += (got - expected) ** 2 / expected
+                cells += 1
+            else:
+                assert got == 0
+    assert not counts
+    assert chi2 < cells - 1 + 5 * (2 * (cells - 1)) ** 0.5, (chi2, cells)
+
+
+# ---- the real default model ------------------------------------------------------------
+
+def test_default_model_repetitive_prompt_greedy_identical(default_gguf: Path, cache_dir: Path) -> None:
+    """The default model (int4) copying code: head + suffix and suffix alone give AR's tokens, and
+    suffix drafts are accepted at length."""
+    from dualserve.decoders.deployment import PoolSpec, build_deployment
+    from dualserve.decoders.eagle.decoder import eagle_decoder
+    from dualserve.models.loader import load_model
+
+    loaded = load_model(default_gguf, name="SmolLM2-135M-Instruct", cache_dir=cache_dir, quantization="int4")
+    dep = build_deployment([loaded], pool=PoolSpec(num_blocks=256))
+    if "eagle" not in dep.engine.decoders_for(loaded.name):
+        dep.engine.add_decoder(loaded.name, eagle_decoder(loaded, dep.runners[loaded.name], dep.engine.pool),
+                               loaded.tokenizer)
+    code = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+    tok = loaded.tokenizer
+    ids = tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": f"Rename w to width in this code and show all of it:\n{code}"}],
+        add_generation_prompt=True), add_special_tokens=False)
+    outs = {}
+    for decoder, draft in (("ar", "auto"), ("eagle", "auto"), ("eagle", "suffix")):
+        deltas: list = []
+        dep.engine.submit(loaded.name, decoder, ids, SamplingParams(max_tokens=48, temperature=0.0, draft=draft),
+                          lambda _, x: deltas.append(x))
+        dep.engine.run_until_idle()
+        outs[(decoder, draft)] = deltas
+    want = tokens(outs[("ar", "auto")])
+    assert tokens(outs[("eagle", "auto")]) == want and tokens(outs[("eagle", "suffix")]) == want
+    stats = outs[("eagle", "suffix")][-1].stats
+    assert stats["suffix_steps"] > 0 and stats["mean_accept_length"] > 1.3, json.dumps(stats)
+    dep.engine.pool.check()
