@@ -1,19 +1,25 @@
-"""Single-stream speed of the EAGLE decoder against plain AR, in one process, prompt by prompt.
+"""Single-stream speed of speculative decoding against plain AR, by draft source, in one process.
 
-Run as ``python -m dualserve.clients.bench_eagle``. One in-process engine serves both
-decoders from the same weights and block pool; for each prompt of ``prompts/bench.jsonl``
-(sent as one user message through the chat template) it generates greedily with ``ar`` and
-with ``eagle`` (alternating which goes first, so slow drift on a shared machine hits both
-alike) and records:
+Run as ``python -m dualserve.clients.bench_eagle``. One in-process engine serves ``ar`` and
+``eagle`` from the same weights and block pool. For each prompt of each prompt set (by default
+the held-out chat prompts, ``prompts/bench.jsonl``, and the held-out agentic set,
+``prompts/agentic.jsonl``: JSON extraction from given text, code edits that reproduce most of
+their input, multi-turn tool calls) it generates greedily in each mode:
 
-- tok/s: completion tokens / wall time of the request (prefill included, as a client sees it);
-- acceptance length: tokens emitted per target forward in EAGLE steps (accepted drafts + the
-  target's own bonus token; EAGLE paper's tau), and the draft / verify time split;
-- whether the greedy outputs are identical token for token (they must be).
+- ``ar``: plain autoregressive decoding;
+- ``head``: ``eagle`` drafting with the EAGLE head alone (request field ``draft: "head"``);
+- ``suffix``: ``eagle`` drafting from suffix lookup alone (``draft: "suffix"``);
+- ``both``: the head and suffix lookup in one tree (``draft: "both"``, the default).
 
-With ``--llama-cpp`` the same token ids also go through llama.cpp (``llama_cpp`` package, if
-installed) on the GGUF file, for a side-by-side tok/s column. Prefix caching is off so every
-run computes its whole prompt.
+Modes take turns going first, so slow drift on a shared machine hits all alike. Reported per
+set and mode: tok/s (completion tokens / request wall time, prefill included), the ratio to
+``ar``, the mean acceptance length (tokens per verify step: accepted drafts + the bonus
+token), tokens per target forward, and whether the greedy output equals ``ar``'s token for
+token (it must). Draft sizes follow the cost budget as served (``--budget fixed``: the whole
+tree every step). The suffix cache holds the outputs of earlier prompts, never another mode's
+output for the same prompt. With ``--llama-cpp`` the same token ids also go through llama.cpp
+(``llama_cpp`` package, if installed) on the GGUF file. Prefix caching is off so every run
+computes its whole prompt.
 """
 
 from __future__ import annotations
@@ -29,34 +35,54 @@ from typing import Sequence
 
 import torch
 
-from dualserve.clients.bench import DEFAULT_PROMPTS, load_prompts
+from dualserve.clients.bench import DEFAULT_PROMPTS
+
+AGENTIC_PROMPTS = Path(__file__).parent / "prompts" / "agentic.jsonl"
+MODES = {"ar": ("ar", "auto"), "head": ("eagle", "head"), "suffix": ("eagle", "suffix"), "both": ("eagle", "both")}
+
+
+@dataclass
+class Case:
+    id: str
+    kind: str
+    messages: list[dict]
 
 
 @dataclass
 class Row:
+    set: str
     id: str
     kind: str
-    tokens_ar: int
-    tokens_eagle: int
-    tps_ar: float
-    tps_eagle: float
+    mode: str
+    tokens: int
+    seconds: float
     accept_length: float
-    draft_s: float
-    verify_s: float
+    tokens_per_forward: float
     identical: bool
-    tps_llama_cpp: float | None = None
 
     @property
-    def speedup(self) -> float:
-        return self.tps_eagle / self.tps_ar if self.tps_ar else 0.0
+    def tps(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def generate(engine, model: str, decoder: str, ids: list[int], max_tokens: int) -> tuple[list[int], float, dict]:
+def load_cases(path: Path | str) -> list[Case]:
+    """A JSONL prompt set: "messages" (a conversation) where given, else "prompt" as one user turn."""
+    cases = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            obj = json.loads(line)
+            messages = obj.get("messages") or [{"role": "user", "content": obj["prompt"]}]
+            cases.append(Case(obj["id"], obj["kind"], messages))
+    return cases
+
+
+def generate(engine, model: str, mode: str, ids: list[int], max_tokens: int) -> tuple[list[int], float, dict]:
     from dualserve.decoders.engine.sampling import SamplingParams
 
+    decoder, draft = MODES[mode]
     deltas = []
     start = time.perf_counter()
-    engine.submit(model, decoder, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    engine.submit(model, decoder, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, draft=draft),
                   lambda _, d: deltas.append(d))
     engine.run_until_idle()
     elapsed = time.perf_counter() - start
@@ -80,11 +106,13 @@ def llama_cpp_runner(gguf: Path, threads: int):
     return run
 
 
-def bench(args: argparse.Namespace) -> list[Row]:
-    from dualserve.decoders.deployment import PoolSpec, build_deployment
-    from dualserve.decoders.eagle.decoder import eagle_decoder
+def deploy(args: argparse.Namespace):
+    """(engine, model name, tokenizer, model path, the eagle decoder) as ``serve`` builds them."""
+    from dualserve.decoders.deployment import PoolSpec, ServedSpec, build_deployment
     from dualserve.decoders.eagle.tree import TreeConfig
     from dualserve.decoders.engine.engine import EngineConfig
+    from dualserve.models.assets import default_eagle_head
+    from dualserve.models.formats import cached_measure
     from dualserve.models.hub import default_cache_dir, resolve_model
     from dualserve.models.loader import load_model
 
@@ -93,83 +121,94 @@ def bench(args: argparse.Namespace) -> list[Row]:
     cache = default_cache_dir(args.cache_dir)
     name, path = resolve_model(args.model, cache)
     loaded = load_model(path, name=name, cache_dir=cache)
-    dep = build_deployment([loaded], EngineConfig(enable_prefix_caching=False), PoolSpec(num_blocks=args.num_blocks))
-    engine = dep.engine
-    tree = TreeConfig(args.depth, args.top_k, args.num_nodes) if args.depth else None
-    decoder = eagle_decoder(loaded, dep.runners[name], engine.pool, args.head, tree)
-    if decoder is None:
-        raise SystemExit(f"no EAGLE head for {name}: pass --head")
-    if "eagle" not in engine.decoders_for(name):
-        engine.add_decoder(name, decoder, loaded.tokenizer)
+    head = Path(args.head) if args.head else default_eagle_head(name)
+    table = cached_measure(loaded.config, cache / "host") if args.budget == "cost" else None
+    dep = build_deployment([ServedSpec(name, loaded, eagle_head=head or "suffix")],
+                           EngineConfig(enable_prefix_caching=False), PoolSpec(num_blocks=args.num_blocks),
+                           format_table=table)
+    decoder = dep.engine.decoders[(name, "eagle")]
+    if args.budget == "fixed":
+        decoder.cost = None
+    if args.depth:
+        decoder.tree = TreeConfig(args.depth, args.top_k, args.num_nodes)
+    if head is None:
+        print(f"no EAGLE head for {name}: head and both modes draft from suffix lookup alone", file=sys.stderr)
+    return dep.engine, name, loaded.tokenizer, path, decoder
+
+
+def bench(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
+    engine, name, tok, path, decoder = deploy(args)
+    modes = [m for m in args.modes.split(",") if m]
     llama = llama_cpp_runner(path, args.threads) if args.llama_cpp and path.suffix == ".gguf" else None
-    tok = loaded.tokenizer
-    prompts = load_prompts(args.prompts)[: args.limit or None]
     rows: list[Row] = []
-    for i, p in enumerate([None] + prompts):  # the first (None) run is an unmeasured warm-up
-        text = tok.apply_chat_template([{"role": "user", "content": p.prompt if p else "Hello!"}],
-                                       add_generation_prompt=True)
-        ids = tok.encode(text, add_special_tokens=False)
-        order = ("ar", "eagle") if i % 2 else ("eagle", "ar")
-        runs = {d: generate(engine, name, d, ids, args.max_tokens if p else 8) for d in order}
-        if p is None:
-            continue
-        (ar_ids, ar_s, _), (ea_ids, ea_s, stats) = runs["ar"], runs["eagle"]
-        row = Row(p.id, p.kind, len(ar_ids), len(ea_ids), len(ar_ids) / ar_s, len(ea_ids) / ea_s,
-                  stats.get("mean_accept_length", 0.0), stats.get("draft_seconds", 0.0),
-                  stats.get("verify_seconds", 0.0), ar_ids == ea_ids)
-        if llama:
-            n, s = llama(ids, args.max_tokens)
-            row.tps_llama_cpp = n / s
-        rows.append(row)
-        print(f"{row.id:<22} ar {row.tps_ar:6.1f} tok/s  eagle {row.tps_eagle:6.1f} tok/s  "
-              f"x{row.speedup:4.2f}  tau {row.accept_length:4.2f}  identical={row.identical}",
-              file=sys.stderr, flush=True)
-    return rows
+    llama_tps: dict[str, float] = {}
+    warm = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True),
+                      add_special_tokens=False)
+    for mode in modes:  # unmeasured warm-up
+        generate(engine, name, mode, warm, 8)
+    for path_ in args.prompts:
+        set_name = Path(path_).stem
+        cases = load_cases(path_)[: args.limit or None]
+        for i, case in enumerate(cases):
+            ids = tok.encode(tok.apply_chat_template(case.messages, add_generation_prompt=True),
+                             add_special_tokens=False)
+            cache = decoder.suffix.cache if decoder.suffix is not None else None
+            before = set(cache.entries) if cache is not None else set()
+            out = {}
+            for mode in modes[i % len(modes):] + modes[: i % len(modes)]:
+                if cache is not None:  # the cache never holds this prompt's output from another mode
+                    for key in [k for k in cache.entries if k not in before]:
+                        cache.remove(key)
+                out[mode] = generate(engine, name, mode, ids, args.max_tokens)
+            reference = out["ar"][0] if "ar" in out else None
+            for mode in modes:
+                got, seconds, stats = out[mode]
+                rows.append(Row(set_name, case.id, case.kind, mode, len(got), seconds,
+                                stats.get("mean_accept_length", 1.0), stats.get("tokens_per_forward", 1.0),
+                                reference is None or got == reference))
+            if llama:
+                n, s = llama(ids, args.max_tokens)
+                llama_tps[set_name] = llama_tps.get(set_name, 0.0) + n / s / len(cases)
+            print(f"{set_name}/{case.id:<10} " + "  ".join(
+                f"{r.mode} {r.tps:5.1f} tok/s tau {r.accept_length:4.2f}{'' if r.identical else ' DIFFERS'}"
+                for r in rows[-len(modes):]), file=sys.stderr, flush=True)
+    return rows, llama_tps
 
 
-def summary(rows: Sequence[Row]) -> dict:
-    tokens_ar = sum(r.tokens_ar for r in rows)
-    tokens_eagle = sum(r.tokens_eagle for r in rows)
-    secs_ar = sum(r.tokens_ar / r.tps_ar for r in rows)
-    secs_eagle = sum(r.tokens_eagle / r.tps_eagle for r in rows)
-    out = {
-        "prompts": len(rows),
-        "identical": sum(r.identical for r in rows),
-        "tps_ar": tokens_ar / secs_ar,
-        "tps_eagle": tokens_eagle / secs_eagle,
-        "speedup": (tokens_eagle / secs_eagle) / (tokens_ar / secs_ar),
-        "median_speedup": statistics.median(r.speedup for r in rows),
-        "mean_accept_length": statistics.mean(r.accept_length for r in rows),
-        "draft_share": sum(r.draft_s for r in rows) / max(1e-9, sum(r.draft_s + r.verify_s for r in rows)),
-    }
-    llama = [r for r in rows if r.tps_llama_cpp]
-    if llama:
-        out["tps_llama_cpp"] = statistics.mean(r.tps_llama_cpp for r in llama)
+def summary(rows: Sequence[Row]) -> list[dict]:
+    """Per prompt set and mode: tok/s over all its prompts, ratio to ar, acceptance, identity."""
+    out = []
+    for set_name in dict.fromkeys(r.set for r in rows):
+        of_set = [r for r in rows if r.set == set_name]
+        ar = [r for r in of_set if r.mode == "ar"]
+        ar_tps = sum(r.tokens for r in ar) / sum(r.seconds for r in ar) if ar else 0.0
+        for mode in dict.fromkeys(r.mode for r in of_set):
+            rs = [r for r in of_set if r.mode == mode]
+            tps = sum(r.tokens for r in rs) / max(sum(r.seconds for r in rs), 1e-9)
+            out.append({"set": set_name, "mode": mode, "prompts": len(rs), "tps": tps,
+                        "ratio_to_ar": tps / ar_tps if ar_tps else None,
+                        "median_ratio": statistics.median(r.tps / a.tps for r, a in zip(rs, ar)) if ar else None,
+                        "accept_length": statistics.mean(r.accept_length for r in rs),
+                        "tokens_per_forward": statistics.mean(r.tokens_per_forward for r in rs),
+                        "identical": sum(r.identical for r in rs)})
     return out
 
 
-def print_table(rows: Sequence[Row], s: dict) -> None:
+def print_table(s: list[dict], llama_tps: dict[str, float]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="EAGLE vs plain AR, single stream, greedy")
-    for col in ("prompt", "kind", "AR tok/s", "EAGLE tok/s", "speedup", "accept len", "draft s", "verify s",
-                "identical") + (("llama.cpp tok/s",) if "tps_llama_cpp" in s else ()):
-        table.add_column(col, justify="left" if col in ("prompt", "kind") else "right")
-    for r in rows:
-        cells = [r.id, r.kind, f"{r.tps_ar:.1f}", f"{r.tps_eagle:.1f}", f"{r.speedup:.2f}x",
-                 f"{r.accept_length:.2f}", f"{r.draft_s:.2f}", f"{r.verify_s:.2f}", "yes" if r.identical else "NO"]
-        if "tps_llama_cpp" in s:
-            cells.append(f"{r.tps_llama_cpp:.1f}" if r.tps_llama_cpp else "-")
-        table.add_row(*cells)
-    console = Console(width=max(Console().width, 140))
-    console.print(table)
-    line = (f"overall: AR {s['tps_ar']:.1f} tok/s, EAGLE {s['tps_eagle']:.1f} tok/s, speedup {s['speedup']:.2f}x "
-            f"(median {s['median_speedup']:.2f}x); mean acceptance length {s['mean_accept_length']:.2f}; "
-            f"draft share of EAGLE time {s['draft_share']:.0%}; identical {s['identical']}/{s['prompts']}")
-    if "tps_llama_cpp" in s:
-        line += f"; llama.cpp {s['tps_llama_cpp']:.1f} tok/s"
-    console.print(line)
+    table = Table(title="speculative decoding by draft source vs plain AR, single stream, greedy")
+    for col in ("set", "mode", "tok/s", "x ar", "median x ar", "accept len", "tok/forward", "identical"):
+        table.add_column(col, justify="left" if col in ("set", "mode") else "right")
+    for r in s:
+        table.add_row(r["set"], r["mode"], f"{r['tps']:.1f}",
+                      f"{r['ratio_to_ar']:.2f}x" if r["ratio_to_ar"] else "-",
+                      f"{r['median_ratio']:.2f}x" if r["median_ratio"] else "-", f"{r['accept_length']:.2f}",
+                      f"{r['tokens_per_forward']:.2f}", f"{r['identical']}/{r['prompts']}")
+    for set_name, tps in llama_tps.items():
+        table.add_row(set_name, "llama.cpp", f"{tps:.1f}", "", "", "", "", "")
+    Console(width=max(Console().width, 120)).print(table)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -177,27 +216,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--head", default=None, help="EAGLE head directory (default: the bundled one for the model)")
-    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
-    p.add_argument("--limit", type=int, default=0, help="first N prompts only")
+    p.add_argument("--prompts", nargs="+", default=[str(DEFAULT_PROMPTS), str(AGENTIC_PROMPTS)],
+                   help="prompt sets (JSONL with prompt or messages)")
+    p.add_argument("--modes", default="ar,head,suffix,both", help="comma-separated, from " + ", ".join(MODES))
+    p.add_argument("--limit", type=int, default=0, help="first N prompts of each set only")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--depth", type=int, default=0, help="tree depth (0: the decoder's default tree)")
+    p.add_argument("--budget", choices=["cost", "fixed"], default="cost",
+                   help="draft sizes: from the measured cost (as served) or the whole tree every step")
+    p.add_argument("--depth", type=int, default=0, help="head tree depth (0: the decoder's default tree)")
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--num-nodes", type=int, default=10)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp on the GGUF file")
     p.add_argument("--json", default=None, help="write rows and summary here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if unknown := [m for m in args.modes.split(",") if m and m not in MODES]:
+        p.error(f"unknown modes {unknown}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    rows = bench(args)
+    rows, llama_tps = bench(args)
     s = summary(rows)
-    print_table(rows, s)
+    print_table(s, llama_tps)
     if args.json:
-        Path(args.json).write_text(json.dumps({"summary": s, "rows": [asdict(r) for r in rows]}, indent=2))
-    return 0 if s["identical"] == s["prompts"] else 1
+        Path(args.json).write_text(json.dumps({"summary": s, "llama_cpp": llama_tps,
+                                               "rows": [asdict(r) | {"tps": r.tps} for r in rows]}, indent=2))
+    return 0 if all(r.identical for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -150,6 +150,11 @@ class SuffixCache:
         if key in self.entries:
             self.entries.move_to_end(key)
 
+    def remove(self, key: int) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.num_tokens -= len(entry)
+
 
 @dataclass
 class SuffixDraft:
