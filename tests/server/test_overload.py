@@ -10,6 +10,9 @@ the rule under test, not by the machine's speed.
   Nothing stays queued.
 * A request whose estimated wait exceeds the bound is refused at once with a 429 and Retry-After,
   and counted in /metrics.
+* Running work is bounded too (``--max-run-time``): on a host modelled as slow, a request that
+  would slow a running stream past its promise waits and ends with a 429, while a short one that
+  keeps every promise starts beside it and is answered.
 * Arrays in request bodies are bounded: too many messages, tools, logit_bias entries, token-id
   prompts or content parts are a 400 naming the field.
 """
@@ -29,7 +32,9 @@ import openai
 import pytest
 
 from dualserve.decoders.deployment import PoolSpec, build_deployment
-from dualserve.decoders.engine.admission import WaitEstimator
+from collections import Counter
+
+from dualserve.decoders.engine.admission import RunEstimator, WaitEstimator
 from dualserve.decoders.engine.engine import Engine, EngineConfig
 from dualserve.models.loader import load_model
 from dualserve.server.app import AppState, create_app
@@ -55,6 +60,38 @@ def live(default_gguf: Path, cache_dir: Path) -> Iterator[tuple[str, Engine]]:
     service = Service(dep.engine, served, Router(), ServiceLimits(), metrics=metrics)
     dep.engine.start()
     with serve_in_thread(create_app(AppState(service=service, metrics=metrics))) as url:
+        yield url, dep.engine
+    dep.engine.shutdown()
+
+
+class Modelled(RunEstimator):
+    """A slow host for the run bound: each step costs 0.2 s per running choice, one token a step."""
+
+    def __init__(self) -> None:
+        super().__init__(max_run_time=20.0, min_token_rate=4.0, max_batched_tokens=512)
+
+    def observe(self, sample, seconds: float) -> None:
+        pass
+
+    def step_seconds(self, batch: Counter) -> float:
+        return 0.2 * sum(batch.values())
+
+    def tokens_per_step(self, key) -> float:
+        return 1.0
+
+
+@pytest.fixture(scope="module")
+def bounded(default_gguf: Path, cache_dir: Path) -> Iterator[tuple[str, Engine]]:
+    """Room for four running requests, on a host the run bound is told is slow."""
+    loaded = load_model(default_gguf, name=MODEL, cache_dir=cache_dir)
+    config = EngineConfig(max_num_seqs=4, max_queue_wait=QUEUE_WAIT, max_run_time=20.0)
+    dep = build_deployment([loaded], config, pool=PoolSpec(num_blocks=256))
+    dep.engine.run_bound = Modelled()
+    dep.engine.admission = WaitEstimator(min_busy=math.inf)  # no wait estimate: the run bound decides
+    served = {MODEL: ServedModel(MODEL, loaded.tokenizer, 2048, dep.engine.decoders_for(MODEL))}
+    service = Service(dep.engine, served, Router(), ServiceLimits(), metrics=Metrics())
+    dep.engine.start()
+    with serve_in_thread(create_app(AppState(service=service, metrics=service.metrics))) as url:
         yield url, dep.engine
     dep.engine.shutdown()
 
@@ -176,3 +213,21 @@ def test_the_sdk_reports_a_bound(live) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         sdk(url).chat.completions.create(model=MODEL, messages=HI * 2049, max_tokens=2)
     assert err.value.body["code"] == "array_above_max_length" and "2048" in err.value.body["message"]
+
+
+def test_a_request_that_would_slow_a_running_stream_past_its_promise_waits_then_gets_a_429(bounded) -> None:
+    url, engine = bounded
+    with long_stream(url):  # 2000 tokens, promised 500 s (4 tokens/s); modelled alone: 400 s
+        started = time.monotonic()
+        # 1000 more tokens beside it: the stream would take 600 s. It waits, and the wait bound ends it.
+        with pytest.raises(openai.RateLimitError) as err:
+            sdk(url).completions.create(model=MODEL, prompt="Hi", max_tokens=1000,
+                                        extra_body={"ignore_eos": True})
+        assert QUEUE_WAIT <= time.monotonic() - started < QUEUE_WAIT + 30
+        assert err.value.body["code"] == "queue_timeout" and int(err.value.response.headers["Retry-After"]) >= 1
+        # 4 tokens beside it keep both promises (1.6 s; the stream 400.8 s): it starts and is answered.
+        reply = sdk(url).completions.create(model=MODEL, prompt="Hi", max_tokens=4, extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 4
+        assert len(engine.scheduler.running) <= 2
+    settle(engine)
+    assert "dualserve_running_capacity" in httpx.get(f"{url}/metrics").text
