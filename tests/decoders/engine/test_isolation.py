@@ -61,10 +61,10 @@ def model() -> Transformer:
 
 
 class DraftFails(EagleDecoder):
-    def _draft(self, s):
+    def _draft(self, s, *planned):
         if POISON in s.request.prompt_ids:
             raise RuntimeError("draft broke")
-        return super()._draft(s)
+        return super()._draft(s, *planned)
 
 
 class DenoiseFails(DiffusionDecoder):
