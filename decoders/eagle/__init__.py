@@ -1,2 +1,3 @@
-"""EAGLE speculative decoding: ``decoder`` (draft with the head, verify in one target forward,
-accept) and ``tree`` (the draft tree, its attention mask and the acceptance rules)."""
+"""Speculative decoding: ``decoder`` (draft, verify in one target forward, accept), ``tree`` (the
+draft tree, merging sources, the acceptance rules), ``suffix`` (suffix lookup drafts) and
+``budget`` (how much to draft each step, from measured cost and acceptance)."""
