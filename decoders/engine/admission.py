@@ -158,10 +158,13 @@ class RunEstimator:
     """The run bound: measures step costs and token rates, and says whether a choice may start.
 
     ``max_run_time``, ``min_token_rate``: the promise (module docstring). ``max_batched_tokens``:
-    the step's token budget, over which a prompt is prefilled."""
+    the step's token budget, over which a prompt is prefilled. ``horizon``: busy seconds the
+    measurements are averaged over, shorter than a promise so that a host slowed by other work
+    is seen while the choices it slows still run (10 s followed a shared 2-core host's load within
+    a few percent of the median step; 30 s let choices overrun by up to 10 s when the load rose)."""
 
     def __init__(self, max_run_time: float, min_token_rate: float, max_batched_tokens: int,
-                 horizon: float = 30.0):
+                 horizon: float = 10.0):
         self.max_run_time = max_run_time
         self.min_token_rate = min_token_rate
         self.max_batched_tokens = max_batched_tokens
