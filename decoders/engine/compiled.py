@@ -1,4 +1,4 @@
-"""The compiled step: one torch.compile'd forward per step shape, with paged attention inside the graph.
+"""The compiled step: one compiled forward per step shape, with paged attention inside the graph.
 
 Eager PyTorch spends most of a batch-1 CPU forward in Python dispatch (about 35
 small ops per layer). Compiled by inductor, a layer becomes a few fused C++
@@ -20,15 +20,17 @@ Python runs per layer, so there is nothing to gather per sequence.
 Shapes are dynamic, so one graph serves every length; PyTorch still
 specialises sizes 0 and 1, so a step compiles into one of four graphs by
 whether it has one sequence and one query row (``StepShape``), and W is padded
-to at least 2. Compiling a graph takes seconds (warm cache) to minutes (cold,
-2 cores), so it happens on a background thread: until a shape's graph is
-ready, that shape runs eagerly, and the first compile of every shape is logged
-with its time. Inductor's caches live under the model cache (``cache_dir``),
-so a second start reuses the generated code.
+to at least 2. On the CPU each graph is an AOTInductor package (``aoti.py``),
+built once per host and model under the model cache (minutes on 2 cores) and
+loaded in well under a second on later starts; elsewhere it is a
+``torch.compile``'d graph. Either way the work happens on a background thread:
+until a shape's graph is ready, that shape runs eagerly, and every shape's
+build or load is logged with its time.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
@@ -40,6 +42,9 @@ from typing import Callable, Sequence
 
 import torch
 
+from torch._inductor.runtime.cache_dir_utils import cache_dir as default_cache_dir
+
+from . import aoti
 from .heap import trim_heap
 from .paged_attention import AttentionMetadata, KVCache, SeqAttention, as_stored, mask_tensor
 
@@ -51,10 +56,11 @@ GRAPH_LIMIT = 64  # compiled graphs per code object (dynamo's recompile_limit), 
 class PaddedPagedAttention:
     """Paged attention over a padded step; tensors only, so it traces into one graph."""
 
-    def __init__(self, cache: KVCache, slot_mapping: torch.Tensor, rows: torch.Tensor, context: torch.Tensor,
-                 mask: torch.Tensor):
-        self.k, self.v = cache.k, cache.v          # per layer (num_blocks, block_size, kv_heads, head_dim)
-        self.slot_mapping = slot_mapping           # (T,)
+    def __init__(self, stacked: torch.Tensor, slot_mapping: torch.Tensor | None, rows: torch.Tensor,
+                 context: torch.Tensor, mask: torch.Tensor):
+        self.stacked = stacked                     # (2 * layers, slots, kv_heads, head_dim): keys, then values
+        self.layers = stacked.shape[0] // 2
+        self.slot_mapping = slot_mapping           # (T,); None inside the graph (the caller stores)
         self.rows = rows                           # (S, Q)
         self.context = context                     # (S, W)
         self.mask = mask                           # (S, Q, W + Q) bool
@@ -87,11 +93,10 @@ class PaddedPagedAttention:
             mask[i, : s.query_len, W: W + s.query_len] = own
             mask[i, s.query_len:, W + s.query_len - 1] = True  # padded queries see one slot: no empty softmax
         slots = meta.slot_mapping
-        return cls(cache, slots.to(device), rows.to(device), context.to(device), mask.to(device))
+        return cls(cache.stacked, slots.to(device), rows.to(device), context.to(device), mask.to(device))
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kc = self.k[layer_idx].view(-1, *self.k[layer_idx].shape[2:])   # (slots, kv_heads, head_dim)
-        vc = self.v[layer_idx].view(-1, *self.v[layer_idx].shape[2:])
+        kc, vc = self.stacked[layer_idx], self.stacked[self.layers + layer_idx]  # (slots, kv_heads, head_dim)
         self.new_k.append(k.to(kc.dtype))
         self.new_v.append(v.to(vc.dtype))
         k, v = as_stored(k, kc), as_stored(v, vc)
@@ -125,24 +130,39 @@ class StepShape:
     def of(cls, meta: AttentionMetadata) -> "StepShape":
         return cls(len(meta.seqs) > 1, max(s.query_len for s in meta.seqs) > 1)
 
+    @property
+    def name(self) -> str:
+        return f"{'batch' if self.many_seqs else 'single'}/{'multi' if self.many_queries else 'one'}-token"
+
+    def dynamic_dims(self) -> tuple[dict[int, object], ...]:
+        """The dims of ``ForwardWithFeatures``' inputs that vary within this shape, for
+        ``torch.export``: tokens T, sequences S, query rows Q, cached slots W and the pool's slots."""
+        auto = torch.export.Dim.AUTO
+        s = {0: auto} if self.many_seqs else {}
+        q = {1: auto} if self.many_queries else {}
+        t = {0: auto} if self.many_seqs or self.many_queries else {}
+        return t, t, {**s, **q}, {**s, 1: auto}, {**s, **{1: auto for _ in q}, 2: auto}, {1: auto}
+
 
 class ForwardWithFeatures(torch.nn.Module):
-    """``model``'s forward, also returning the residual stream after the ``aux_layers``."""
+    """One step as a graph of tensors only: ``model``'s forward over a padded step, also returning
+    the residual stream after the ``aux_layers``.
+
+    Inputs: token ids (T,), positions (T,), and the padded attention's ``rows``, ``context``,
+    ``mask`` and the KV pool's ``stacked`` view (see ``PaddedPagedAttention``). Outputs, flat:
+    hidden (T, hidden), one (T, hidden) per feature layer, then the new keys and the new values
+    (layers, T, kv_heads, head_dim) for the caller to store."""
 
     def __init__(self, model: torch.nn.Module, aux_layers: tuple[int, ...]):
         super().__init__()
         self.model = model
         self.aux_layers = aux_layers
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, attn: PaddedPagedAttention
-                ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """(hidden, features, new keys, new values): keys and values (layers, tokens, kv_heads,
-        head_dim) for the caller to store."""
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, context: torch.Tensor,
+                mask: torch.Tensor, stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        attn = PaddedPagedAttention(stacked, None, rows, context, mask)
         hidden, aux = self.model(ids, pos, attn, aux_layers=self.aux_layers)
-        new_k, new_v = torch.stack(attn.new_k), torch.stack(attn.new_v)
-        attn.new_k.clear()
-        attn.new_v.clear()
-        return hidden, aux, new_k, new_v
+        return (hidden, *aux, torch.stack(attn.new_k), torch.stack(attn.new_v))
 
 
 class CompileWorker:
@@ -183,7 +203,11 @@ class CompileWorker:
 
 
 class CompiledStep:
-    """Compiled forwards by step shape, built on a background thread; eager until each is ready."""
+    """Compiled forwards by step shape, built on a background thread; eager until each is ready.
+
+    On the CPU each shape is an AOTInductor package (``aoti.py``): built once per host and model,
+    loaded from the cache in a fraction of a second on later starts, and called without dynamo's
+    guards. Elsewhere it is a ``torch.compile``'d graph."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, scratch: Callable[[int], torch.Tensor],
                  cache_dir: Path | None = None, worker: CompileWorker | None = None):
@@ -195,16 +219,21 @@ class CompiledStep:
         self.cache = cache
         self.scratch = scratch
         self.worker = worker
-        self._fns: dict[tuple[int, ...], Callable] = {}  # one compiled forward per set of feature layers
+        self.device = cache.stacked.device
+        self.packaged = aoti.available(self.device)
+        self.package_dir = Path(cache_dir or default_cache_dir()) / "aoti"
+        self._fns: dict[tuple[int, ...], Callable] = {}  # torch.compile: one forward per set of feature layers
+        self._graphs: dict[tuple[StepShape, tuple[int, ...]], Callable[..., Sequence[torch.Tensor]]] = {}
         self.ready: set[tuple[StepShape, tuple[int, ...]]] = set()
         self.failed = False
         self.seconds: dict[str, float] = {}
+        self.how: dict[str, str] = {}  # shape name -> built / loaded (a package) or compiled
         self._pending: set[tuple[StepShape, tuple[int, ...]]] = set()
         self._lock = threading.Lock()
 
     def fn(self, aux_layers: tuple[int, ...]) -> Callable:
-        """The compiled forward that also returns these layers' features. The layer indices live
-        on a module, where dynamo specialises ints: passed as arguments to a ``dynamic=True``
+        """The torch.compile'd forward that also returns these layers' features. The layer indices
+        live on a module, where dynamo specialises ints: passed as arguments to a ``dynamic=True``
         function they would become symbolic, and one graph would serve every set of the same
         length, returning the first set's layers."""
         with self._lock:
@@ -216,14 +245,16 @@ class CompiledStep:
                  aux_layers: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """The compiled forward of this step, or None while its graph is not ready (run eager then)."""
         key = (StepShape.of(meta), tuple(aux_layers))
-        if key not in self.ready:
+        graph = self._graphs.get(key)
+        if graph is None:
             self._request(key)
-            if key not in self.ready:
+            graph = self._graphs.get(key)
+            if graph is None:
                 return None
         attn = PaddedPagedAttention.build(self.cache, meta, ids.device)
-        hidden, aux, new_k, new_v = self.fn(key[1])(ids, pos, attn)
-        self.cache.store(attn.slot_mapping, new_k, new_v)
-        return hidden, aux
+        out = graph(ids, pos, attn.rows, attn.context, attn.mask, self.cache.stacked)
+        self.cache.store(attn.slot_mapping, out[-2], out[-1])
+        return out[0], list(out[1:-2])
 
     def _request(self, key: tuple[StepShape, tuple[int, ...]]) -> None:
         with self._lock:
@@ -250,43 +281,76 @@ class CompiledStep:
 
     def _compile(self, key: tuple[StepShape, tuple[int, ...]]) -> None:
         shape, aux = key
-        name = f"{'batch' if shape.many_seqs else 'single'}/{'multi' if shape.many_queries else 'one'}-token"
         start = time.perf_counter()
         try:
-            # Every CompiledStep traces the same ``forward`` code object, and dynamo caps the graphs
-            # per code object (8 by default): four shapes for each runner (AR, twin), plus EAGLE's
-            # auxiliary-feature variants, pass it, and a shape past the cap silently stays eager.
-            # Dynamo's config is per thread: the cap is raised on the thread that compiles.
-            # On the CPU the graph's wrapper is generated as C++ too (inductor's cpp_wrapper): a decode
-            # step calls some 400 kernels, and their Python wrapper cost about 1.5 ms of a 12 ms step.
-            # Inductor's own kernels (norms, rotary, softmax: small at decode) run on one thread, so a
-            # step opens OpenMP parallel regions only in the GEMMs, as in eager mode: every region is
-            # a barrier, and a barrier is what costs when OpenMP cannot spin (see ``openmp``).
-            cpu = self.cache.k[0].device.type == "cpu"
-            inductor = {"cpp_wrapper": True, "cpp.threads": 1} if cpu else {}
-            with torch._dynamo.config.patch(recompile_limit=GRAPH_LIMIT), \
-                    torch._inductor.config.patch(inductor), torch.inference_mode():
-                for n in (3, 5):  # two sizes: the graph must be the dynamic one
-                    ids, pos, meta = self._example(shape, n)
-                    attn = PaddedPagedAttention.build(self.cache, meta, self.cache.k[0].device)
-                    self.fn(aux)(ids, pos, attn)
+            graph, how = self._package(key) if self.packaged else (self._torch_compile(key), "compiled")
         except Exception:  # noqa: BLE001 - any compiler failure leaves eager mode in charge
-            log.warning("compiling the %s forward failed; staying eager", name, exc_info=True)
+            log.warning("compiling the %s forward failed; staying eager", shape.name, exc_info=True)
             with self._lock:
                 self.failed = True
             return
-        self.seconds[name] = time.perf_counter() - start
-        log.info("compiled the %s forward in %.1f s", name, self.seconds[name])
+        self.seconds[shape.name] = time.perf_counter() - start
+        self.how[shape.name] = how
+        log.info("%s the %s forward in %.1f s", how, shape.name, self.seconds[shape.name])
         with self._lock:
+            self._graphs[key] = graph
             self.ready.add(key)
 
-    def _example(self, shape: StepShape, n: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """A step of this shape over scratch slots only: compiling never touches live KV."""
-        seqs_n = 2 if shape.many_seqs else 1
-        q = n if shape.many_queries else 1
-        device = self.cache.k[0].device
-        seqs = [SeqAttention(n, q, [], "causal", self.scratch(n)) for _ in range(seqs_n)]
-        slots = self.scratch(q * seqs_n)
-        ids = torch.zeros(q * seqs_n, dtype=torch.long, device=device)
-        pos = torch.arange(q * seqs_n, device=device) + n
-        return ids, pos, AttentionMetadata(seqs, slots, self.cache.block_size)
+    def _package(self, key: tuple[StepShape, tuple[int, ...]]) -> tuple[Callable[..., Sequence[torch.Tensor]], str]:
+        """This shape's AOTInductor package: loaded from the cache, or built there first; used
+        only once it matches the eager forward at two sizes."""
+        shape, aux = key
+        module = ForwardWithFeatures(self.model, aux)
+        # The code the graph is traced from: the model's own modules, and the step's classes here.
+        sources = [*sorted({inspect.getmodule(type(m)) for m in self.model.modules()
+                            if type(m).__module__.startswith("dualserve.")}, key=lambda m: m.__name__),
+                   PaddedPagedAttention, ForwardWithFeatures]
+        digest = aoti.package_key(self.model, sources, self.cache.dtype, shape, aux, sorted(PACKAGE_INDUCTOR.items()))
+        path = self.package_dir / f"step-{shape.name.replace('/', '-')}-{digest}.pt2"
+        how = "loaded"
+        if not path.exists():
+            aoti.build(module, self._inputs(shape, 5), shape.dynamic_dims(), path, PACKAGE_INDUCTOR)
+            how = "built"
+        graph = aoti.PackagedGraph(path, module)
+        with torch.inference_mode():
+            for n in (3, 6):
+                inputs = self._inputs(shape, n)
+                problem = aoti.matches(graph(*inputs), module(*inputs))
+                if problem:
+                    raise RuntimeError(f"the package {path.name} does not match the eager forward: {problem}")
+        return graph, how
+
+    def _torch_compile(self, key: tuple[StepShape, tuple[int, ...]]) -> Callable[..., Sequence[torch.Tensor]]:
+        # Every CompiledStep traces the same ``forward`` code object, and dynamo caps the graphs
+        # per code object (8 by default): four shapes for each runner (AR, twin), plus EAGLE's
+        # auxiliary-feature variants, pass it, and a shape past the cap silently stays eager.
+        # Dynamo's config is per thread: the cap is raised on the thread that compiles.
+        shape, aux = key
+        fn = self.fn(aux)
+        with torch._dynamo.config.patch(recompile_limit=GRAPH_LIMIT), torch.inference_mode():
+            for n in (3, 5):  # two sizes: the graph must be the dynamic one
+                fn(*self._inputs(shape, n))
+        return fn
+
+    def _inputs(self, shape: StepShape, n: int) -> tuple[torch.Tensor, ...]:
+        """The graph's inputs for a step of this shape over scratch slots only (compiling never
+        touches live KV). Sequences differ in context and query length, so no size is tied to
+        another by accident: a graph traced on them serves any step of its shape."""
+        seqs_n = (2 if n < 6 else 3) if shape.many_seqs else 1
+        queries = [max(2, n - i) if shape.many_queries else 1 for i in range(seqs_n)]
+        seqs = [SeqAttention(n + i, q, [], "causal", self.scratch(n + i)) for i, q in enumerate(queries)]
+        total = sum(queries)
+        ids = torch.arange(total, device=self.device) % 7 + 3
+        pos = torch.cat([torch.arange(q, device=self.device) + n + i for i, q in enumerate(queries)])
+        meta = AttentionMetadata(seqs, self.scratch(total), self.cache.block_size)
+        attn = PaddedPagedAttention.build(self.cache, meta, self.device)
+        return ids, pos, attn.rows, attn.context, attn.mask, self.cache.stacked
+
+
+# Inductor's settings for step graphs on the CPU. The graph's wrapper is C++ (always so in a
+# package; under torch.compile, ``cpp_wrapper``): a decode step calls some 400 kernels, and their
+# Python wrapper cost about 1.5 ms of a 12 ms step. Inductor's own kernels (norms, rotary,
+# softmax: small at decode) run on one thread, so a step opens OpenMP parallel regions only in the
+# GEMMs, as in eager mode: every region is a barrier, and a barrier is what costs when OpenMP
+# cannot spin (see ``openmp``).
+PACKAGE_INDUCTOR: dict[str, object] = {"cpp.threads": 1}

@@ -140,6 +140,7 @@ def test_runners_past_dynamos_graph_cap_still_compile(monkeypatch: pytest.Monkey
     for layers in (7, 11):  # two depths no other test compiles: two new graphs of one code object
         model = Transformer(replace(CFG, num_layers=layers)).eval().requires_grad_(False)
         step = ModelRunner(model, 16, BLOCK, use_flash=False).compile()
+        step.packaged = False  # the torch.compile path (devices other than the CPU)
         step.warm([(StepShape(False, False), ())])
         assert not step.failed and step.ready
     assert counters["stats"]["unique_graphs"] - before >= 2, "the second runner's graph stayed eager"
@@ -170,3 +171,50 @@ def test_compiled_features_come_from_the_layers_asked_for() -> None:
         assert len(got) == len(want) == 2
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_a_package_loads_from_the_cache_and_runs_on_the_live_weights(tmp_path) -> None:
+    """On the CPU a step is an AOTInductor package under the cache: a second runner of the same
+    model loads it instead of building it, and its constants are the model's own tensors (one copy
+    in memory), so a weight changed in place changes the compiled output as it does the eager one."""
+    from dualserve.decoders.engine.runner import ForwardItem
+
+    model = tiny()
+    key = (StepShape(False, True), ())
+    first = ModelRunner(model, 16, BLOCK, use_flash=False).compile(cache_dir=tmp_path)
+    first.warm([key])
+    assert first.how == {key[0].name: "built"} and len(list((tmp_path / "aoti").glob("*.pt2"))) == 1
+    eager, compiled = (ModelRunner(model, 16, BLOCK, use_flash=False) for _ in range(2))
+    second = compiled.compile(cache_dir=tmp_path)
+    second.warm([key])
+    assert second.how == {key[0].name: "loaded"} and not second.failed
+    item = ForwardItem([5, 9, 3, 7, 1], list(range(5)), 0, [0, 1], list(range(5)))
+    with torch.no_grad():
+        model.norm.weight.mul_(2.0)
+        model.layers[1].mlp.down_proj.weight.mul_(-1.0)
+    try:
+        want, _ = eager.forward([item])
+        got, _ = compiled.forward([item])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    finally:
+        with torch.no_grad():
+            model.norm.weight.div_(2.0)
+            model.layers[1].mlp.down_proj.weight.mul_(-1.0)
+
+
+def test_a_package_that_does_not_match_the_eager_forward_is_not_used(tmp_path, monkeypatch) -> None:
+    """A package is checked against the eager forward before use. One whose code differs from the
+    model's in what its key does not name (here the norms' epsilon, with the key pinned) is refused,
+    and the shape stays eager."""
+    from dataclasses import replace
+
+    from dualserve.decoders.engine import aoti
+
+    monkeypatch.setattr(aoti, "package_key", lambda *a, **k: "pinned")
+    key = (StepShape(False, False), ())
+    ModelRunner(tiny(), 16, BLOCK, use_flash=False).compile(cache_dir=tmp_path).warm([key])
+    other = Transformer(replace(CFG, rms_norm_eps=100.0)).eval().requires_grad_(False)
+    other.load_state_dict(tiny().state_dict())
+    step = ModelRunner(other, 16, BLOCK, use_flash=False).compile(cache_dir=tmp_path)
+    step.warm([key])
+    assert step.how == {} and step.failed and key not in step.ready
