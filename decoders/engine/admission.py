@@ -25,7 +25,10 @@ can take minutes. So each admitted choice is *promised* a finish time,
 (a short request finishes within ``max_run_time``; a long one is never slowed, on average,
 below ``min_token_rate`` tokens/s), and a waiting choice starts only while the estimated finish
 of every running choice, and its own, stays within its promise. Otherwise it waits, and the
-wait bound turns a too-long wait into a 429. Estimated finishes assume the batch shares each
+wait bound turns a too-long wait into a 429. A choice that cannot finish in time even alone
+(the host slowed down under it, or a prompt too long for the promise) is held to the floor
+instead: it starts, or lets others start, only while its tokens/s in the batch stay at or above
+``min_token_rate``. Estimated finishes assume the batch shares each
 step (processor sharing, ``finish_times``): a choice needs ``steps`` more steps (prompt left to
 prefill over the step's token budget, plus tokens left, ``max_tokens`` less those made, over
 its decoder's measured tokens per step), and a step of a given batch costs the measured time
@@ -222,5 +225,17 @@ class RunEstimator:
         if candidate.steps is None:
             return all(m.key != candidate.key for m in running)
         members = [m for m in running if m.steps is not None] + [candidate]
+        batch = Counter(m.key for m in members)
         done = finish_times(members, self.step_seconds)
-        return all(f <= m.deadline for f, m in zip(done, members))
+        return all(self._keeps(m, f, batch) for f, m in zip(done, members))
+
+    def _keeps(self, m: Member, finish: float, batch: Counter) -> bool:
+        """Whether ``m``'s promise holds, finishing at ``finish`` in ``batch``. One that could not
+        finish in time even alone (the host slowed down under it, or its prompt is too long for the
+        promise) keeps the token-rate floor instead: vetoing every newcomer would stall admission
+        for its whole run and still not bring it in time."""
+        if finish <= m.deadline:
+            return True
+        if m.steps * self.step_seconds(Counter({m.key: 1})) <= m.deadline:
+            return False  # in time alone: late only beside the others, so nobody more starts
+        return self.tokens_per_step(m.key) / self.step_seconds(batch) >= self.min_token_rate

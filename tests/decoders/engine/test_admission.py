@@ -144,6 +144,16 @@ def test_a_newcomer_never_pushes_a_running_choice_past_its_promise() -> None:
     assert not est.admits(member(est, 20), late)    # 20 x 0.2 + 30 x 0.1 = 7 s, though it would itself fit
 
 
+def test_a_choice_that_cannot_be_in_time_even_alone_keeps_the_floor() -> None:
+    est = measured(lambda b: 0.1 * b)  # 10 tokens/s alone, 5 in a batch of 2, 3.3 in a batch of 3
+    hopeless = [member(est, 100, deadline=5.0)]  # needs 10 s alone: late whatever happens
+    assert est.admits(member(est, 1), hopeless)            # 5 tokens/s: at or above the floor of 4
+    assert not est.admits(member(est, 1), hopeless * 2)    # 3.3 tokens/s: below it
+    # A slow host where nothing is in time even alone: one at a time.
+    slow = measured(lambda b: 10.0 * b)
+    assert not slow.admits(member(slow, 50), [member(slow, 50, deadline=20.0)])
+
+
 def test_an_empty_batch_admits_and_an_unmeasured_decoder_starts_slowly() -> None:
     est = measured(lambda b: 10.0 * b)
     assert est.admits(member(est, 100), [])  # an empty batch: the best a request can get
