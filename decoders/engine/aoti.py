@@ -116,12 +116,13 @@ def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: t
         tmp.unlink(missing_ok=True)
 
 
-def matches(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], tolerance: float = 0.1) -> str | None:
+def matches(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], tolerance: float = 0.2) -> str | None:
     """None when a package's outputs agree with the eager forward's, else what differs. Agreement
     is a relative L2 error of at most ``tolerance`` per output. Inductor fuses and reorders float
-    math and, with int4 weights, keeps in fp32 some values that eager rounds to bf16 between ops: on
-    the default model's hidden states the two differ by 2-4% on the synthetic check inputs. A
-    package traced from other code is off by far more."""
+    math and, with int4 weights, keeps in fp32 some values that eager rounds to bf16 between ops. On
+    the default model the two differ by 1-4% on the check inputs, and by up to 11% in batched
+    multi-token steps (repeated tokens over scratch context: the worst case for bf16). A package
+    traced from other code is off by far more."""
     if len(got) != len(want):
         return f"{len(got)} outputs, expected {len(want)}"
     for i, (g, w) in enumerate(zip(got, want)):

@@ -104,6 +104,8 @@ class PaddedPagedAttention:
         T, heads, d = q.shape
         kv_heads = k.shape[1]
         group, W = heads // kv_heads, self.context.shape[1]
+        if Q == 1:
+            return self._one_query(q, k, v, kc, vc)
         pad = q.new_zeros(1, heads, d)
         qx = torch.cat([q, pad])[self.rows]                                  # (S, Q, heads, d)
         kx = torch.cat([k, pad[:, :kv_heads]])[self.rows]                    # (S, Q, kv_heads, d)
@@ -117,6 +119,31 @@ class PaddedPagedAttention:
         out = torch.matmul(probs, vs.permute(0, 2, 1, 3))                    # (S, kv_heads, group * Q, d)
         out = out.view(S, kv_heads, group, Q, d).permute(0, 3, 1, 2, 4).reshape(S * Q, heads, d)
         return q.new_zeros(T + 1, heads, d).index_copy_(0, self.rows.reshape(-1), out)[:T]
+
+    def _one_query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
+                   vc: torch.Tensor) -> torch.Tensor:
+        """Decode steps (one query per sequence): attention as three reductions (scores over the
+        head dim, softmax, output over the context) that inductor fuses into loops reading each
+        cached key and value once, straight from the pool by slot. As batched matmuls, the gathered
+        context is first copied and permuted: on the default model a decode step's graph at 800
+        cached tokens took 15.8 ms that way and takes 8.1 ms this way (4.8 and 4.6 ms at 30).
+        Multi-token steps keep the matmuls, whose cost grows with query rows times context."""
+        S, Q = self.rows.shape
+        T, heads, d = q.shape
+        kv_heads = k.shape[1]
+        group, W = heads // kv_heads, self.context.shape[1]
+        scale = d ** -0.5
+        pad = q.new_zeros(1, heads, d)
+        qx = torch.cat([q, pad])[self.rows].view(S, Q, kv_heads, group, d)
+        kx = torch.cat([k, pad[:, :kv_heads]])[self.rows]                                    # (S, Q, kv, d)
+        vx = torch.cat([v, pad[:, :kv_heads]])[self.rows]
+        cached = (qx[:, :, None] * kc[self.context][:, None, :, :, None, :].to(q.dtype)).sum(-1) * scale
+        own = (qx[:, :, None] * kx[:, None, :, :, None, :]).sum(-1) * scale                  # (S, Q, Q, kv, group)
+        scores = torch.cat([cached, own], 2).masked_fill(~self.mask[:, :, :, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=2)                                                  # (S, Q, W + Q, kv, group)
+        out = (probs[:, :, :W, :, :, None] * vc[self.context][:, None, :, :, None, :].to(q.dtype)).sum(2) + \
+            (probs[:, :, W:, :, :, None] * vx[:, None, :, :, None, :]).sum(2)                # (S, Q, kv, group, d)
+        return q.new_zeros(T + 1, heads, d).index_copy_(0, self.rows.reshape(-1), out.reshape(S * Q, heads, d))[:T]
 
 
 @dataclass(frozen=True)
