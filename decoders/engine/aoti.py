@@ -27,11 +27,13 @@ with a log line saying why.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import inspect
 import logging
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -57,8 +59,21 @@ def package_key(model: torch.nn.Module, sources: Sequence[object], *parts: objec
     for name, t in sorted(_tensors(model).items()):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
     for source in sources:
-        h.update(inspect.getsource(source).encode())
+        h.update(_code(inspect.getsource(source)).encode())
     return h.hexdigest()[:24]
+
+
+def _code(source: str) -> str:
+    """The source's syntax tree without docstrings (comments are not in it): what the graph is
+    traced from, so editing documentation does not rebuild every package."""
+    tree = ast.parse(textwrap.dedent(source))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
