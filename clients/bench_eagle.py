@@ -108,7 +108,7 @@ def llama_cpp_runner(gguf: Path, threads: int):
 
 def deploy(args: argparse.Namespace):
     """(engine, model name, tokenizer, model path, the eagle decoder) as ``serve`` builds them."""
-    from dualserve.decoders.deployment import PoolSpec, ServedSpec, build_deployment
+    from dualserve.decoders.deployment import CompileSpec, PoolSpec, ServedSpec, build_deployment
     from dualserve.decoders.eagle.tree import TreeConfig
     from dualserve.decoders.engine.engine import EngineConfig
     from dualserve.models.assets import default_eagle_head
@@ -123,9 +123,17 @@ def deploy(args: argparse.Namespace):
     loaded = load_model(path, name=name, cache_dir=cache)
     head = Path(args.head) if args.head else default_eagle_head(name)
     table = cached_measure(loaded.config, cache / "host") if args.budget == "cost" else None
+    compile_spec = CompileSpec(cache_dir=cache / "compile") if args.compile else None
     dep = build_deployment([ServedSpec(name, loaded, eagle_head=head or "suffix")],
                            EngineConfig(enable_prefix_caching=False), PoolSpec(num_blocks=args.num_blocks),
-                           format_table=table)
+                           compile=compile_spec, format_table=table)
+    if compile_spec is not None:  # measure compiled steps only: wait for every graph (built or loaded)
+        while compile_spec.worker.busy:
+            time.sleep(0.5)
+        for runner in dep.runners.values():
+            if runner.compiled is not None:
+                print("compiled graphs:", ", ".join(f"{k} {v} ({runner.compiled.seconds[k]:.1f} s)"
+                                                   for k, v in runner.compiled.how.items()), file=sys.stderr)
     decoder = dep.engine.decoders[(name, "eagle")]
     if args.budget == "fixed":
         decoder.cost = None
@@ -219,6 +227,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", nargs="+", default=[str(DEFAULT_PROMPTS), str(AGENTIC_PROMPTS)],
                    help="prompt sets (JSONL with prompt or messages)")
     p.add_argument("--modes", default="ar,head,suffix,both", help="comma-separated, from " + ", ".join(MODES))
+    p.add_argument("--compile", action="store_true",
+                   help="compiled steps, as the server runs them (waits until every graph is built or loaded)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts of each set only")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--budget", choices=["cost", "fixed"], default="cost",
