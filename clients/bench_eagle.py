@@ -120,7 +120,7 @@ def deploy(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     cache = default_cache_dir(args.cache_dir)
     name, path = resolve_model(args.model, cache)
-    loaded = load_model(path, name=name, cache_dir=cache)
+    loaded = load_model(path, name=name, cache_dir=cache, quantization=args.quantization)
     head = Path(args.head) if args.head else default_eagle_head(name)
     table = cached_measure(loaded.config, cache / "host") if args.budget == "cost" else None
     compile_spec = CompileSpec(cache_dir=cache / "compile") if args.compile else None
@@ -227,6 +227,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", nargs="+", default=[str(DEFAULT_PROMPTS), str(AGENTIC_PROMPTS)],
                    help="prompt sets (JSONL with prompt or messages)")
     p.add_argument("--modes", default="ar,head,suffix,both", help="comma-separated, from " + ", ".join(MODES))
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight format (auto: as served, int4 for the default model)")
     p.add_argument("--compile", action="store_true",
                    help="compiled steps, as the server runs them (waits until every graph is built or loaded)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts of each set only")
