@@ -255,6 +255,7 @@ class CompiledStep:
         self.failed = False
         self.seconds: dict[str, float] = {}
         self.how: dict[str, str] = {}  # shape name -> built / loaded (a package) or compiled
+        self.features: tuple[int, ...] = ()  # feature layers every step computes (set by prewarm)
         self._pending: set[tuple[StepShape, tuple[int, ...]]] = set()
         self._lock = threading.Lock()
 
@@ -271,7 +272,8 @@ class CompiledStep:
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                  aux_layers: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """The compiled forward of this step, or None while its graph is not ready (run eager then)."""
-        key = (StepShape.of(meta), tuple(aux_layers))
+        wanted = tuple(aux_layers)
+        key = (StepShape.of(meta), wanted or self.features)
         graph = self._graphs.get(key)
         if graph is None:
             self._request(key)
@@ -281,7 +283,7 @@ class CompiledStep:
         attn = PaddedPagedAttention.build(self.cache, meta, ids.device)
         out = graph(ids, pos, attn.rows, attn.context, attn.mask, self.cache.stacked)
         self.cache.store(attn.slot_mapping, out[-2], out[-1])
-        return out[0], list(out[1:-2])
+        return out[0], list(out[1:-2]) if wanted else []
 
     def _request(self, key: tuple[StepShape, tuple[int, ...]]) -> None:
         with self._lock:
@@ -294,8 +296,15 @@ class CompiledStep:
             self.worker.submit(lambda: self._compile(key))
 
     def prewarm(self, aux_layers: Sequence[int] = ()) -> None:
-        """Ask for the four shapes now, decode first, so they compile while the server starts
-        (``aux_layers``: the variant that also returns those layers' features, for EAGLE)."""
+        """Ask for the four shapes now, decode first, so they compile while the server starts.
+
+        ``aux_layers``: the variant that also returns those layers' features, for EAGLE. It then
+        serves every step of this runner, features asked for or not: graphs that differ only in
+        their outputs still fuse differently, and a prompt prefilled by ``ar`` through one graph
+        and by ``eagle`` through another gets keys and values that differ in the last bits, which
+        is enough to flip a near-tie and break greedy identity between the two decoders."""
+        if aux_layers:
+            self.features = tuple(aux_layers)
         for shape in (StepShape(False, False), StepShape(False, True), StepShape(True, False), StepShape(True, True)):
             self._request((shape, tuple(aux_layers)))
 
@@ -308,6 +317,10 @@ class CompiledStep:
 
     def _compile(self, key: tuple[StepShape, tuple[int, ...]]) -> None:
         shape, aux = key
+        if not aux and self.features:  # steps without features run the feature variant (prewarm)
+            with self._lock:
+                self._pending.discard(key)
+            return
         start = time.perf_counter()
         try:
             graph, how = self._package(key) if self.packaged else (self._torch_compile(key), "compiled")
