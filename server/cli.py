@@ -63,8 +63,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weight format: int8 (per channel) or int4 (groups of 32) weight-only, or none (--dtype); "
                    "auto keeps what the checkpoint holds (int4 for a Q4_0/Q4_1 GGUF such as the default model)")
     p.add_argument("--no-compile", action="store_true",
-                   help="stay in eager mode (default: steps run through torch.compile'd graphs, built in the "
-                   "background at start-up and cached under the model cache)")
+                   help="stay in eager mode (default: steps run through compiled graphs, AOTInductor packages on "
+                   "the CPU: built once in the background, cached under the model cache, loaded in seconds later)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (overrides --kv-memory-gb)")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block (default 16 on CPU, 256 on CUDA, as flash-attn's paged kernel needs)")
