@@ -30,7 +30,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import inspect
-import logging
 import os
 import sys
 import textwrap
@@ -39,14 +38,13 @@ from typing import Callable, Sequence
 
 import torch
 
-log = logging.getLogger("dualserve.compile")
-
 FORMAT = 1  # bump when the package layout or the graph's signature changes
 
 
 def available(device: torch.device) -> bool:
-    """Whether steps on ``device`` build as AOTInductor packages (the CPU, with a C++ compiler);
-    elsewhere they go through torch.compile (CUDA graphs)."""
+    """Whether steps on ``device`` build as AOTInductor packages (the CPU; a build that fails,
+    for want of a C++ compiler say, leaves its shape eager); elsewhere they go through
+    torch.compile."""
     return device.type == "cpu" and hasattr(torch._inductor, "aoti_compile_and_package")
 
 

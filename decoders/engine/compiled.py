@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-
 from torch._inductor.runtime.cache_dir_utils import cache_dir as default_cache_dir
 
 from . import aoti
