@@ -102,47 +102,42 @@ class PaddedPagedAttention:
         S, Q = self.rows.shape
         T, heads, d = q.shape
         kv_heads = k.shape[1]
-        group, W = heads // kv_heads, self.context.shape[1]
-        if Q == 1:
-            return self._one_query(q, k, v, kc, vc)
         pad = q.new_zeros(1, heads, d)
-        qx = torch.cat([q, pad])[self.rows]                                  # (S, Q, heads, d)
-        kx = torch.cat([k, pad[:, :kv_heads]])[self.rows]                    # (S, Q, kv_heads, d)
+        qx = torch.cat([q, pad])[self.rows].view(S, Q, kv_heads, heads // kv_heads, d)  # (S, Q, kv, group, d)
+        kx = torch.cat([k, pad[:, :kv_heads]])[self.rows]                                # (S, Q, kv, d)
         vx = torch.cat([v, pad[:, :kv_heads]])[self.rows]
-        ks = torch.cat([kc[self.context].to(q.dtype), kx], 1)               # (S, W + Q, kv_heads, d)
-        vs = torch.cat([vc[self.context].to(q.dtype), vx], 1)
-        qg = qx.view(S, Q, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(S, kv_heads, group * Q, d)
-        scores = torch.matmul(qg, ks.permute(0, 2, 3, 1)) * (d ** -0.5)     # (S, kv_heads, group * Q, W + Q)
-        scores = scores.view(S, kv_heads, group, Q, W + Q).masked_fill(~self.mask[:, None, None], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(vs.dtype).view(S, kv_heads, group * Q, W + Q)
-        out = torch.matmul(probs, vs.permute(0, 2, 1, 3))                    # (S, kv_heads, group * Q, d)
-        out = out.view(S, kv_heads, group, Q, d).permute(0, 3, 1, 2, 4).reshape(S * Q, heads, d)
-        return q.new_zeros(T + 1, heads, d).index_copy_(0, self.rows.reshape(-1), out)[:T]
+        kg, vg = kc[self.context].to(q.dtype), vc[self.context].to(q.dtype)              # (S, W, kv, d)
+        out = self._reductions(qx, kx, vx, kg, vg) if Q == 1 else self._matmuls(qx, kx, vx, kg, vg)
+        return q.new_zeros(T + 1, heads, d).index_copy_(0, self.rows.reshape(-1), out.reshape(S * Q, heads, d))[:T]
 
-    def _one_query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
-                   vc: torch.Tensor) -> torch.Tensor:
+    def _reductions(self, qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, kg: torch.Tensor,
+                    vg: torch.Tensor) -> torch.Tensor:
         """Decode steps (one query per sequence): attention as three reductions (scores over the
         head dim, softmax, output over the context) that inductor fuses into loops reading each
         cached key and value once, straight from the pool by slot. As batched matmuls, the gathered
         context is first copied and permuted: on the default model a decode step's graph at 800
         cached tokens took 15.8 ms that way and takes 8.1 ms this way (4.8 and 4.6 ms at 30).
         Multi-token steps keep the matmuls, whose cost grows with query rows times context."""
-        S, Q = self.rows.shape
-        T, heads, d = q.shape
-        kv_heads = k.shape[1]
-        group, W = heads // kv_heads, self.context.shape[1]
-        scale = d ** -0.5
-        pad = q.new_zeros(1, heads, d)
-        qx = torch.cat([q, pad])[self.rows].view(S, Q, kv_heads, group, d)
-        kx = torch.cat([k, pad[:, :kv_heads]])[self.rows]                                    # (S, Q, kv, d)
-        vx = torch.cat([v, pad[:, :kv_heads]])[self.rows]
-        cached = (qx[:, :, None] * kc[self.context][:, None, :, :, None, :].to(q.dtype)).sum(-1) * scale
+        W, scale = kg.shape[1], qx.shape[-1] ** -0.5
+        cached = (qx[:, :, None] * kg[:, None, :, :, None, :]).sum(-1) * scale                # (S, Q, W, kv, group)
         own = (qx[:, :, None] * kx[:, None, :, :, None, :]).sum(-1) * scale                  # (S, Q, Q, kv, group)
         scores = torch.cat([cached, own], 2).masked_fill(~self.mask[:, :, :, None, None], float("-inf"))
         probs = torch.softmax(scores, dim=2)                                                  # (S, Q, W + Q, kv, group)
-        out = (probs[:, :, :W, :, :, None] * vc[self.context][:, None, :, :, None, :].to(q.dtype)).sum(2) + \
+        return (probs[:, :, :W, :, :, None] * vg[:, None, :, :, None, :]).sum(2) + \
             (probs[:, :, W:, :, :, None] * vx[:, None, :, :, None, :]).sum(2)                # (S, Q, kv, group, d)
-        return q.new_zeros(T + 1, heads, d).index_copy_(0, self.rows.reshape(-1), out.reshape(S * Q, heads, d))[:T]
+
+    def _matmuls(self, qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, kg: torch.Tensor,
+                 vg: torch.Tensor) -> torch.Tensor:
+        """Multi-token steps (prefill chunks, trees, canvases): attention as two batched matmuls."""
+        S, Q, kv_heads, group, d = qx.shape
+        W = kg.shape[1]
+        ks, vs = torch.cat([kg, kx], 1), torch.cat([vg, vx], 1)                              # (S, W + Q, kv, d)
+        qg = qx.permute(0, 2, 3, 1, 4).reshape(S, kv_heads, group * Q, d)
+        scores = torch.matmul(qg, ks.permute(0, 2, 3, 1)) * (d ** -0.5)                     # (S, kv, group * Q, W + Q)
+        scores = scores.view(S, kv_heads, group, Q, W + Q).masked_fill(~self.mask[:, None, None], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(vs.dtype).view(S, kv_heads, group * Q, W + Q)
+        out = torch.matmul(probs, vs.permute(0, 2, 1, 3))                                    # (S, kv, group * Q, d)
+        return out.view(S, kv_heads, group, Q, d).permute(0, 3, 1, 2, 4)                    # (S, Q, kv, group, d)
 
 
 @dataclass(frozen=True)
@@ -167,7 +162,7 @@ class StepShape:
         s = {0: auto} if self.many_seqs else {}
         q = {1: auto} if self.many_queries else {}
         t = {0: auto} if self.many_seqs or self.many_queries else {}
-        return t, t, {**s, **q}, {**s, 1: auto}, {**s, **{1: auto for _ in q}, 2: auto}, {1: auto}
+        return t, t, {**s, **q}, {**s, 1: auto}, {**s, **q, 2: auto}, {1: auto}
 
 
 class ForwardWithFeatures(torch.nn.Module):
