@@ -21,7 +21,7 @@ from dualserve.decoders.eagle.tree import DraftTree, TreeConfig, merge_trees, so
 from dualserve.decoders.engine.engine import Engine, EngineConfig
 from dualserve.decoders.engine.runner import ModelRunner
 from dualserve.decoders.engine.sampling import SamplingParams
-from test_eagle import GREEDY, PROMPTS, Tok, oracle_head, run, tiny_target, tokens
+from test_eagle import GREEDY, PROMPTS, Tok, assert_first_two_tokens_follow, oracle_head, run, tiny_target, tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -210,9 +210,6 @@ def test_stops_and_logprobs_exact_with_suffix() -> None:
 def test_sampling_exact_with_suffix_and_cache() -> None:
     """First two sampled tokens after a periodic prompt, drawn by suffix drafts (the request's own
     text and, request after request, the cache of earlier outputs), follow the target's joint law."""
-    from test_eagle import truncated_probs
-    from dualserve.models.attention import DenseAttention
-
     vocab = 8
     target = tiny_target(6, 0.3, vocab=vocab)
     engine = make_engine(target, None, num_blocks=1024, max_num_seqs=64, max_waiting=4096, max_batched_tokens=4096)
@@ -221,31 +218,7 @@ def test_sampling_exact_with_suffix_and_cache() -> None:
     n = 600
     outs = run(engine, [("eagle", prompt, SamplingParams(**{**params.__dict__, "seed": i})) for i in range(n)])
     assert sum(o[-1].stats.get("suffix_steps", 0) for o in outs) > n // 2
-    counts: dict[tuple[int, ...], int] = {}
-    for o in outs:
-        counts[tuple(tokens(o))] = counts.get(tuple(tokens(o)), 0) + 1
-
-    def probs(ids):
-        x = torch.tensor(ids)
-        return truncated_probs(target.logits(target(x, torch.arange(len(ids)), DenseAttention([len(ids)]))[0])[-1],
-                               params)
-
-    first = probs(prompt)
-    chi2, cells = 0.0, 0
-    for a in range(vocab):
-        if first[a] == 0:
-            continue
-        second = probs(prompt + [a])
-        for b in range(vocab):
-            expected = n * float(first[a] * second[b])
-            got = counts.pop((a, b), 0)
-            if expected > 0:
-                chi2 += (got - expected) ** 2 / expected
-                cells += 1
-            else:
-                assert got == 0
-    assert not counts
-    assert chi2 < cells - 1 + 5 * (2 * (cells - 1)) ** 0.5, (chi2, cells)
+    assert_first_two_tokens_follow(target, prompt, params, outs)
 
 
 # ---- the real default model ------------------------------------------------------------
