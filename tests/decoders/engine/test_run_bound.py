@@ -20,7 +20,6 @@ import time
 from collections import Counter
 
 import pytest
-import torch
 
 from dualserve.decoders.ar import ARDecoder
 from dualserve.decoders.engine.admission import RunEstimator, WaitEstimator, finish_times
@@ -28,21 +27,13 @@ from dualserve.decoders.engine.engine import Engine, EngineConfig
 from dualserve.decoders.engine.request import Delta, FailureKind
 from dualserve.decoders.engine.runner import ModelRunner
 from dualserve.decoders.engine.sampling import SamplingParams
-from dualserve.models.config import ModelConfig
 from dualserve.models.transformer import Transformer
+from test_fairness import VOCAB, Tok, model  # noqa: F401 - the tiny model fixture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VOCAB = 64
 BUDGET = 256
 KEY = ("m", "ar")
-
-
-class Tok:
-    eos_token_ids = [0]
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return "".join(chr(97 + i % 26) for i in ids)
 
 
 class Modelled(RunEstimator):
@@ -60,14 +51,6 @@ class Modelled(RunEstimator):
 
     def tokens_per_step(self, key) -> float:
         return 1.0
-
-
-@pytest.fixture(scope="module")
-def model() -> Transformer:
-    torch.manual_seed(0)
-    cfg = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=8, intermediate_size=48, max_position_embeddings=2048)
-    return Transformer(cfg).eval().requires_grad_(False)
 
 
 def make_engine(model: Transformer, **config) -> Engine:
