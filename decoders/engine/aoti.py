@@ -23,6 +23,13 @@ and block size, the step shape, the feature layers, and the source of the module
 traced from. Before a package is used it must match the eager forward at two sizes of its
 shape; a package that fails to build, load or match is not used, and that shape runs eagerly,
 with a log line saying why.
+
+**Tracing runs alone** (``TRACING``). ``torch.export`` in non-strict mode traces by patching
+``torch.nn.Module.__call__`` for the whole process: a module that runs on another thread while
+an export traces is caught by the tracer and fails. The engine runs each step's model code
+through ``TRACING.step()``, and ``build`` traces under ``TRACING.export()``, which waits for the
+running step and holds the next ones until the trace ends (seconds, once per package; the
+C++ compile that follows runs beside the steps).
 """
 
 from __future__ import annotations
@@ -33,12 +40,54 @@ import inspect
 import os
 import sys
 import textwrap
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 FORMAT = 1  # bump when the package layout or the graph's signature changes
+
+
+class TraceGate:
+    """Lets one export trace with no module running on any other thread.
+
+    Steps share the gate; an export waits for the steps inside to leave and, from the moment it
+    asks, holds new ones back, so a busy engine cannot starve it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._steps = 0          # threads inside ``step``
+        self._exporting = False  # an export holds the gate, or waits for the steps to leave
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exporting)
+            self._steps += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._steps -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def export(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exporting)
+            self._exporting = True
+            self._cond.wait_for(lambda: self._steps == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exporting = False
+                self._cond.notify_all()
+
+
+TRACING = TraceGate()  # process-wide, as the patch it guards against
 
 
 def available(device: torch.device) -> bool:
@@ -119,7 +168,7 @@ def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: t
     names = sorted(tensors)
     wrapped = _WeightsAsInputs(module, names, len(example))
     args = (*example, *(tensors[name] for name in names))
-    with torch.inference_mode(False), torch.no_grad():
+    with TRACING.export(), torch.inference_mode(False), torch.no_grad():
         program = torch.export.export(wrapped, args, dynamic_shapes=((*dynamic, *({} for _ in names)),), strict=False)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
     try:

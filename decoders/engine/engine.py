@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .admission import Member, RunEstimator, StepSample, WaitEstimator
+from .aoti import TRACING
 from .blocks import BlockPool
 from .decoder import Decoder
 from .detokenize import TextStream
@@ -311,12 +312,13 @@ class Engine:
                     req.deadline = time.monotonic() + self.run_bound.promise(req.params.max_tokens)
             groups.setdefault((req.model, req.decoder), []).append(s)
         sample, made = self._sample_start() if self.run_bound is not None else (None, [])
-        for key, batch in groups.items():
-            began = time.perf_counter()
-            # A request that raises fails alone; its neighbours finish the step (isolation.py).
-            run_isolated(self.decoders[key].step, batch, self.emit, self._fail)
-            if sample is not None:
-                sample.seconds[key] = time.perf_counter() - began
+        with TRACING.step():  # no model code runs while a step graph is being traced (aoti.py)
+            for key, batch in groups.items():
+                began = time.perf_counter()
+                # A request that raises fails alone; its neighbours finish the step (isolation.py).
+                run_isolated(self.decoders[key].step, batch, self.emit, self._fail)
+                if sample is not None:
+                    sample.seconds[key] = time.perf_counter() - began
         elapsed = time.perf_counter() - started
         if sample is not None and scheduled:
             self._sample_end(sample, made, elapsed)

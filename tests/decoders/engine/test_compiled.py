@@ -218,3 +218,66 @@ def test_a_package_that_does_not_match_the_eager_forward_is_not_used(tmp_path, m
     step = ModelRunner(other, 16, BLOCK, use_flash=False).compile(cache_dir=tmp_path)
     step.warm([key])
     assert step.how == {} and step.failed and key not in step.ready
+
+
+def test_the_engine_decodes_while_a_package_is_traced_beside_it(tmp_path) -> None:
+    """Non-strict ``torch.export`` patches ``torch.nn.Module.__call__`` for the whole process, so
+    a step that ran while a package was traced failed (or was traced into the graph). Steps and
+    traces take turns at ``aoti.TRACING``: the engine keeps decoding eagerly, token for token as
+    without the build, and the package still builds."""
+    from dualserve.decoders.engine.compiled import CompileWorker
+
+    model = tiny()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, CFG.vocab_size) for _ in range(rng.randrange(2, 14))] for _ in range(4)]
+    want = decode(engine_for(model, False), prompts, 1)
+    engine = Engine(EngineConfig(num_blocks=256, block_size=BLOCK, max_batched_tokens=24))
+    runner = ModelRunner(model, 256, BLOCK, use_flash=False)
+    worker = CompileWorker()
+    step = runner.compile(cache_dir=tmp_path, worker=worker)
+    engine.add_decoder("m", ARDecoder(runner, engine.pool), FakeTokenizer(), CFG.vocab_size)
+    step.prewarm()
+    rounds = 0
+    while worker.busy:
+        assert decode(engine, prompts, 1) == want
+        rounds += 1
+    assert rounds > 0 and not step.failed and len(step.ready) == 4
+
+
+def test_an_export_waits_for_the_running_step_and_holds_new_ones_back() -> None:
+    import threading
+    import time
+
+    from dualserve.decoders.engine.aoti import TraceGate
+
+    gate, events = TraceGate(), []
+    inside, release = threading.Event(), threading.Event()
+
+    def step(name: str, hold: bool) -> None:
+        with gate.step():
+            events.append(name)
+            if hold:
+                inside.set()
+                release.wait(5)
+            events.append(f"/{name}")
+
+    def export() -> None:
+        with gate.export():
+            events.append("export")
+            time.sleep(0.05)
+            events.append("/export")
+
+    first = threading.Thread(target=step, args=("a", True))
+    first.start()
+    inside.wait(5)
+    exporter = threading.Thread(target=export)
+    exporter.start()
+    time.sleep(0.05)  # the export now waits for step a
+    second = threading.Thread(target=step, args=("b", False))
+    second.start()
+    time.sleep(0.05)  # step b waits for the export, which asked first
+    assert events == ["a"]
+    release.set()
+    for t in (first, exporter, second):
+        t.join(5)
+    assert events == ["a", "/a", "export", "/export", "b", "/b"]
