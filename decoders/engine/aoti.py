@@ -24,6 +24,10 @@ traced from. Before a package is used it must match the eager forward at two siz
 shape; a package that fails to build, load or match is not used, and that shape runs eagerly,
 with a log line saying why.
 
+**Pruned when unused.** Loading a package marks it used (its modification time); the first
+package a process loads or builds removes the packages of the same directory that no process
+has used for ``STALE_DAYS`` (those of an older torch, model or dualserve, mostly).
+
 **Tracing runs alone** (``TRACING``). ``torch.export`` in non-strict mode traces by patching
 ``torch.nn.Module.__call__`` for the whole process: a module that runs on another thread while
 an export traces is caught by the tracer and fails. The engine runs each step's model code
@@ -41,6 +45,7 @@ import os
 import sys
 import textwrap
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -48,6 +53,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 FORMAT = 1  # bump when the package layout or the graph's signature changes
+STALE_DAYS = 14  # a package no process has loaded for this long is removed
+_pruned: set[Path] = set()  # directories pruned by this process
 
 
 class TraceGate:
@@ -140,6 +147,26 @@ class _WeightsAsInputs(torch.nn.Module):
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         weights = dict(zip(self.names, args[self.inputs:]))
         return torch.func.functional_call(self.module, weights, args[: self.inputs])
+
+
+def mark_used(path: Path) -> None:
+    """Note that ``path`` is in use (its modification time) and, once per process and directory,
+    remove the packages next to it that nothing has used for ``STALE_DAYS``."""
+    try:
+        path.touch(exist_ok=True)
+    except OSError:  # a read-only cache: nothing is pruned by age then
+        return
+    directory = path.parent
+    if directory in _pruned:
+        return
+    _pruned.add(directory)
+    cutoff = time.time() - STALE_DAYS * 86400
+    for old in directory.glob("*.pt2"):
+        try:
+            if old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:  # another process removed or replaced it
+            pass
 
 
 class PackagedGraph:

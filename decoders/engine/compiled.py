@@ -345,6 +345,7 @@ class CompiledStep:
         if not path.exists():
             aoti.build(module, self._inputs(shape, 5), shape.dynamic_dims(), path, PACKAGE_INDUCTOR)
             how = "built"
+        aoti.mark_used(path)
         graph = aoti.PackagedGraph(path, module)
         with torch.inference_mode():
             for n in (3, 6):

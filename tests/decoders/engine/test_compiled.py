@@ -281,3 +281,20 @@ def test_an_export_waits_for_the_running_step_and_holds_new_ones_back() -> None:
     for t in (first, exporter, second):
         t.join(5)
     assert events == ["a", "/a", "export", "/export", "b", "/b"]
+
+
+def test_packages_unused_for_two_weeks_are_removed_when_another_is_used(tmp_path) -> None:
+    import os
+    import time
+
+    from dualserve.decoders.engine import aoti
+
+    stale, recent, used = (tmp_path / f"{n}.pt2" for n in ("stale", "recent", "used"))
+    for p in (stale, recent, used):
+        p.write_bytes(b"x")
+    old = time.time() - (aoti.STALE_DAYS + 1) * 86400
+    os.utime(stale, (old, old))
+    os.utime(used, (old, old))
+    aoti.mark_used(used)
+    assert not stale.exists() and recent.exists() and used.exists()
+    assert used.stat().st_mtime > old
