@@ -22,10 +22,11 @@ A step of an EAGLE request (Li et al., EAGLE-1/2/3; the tree rules live in
      (``BlockPool.truncate``), and tokens go out through ``Request.commit``,
      which alone applies EOS, stop strings and max_tokens.
 
-Prefill is plain chunked target computation up to (not including) the last
-prompt token, which becomes the first root; so every emitted token comes out
-of a verify step and the output equals plain AR decoding token for token at
-temperature 0, and in distribution otherwise.
+Prefill is plain chunked target computation, as ``ar`` runs it; the last row of
+the last chunk is the first root's verify step (a tree of the root alone), so
+the first token comes out of the same forward as ``ar``'s, and every emitted
+token comes out of a verify step: the output equals plain AR decoding token for
+token at temperature 0, and in distribution otherwise.
 
 The head's KV is a ``KVCache`` with the head's own layer count, indexed by the
 SAME block tables as the target's: a request's blocks hold both. Positions whose
@@ -156,11 +157,12 @@ class EagleDecoder:
     # ---- scheduling ------------------------------------------------------------
 
     def plan(self, req: Request, budget: int) -> tuple[int, int]:
-        """Prefill chunks stop before the last known token; then one root + this step's draft budget."""
-        pending = req.num_tokens - 1 - self.pool.computed_tokens(req.table, req.all_ids, req.uses_prefix_cache)
+        """Prefill chunks as ``ar`` plans them (the last one ends at the root); then one root + this
+        step's draft budget."""
+        pending = req.num_tokens - self.pool.computed_tokens(req.table, req.all_ids, req.uses_prefix_cache)
         if budget <= 0:
             return 0, 0
-        if pending > 0:
+        if pending > 1:
             return min(pending, budget), 0
         cap = max(0, min(budget - 1, req.remaining - 1))
         return 1, min(cap, self._budget(req, cap)[0].nodes)
@@ -273,9 +275,12 @@ class EagleDecoder:
             offset += n
             tree = trees.get(id(req))
             with guard(req, emit, "verify"):
-                if tree is None:
+                if tree is None and req.num_computed + n < req.num_tokens:
                     self._prefilled(req, n, final[rows], [a[rows] for a in aux])
                     continue
+                if tree is None:  # the last chunk: its last row verifies the root alone
+                    self._prefilled(req, n - 1, final[rows][:-1], [a[rows][:-1] for a in aux])
+                    tree, rows = DraftTree([req.all_ids[-1]], [-1]), slice(rows.stop - 1, rows.stop)
                 counters = req.counters_of(EagleCounters)
                 counters.draft_seconds += draft_time
                 emitted += self._verify(req, tree, final[rows], [a[rows] for a in aux], emit)

@@ -213,7 +213,7 @@ def test_sampling_exact_with_suffix_and_cache() -> None:
     vocab = 8
     target = tiny_target(6, 0.3, vocab=vocab)
     engine = make_engine(target, None, num_blocks=1024, max_num_seqs=64, max_waiting=4096, max_batched_tokens=4096)
-    params = SamplingParams(max_tokens=2, temperature=0.9, top_k=6, ignore_eos=True, seed=0)
+    params = SamplingParams(max_tokens=3, temperature=0.9, top_k=6, ignore_eos=True, seed=0)
     prompt = [3, 1, 4, 3, 1, 4, 3, 1]
     n = 600
     outs = run(engine, [("eagle", prompt, SamplingParams(**{**params.__dict__, "seed": i})) for i in range(n)])
