@@ -116,8 +116,8 @@ def measure(model: torch.nn.Module, *, context: int = 128, tokens: Sequence[int]
     compile_seconds: dict[str, float] = {}
     if compiled:
         step = runner.compile(cache_dir, None)
-        log("  compiling the single-sequence graphs (one query row, many query rows)...")
-        step.warm([(StepShape(False, False), ()), (StepShape(False, True), ())])
+        log("  compiling the step graphs (rows: decode and verify; chunks: prefill)...")
+        step.warm([(StepShape(False), ()), (StepShape(True), ())])
         compile_seconds = dict(step.seconds)
         if step.failed:
             log("  compiling failed: no compiled rows for this format")

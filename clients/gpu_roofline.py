@@ -49,7 +49,7 @@ import torch
 
 from dualserve.decoders.eagle.decoder import CPU_TREE, GPU_TREE
 from dualserve.decoders.eagle.tree import DraftTree, DraftTreeAttention, TreeConfig, grow_tree
-from dualserve.decoders.engine.compiled import StepShape
+from dualserve.decoders.engine.compiled import ROWS_MAX, StepShape
 from dualserve.decoders.engine.runner import ForwardItem, ModelRunner
 from dualserve.models.config import ModelConfig
 
@@ -197,7 +197,7 @@ def step_label(runner: ModelRunner, step: Step, case: Case, aux: tuple[int, ...]
     """"compiled" only if this step's graph really ran (a failed compile leaves eager in charge)."""
     if step == "eager":
         return "eager"
-    key = (StepShape(case.batch > 1, case.query > 1), aux)
+    key = (StepShape(case.query > ROWS_MAX), aux)
     return "compiled" if runner.compiled is not None and key in runner.compiled.ready else "eager-fallback"
 
 

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
+import torch.fx.experimental._config  # noqa: F401 - size_oblivious patches it
 
 FORMAT = 1  # bump when the package layout or the graph's signature changes
 STALE_DAYS = 14  # a package no process has loaded for this long is removed
@@ -95,6 +96,15 @@ class TraceGate:
 
 
 TRACING = TraceGate()  # process-wide, as the patch it guards against
+
+
+@contextmanager
+def size_oblivious() -> Iterator[None]:
+    """Trace without specialising sizes of one: PyTorch otherwise compiles a size-1 dim (one
+    sequence, one query row) into separate code, and a decode row would not run the code a verify
+    row runs (``compiled``'s rows form)."""
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        yield
 
 
 def available(device: torch.device) -> bool:
@@ -187,7 +197,8 @@ class PackagedGraph:
 
 def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: tuple[dict[int, object], ...],
           path: Path, inductor: dict[str, object]) -> None:
-    """Export ``module`` on ``example`` with ``dynamic`` dims, its weights as inputs, and build
+    """Export ``module`` on ``example`` with ``dynamic`` dims (sizes of one included,
+    ``size_oblivious``), its weights as inputs, and build
     its package at ``path`` (written under a temporary name and renamed, so a reader never sees
     half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -195,7 +206,7 @@ def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: t
     names = sorted(tensors)
     wrapped = _WeightsAsInputs(module, names, len(example))
     args = (*example, *(tensors[name] for name in names))
-    with TRACING.export(), torch.inference_mode(False), torch.no_grad():
+    with TRACING.export(), size_oblivious(), torch.inference_mode(False), torch.no_grad():
         program = torch.export.export(wrapped, args, dynamic_shapes=((*dynamic, *({} for _ in names)),), strict=False)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
     try:

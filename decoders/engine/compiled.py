@@ -17,15 +17,25 @@ and each layer attends with two batched matmuls; the graph returns every layer's
 new keys/values, stored at ``slot_mapping`` after it runs (``KVCache.store``). No
 Python runs per layer, so there is nothing to gather per sequence.
 
-Shapes are dynamic, so one graph serves every length; PyTorch still
-specialises sizes 0 and 1, so a step compiles into one of four graphs by
-whether it has one sequence and one query row (``StepShape``), and W is padded
-to at least 2. On the CPU each graph is an AOTInductor package (``aoti.py``),
-built once per host and model under the model cache (minutes on 2 cores) and
-loaded in well under a second on later starts; elsewhere it is a
-``torch.compile``'d graph. Either way the work happens on a background thread:
-until a shape's graph is ready, that shape runs eagerly, and every shape's
-build or load is logged with its time.
+Attention takes one of two forms, and a step one of two graphs (``StepShape``):
+
+  rows     every sequence brings at most ``ROWS_MAX`` new tokens (decode batches, EAGLE trees,
+           diffusion canvases, short prompts). Each query position reduces over its [cached | new]
+           keys in one pass, in position order, by the same generated loops whatever the step
+           holds: a token's keys, values and hidden state are bit for bit the same whether it is
+           decoded alone, verified in a tree, or computed beside other sequences. That is what
+           keeps speculation lossless and batching invisible in greedy output.
+  chunks   prefill chunks: two batched matmuls, whose cost grows with query rows times context
+           far slower than the loops' (a chunk of hundreds of rows).
+
+A step with both kinds of sequences runs each part through its graph. Shapes are dynamic, and
+sizes of one are not specialised (``aoti.build`` exports size-obliviously), so the one
+``rows`` graph serves one sequence or many, one query row or many: a decode row runs the very code
+a verify row runs. W is padded to at least 2. On the CPU each graph is an AOTInductor package
+(``aoti.py``), built once per host and model under the model cache (minutes on 2 cores) and
+loaded in well under a second on later starts; elsewhere it is a ``torch.compile``'d graph.
+Either way the work happens on a background thread: until a shape's graph is ready, that shape
+runs eagerly, and every shape's build or load is logged with its time.
 """
 
 from __future__ import annotations
@@ -50,13 +60,15 @@ from .paged_attention import AttentionMetadata, KVCache, SeqAttention, as_stored
 log = logging.getLogger("dualserve.compile")
 
 GRAPH_LIMIT = 64  # compiled graphs per code object (dynamo's recompile_limit), see _compile
+ROWS_MAX = 32  # new tokens per sequence up to which a step runs the rows form (see the module docstring)
 
 
 class PaddedPagedAttention:
     """Paged attention over a padded step; tensors only, so it traces into one graph."""
 
     def __init__(self, stacked: torch.Tensor, slot_mapping: torch.Tensor | None, rows: torch.Tensor,
-                 context: torch.Tensor, mask: torch.Tensor):
+                 context: torch.Tensor, mask: torch.Tensor, chunks: bool):
+        self.chunks = chunks                       # the form: matmuls (prefill chunks) or rows
         self.stacked = stacked                     # (2 * layers, slots, kv_heads, head_dim): keys, then values
         self.layers = stacked.shape[0] // 2
         self.slot_mapping = slot_mapping           # (T,); None inside the graph (the caller stores)
@@ -71,7 +83,9 @@ class PaddedPagedAttention:
         self.new_v: list[torch.Tensor] = []
 
     @classmethod
-    def build(cls, cache: KVCache, meta: AttentionMetadata, device) -> "PaddedPagedAttention":
+    def build(cls, cache: KVCache, meta: AttentionMetadata, device, chunks: bool | None = None) -> "PaddedPagedAttention":
+        """The padded form of ``meta``; ``chunks``: which attention form (default: the one
+        ``StepShape.of`` picks for these sequences)."""
         seqs = meta.seqs
         total = sum(s.query_len for s in seqs)
         S, Q = len(seqs), max(s.query_len for s in seqs)
@@ -92,7 +106,8 @@ class PaddedPagedAttention:
             mask[i, : s.query_len, W: W + s.query_len] = own
             mask[i, s.query_len:, W + s.query_len - 1] = True  # padded queries see one slot: no empty softmax
         slots = meta.slot_mapping
-        return cls(cache.stacked, slots.to(device), rows.to(device), context.to(device), mask.to(device))
+        chunks = StepShape.of(meta).chunks if chunks is None else chunks
+        return cls(cache.stacked, slots.to(device), rows.to(device), context.to(device), mask.to(device), chunks)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc = self.stacked[layer_idx], self.stacked[self.layers + layer_idx]  # (slots, kv_heads, head_dim)
@@ -107,28 +122,33 @@ class PaddedPagedAttention:
         kx = torch.cat([k, pad[:, :kv_heads]])[self.rows]                                # (S, Q, kv, d)
         vx = torch.cat([v, pad[:, :kv_heads]])[self.rows]
         kg, vg = kc[self.context].to(q.dtype), vc[self.context].to(q.dtype)              # (S, W, kv, d)
-        out = self._reductions(qx, kx, vx, kg, vg) if Q == 1 else self._matmuls(qx, kx, vx, kg, vg)
+        out = self._matmuls(qx, kx, vx, kg, vg) if self.chunks else self._rows(qx, kx, vx, kg, vg)
         return q.new_zeros(T + 1, heads, d).index_copy_(0, self.rows.reshape(-1), out.reshape(S * Q, heads, d))[:T]
 
-    def _reductions(self, qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, kg: torch.Tensor,
-                    vg: torch.Tensor) -> torch.Tensor:
-        """Decode steps (one query per sequence): attention as three reductions (scores over the
-        head dim, softmax, output over the context) that inductor fuses into loops reading each
-        cached key and value once, straight from the pool by slot. As batched matmuls, the gathered
-        context is first copied and permuted: on the default model a decode step's graph at 800
-        cached tokens took 15.8 ms that way and takes 8.1 ms this way (4.8 and 4.6 ms at 30).
-        Multi-token steps keep the matmuls, whose cost grows with query rows times context."""
-        W, scale = kg.shape[1], qx.shape[-1] ** -0.5
-        cached = (qx[:, :, None] * kg[:, None, :, :, None, :]).sum(-1) * scale                # (S, Q, W, kv, group)
-        own = (qx[:, :, None] * kx[:, None, :, :, None, :]).sum(-1) * scale                  # (S, Q, Q, kv, group)
-        scores = torch.cat([cached, own], 2).masked_fill(~self.mask[:, :, :, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=2)                                                  # (S, Q, W + Q, kv, group)
-        return (probs[:, :, :W, :, :, None] * vg[:, None, :, :, None, :]).sum(2) + \
-            (probs[:, :, W:, :, :, None] * vx[:, None, :, :, None, :]).sum(2)                # (S, Q, kv, group, d)
+    def _rows(self, qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, kg: torch.Tensor,
+              vg: torch.Tensor) -> torch.Tensor:
+        """Attention as reductions that inductor fuses into loops, each query position summing
+        over its [cached | new] keys and values in one pass: scores over the head dim, softmax,
+        output over the positions. The cached keys are read straight from the pool by slot.
+
+        Where the cached part ends and the new part begins does not enter the sums, nor does any
+        other row or sequence of the step, so a position's output is the same bits in a decode
+        step, a verify tree or a batch. (Reduced in two parts, cached then new, a token decoded
+        alone and the same token second in a verify differ in the last bits, enough to flip a
+        near-tie.) On the default model a decode step costs the same as with a separate graph
+        specialised to one query (7.4 ms at 128 cached tokens, 11.8 ms at 800, one thread of
+        loops); the loops' cost grows with rows times context, so long prefill chunks take the
+        matmuls."""
+        scale = qx.shape[-1] ** -0.5
+        ks, vs = torch.cat([kg, kx], 1), torch.cat([vg, vx], 1)                            # (S, W + Q, kv, d)
+        scores = (qx[:, :, None] * ks[:, None, :, :, None, :]).sum(-1) * scale             # (S, Q, W + Q, kv, group)
+        scores = scores.masked_fill(~self.mask[:, :, :, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=2)
+        return (probs[..., None] * vs[:, None, :, :, None, :]).sum(2)                      # (S, Q, kv, group, d)
 
     def _matmuls(self, qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, kg: torch.Tensor,
                  vg: torch.Tensor) -> torch.Tensor:
-        """Multi-token steps (prefill chunks, trees, canvases): attention as two batched matmuls."""
+        """Prefill chunks: attention as two batched matmuls."""
         S, Q, kv_heads, group, d = qx.shape
         W = kg.shape[1]
         ks, vs = torch.cat([kg, kx], 1), torch.cat([vg, vx], 1)                              # (S, W + Q, kv, d)
@@ -142,27 +162,42 @@ class PaddedPagedAttention:
 
 @dataclass(frozen=True)
 class StepShape:
-    """Which of the four graphs a step runs: PyTorch specialises sizes of one."""
+    """Which graph a step (or a part of one) runs: ``rows`` or ``chunks`` (the module docstring)."""
 
-    many_seqs: bool
-    many_queries: bool
+    chunks: bool
 
     @classmethod
     def of(cls, meta: AttentionMetadata) -> "StepShape":
-        return cls(len(meta.seqs) > 1, max(s.query_len for s in meta.seqs) > 1)
+        return cls(any(s.query_len > ROWS_MAX for s in meta.seqs))
 
     @property
     def name(self) -> str:
-        return f"{'batch' if self.many_seqs else 'single'}/{'multi' if self.many_queries else 'one'}-token"
+        return "chunks" if self.chunks else "rows"
 
     def dynamic_dims(self) -> tuple[dict[int, object], ...]:
-        """The dims of ``ForwardWithFeatures``' inputs that vary within this shape, for
-        ``torch.export``: tokens T, sequences S, query rows Q, cached slots W and the pool's slots."""
+        """The dims of ``ForwardWithFeatures``' inputs that vary, for ``torch.export``: tokens T,
+        sequences S, query rows Q, cached slots W and the pool's slots."""
         auto = torch.export.Dim.AUTO
-        s = {0: auto} if self.many_seqs else {}
-        q = {1: auto} if self.many_queries else {}
-        t = {0: auto} if self.many_seqs or self.many_queries else {}
-        return t, t, {**s, **q}, {**s, 1: auto}, {**s, **q, 2: auto}, {1: auto}
+        return {0: auto}, {0: auto}, {0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 1: auto, 2: auto}, {1: auto}
+
+
+def split(meta: AttentionMetadata) -> list[tuple[StepShape, torch.Tensor | None, AttentionMetadata]]:
+    """The parts of a step by form: (shape, the part's token rows in the step or None for all of
+    them, the part's metadata). One part unless the step holds both short and long sequences."""
+    kinds = [s.query_len > ROWS_MAX for s in meta.seqs]
+    if len(set(kinds)) == 1:
+        return [(StepShape(kinds[0]), None, meta)]
+    starts = [0]
+    for s in meta.seqs:
+        starts.append(starts[-1] + s.query_len)
+    parts = []
+    for chunks in (False, True):
+        picked = [i for i, k in enumerate(kinds) if k == chunks]
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in picked])
+        part = AttentionMetadata([meta.seqs[i] for i in picked], meta.slot_mapping[rows.to(meta.slot_mapping.device)],
+                                 meta.block_size)
+        parts.append((StepShape(chunks), rows, part))
+    return parts
 
 
 class ForwardWithFeatures(torch.nn.Module):
@@ -174,14 +209,15 @@ class ForwardWithFeatures(torch.nn.Module):
     hidden (T, hidden), one (T, hidden) per feature layer, then the new keys and the new values
     (layers, T, kv_heads, head_dim) for the caller to store."""
 
-    def __init__(self, model: torch.nn.Module, aux_layers: tuple[int, ...]):
+    def __init__(self, model: torch.nn.Module, aux_layers: tuple[int, ...], chunks: bool = False):
         super().__init__()
         self.model = model
         self.aux_layers = aux_layers
+        self.chunks = chunks
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, context: torch.Tensor,
                 mask: torch.Tensor, stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        attn = PaddedPagedAttention(stacked, None, rows, context, mask)
+        attn = PaddedPagedAttention(stacked, None, rows, context, mask, self.chunks)
         hidden, aux = self.model(ids, pos, attn, aux_layers=self.aux_layers)
         return (hidden, *aux, torch.stack(attn.new_k), torch.stack(attn.new_v))
 
@@ -243,7 +279,7 @@ class CompiledStep:
         self.device = cache.stacked.device
         self.packaged = aoti.available(self.device)
         self.package_dir = Path(cache_dir or default_cache_dir()) / "aoti"
-        self._fns: dict[tuple[int, ...], Callable] = {}  # torch.compile: one forward per set of feature layers
+        self._fns: dict[tuple[bool, tuple[int, ...]], Callable] = {}  # torch.compile: one per form and feature set
         self._graphs: dict[tuple[StepShape, tuple[int, ...]], Callable[..., Sequence[torch.Tensor]]] = {}
         self.ready: set[tuple[StepShape, tuple[int, ...]]] = set()
         self.failed = False
@@ -253,31 +289,54 @@ class CompiledStep:
         self._pending: set[tuple[StepShape, tuple[int, ...]]] = set()
         self._lock = threading.Lock()
 
-    def fn(self, aux_layers: tuple[int, ...]) -> Callable:
-        """The torch.compile'd forward that also returns these layers' features. The layer indices
-        live on a module, where dynamo specialises ints: passed as arguments to a ``dynamic=True``
-        function they would become symbolic, and one graph would serve every set of the same
-        length, returning the first set's layers."""
+    def fn(self, shape: StepShape, aux_layers: tuple[int, ...]) -> Callable:
+        """The torch.compile'd forward of this form that also returns these layers' features. The
+        layer indices and the form live on a module, where dynamo specialises them: passed as
+        arguments to a ``dynamic=True`` function the ints would become symbolic, and one graph
+        would serve every set of the same length, returning the first set's layers."""
+        key = (shape.chunks, aux_layers)
         with self._lock:
-            if aux_layers not in self._fns:
-                self._fns[aux_layers] = torch.compile(ForwardWithFeatures(self.model, aux_layers), dynamic=True)
-            return self._fns[aux_layers]
+            if key not in self._fns:
+                self._fns[key] = torch.compile(ForwardWithFeatures(self.model, aux_layers, shape.chunks), dynamic=True)
+            return self._fns[key]
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                  aux_layers: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """The compiled forward of this step, or None while its graph is not ready (run eager then)."""
+        """The compiled forward of this step, or None while a graph it needs is not ready (run
+        eager then). A step with both short and long sequences runs each part through its graph."""
         wanted = tuple(aux_layers)
-        key = (StepShape.of(meta), wanted or self.features)
-        graph = self._graphs.get(key)
-        if graph is None:
-            self._request(key)
-            graph = self._graphs.get(key)
+        aux = wanted or self.features
+        parts = split(meta)
+        graphs = []
+        for shape, _, _ in parts:
+            graph = self._graphs.get((shape, aux))
             if graph is None:
-                return None
-        attn = PaddedPagedAttention.build(self.cache, meta, ids.device)
+                self._request((shape, aux))
+                graph = self._graphs.get((shape, aux))
+                if graph is None:
+                    return None
+            graphs.append(graph)
+        if len(parts) == 1:
+            out = self._run(graphs[0], parts[0][0], ids, pos, meta)
+        else:
+            out = None
+            for graph, (shape, rows, part) in zip(graphs, parts):
+                rows = rows.to(ids.device)
+                got = self._run(graph, shape, ids[rows], pos[rows], part)
+                if out is None:
+                    out = [g.new_empty(ids.shape[0], *g.shape[1:]) for g in got]
+                for o, g in zip(out, got):
+                    o[rows] = g
+        return out[0], list(out[1:]) if wanted else []
+
+    def _run(self, graph: Callable[..., Sequence[torch.Tensor]], shape: StepShape, ids: torch.Tensor,
+             pos: torch.Tensor, meta: AttentionMetadata) -> Sequence[torch.Tensor]:
+        """One graph over ``meta``'s sequences: stores their new keys and values, returns the
+        hidden states and the feature layers'."""
+        attn = PaddedPagedAttention.build(self.cache, meta, ids.device, shape.chunks)
         out = graph(ids, pos, attn.rows, attn.context, attn.mask, self.cache.stacked)
         self.cache.store(attn.slot_mapping, out[-2], out[-1])
-        return out[0], list(out[1:-2]) if wanted else []
+        return out[:-2]
 
     def _request(self, key: tuple[StepShape, tuple[int, ...]]) -> None:
         with self._lock:
@@ -290,7 +349,7 @@ class CompiledStep:
             self.worker.submit(lambda: self._compile(key))
 
     def prewarm(self, aux_layers: Sequence[int] = ()) -> None:
-        """Ask for the four shapes now, decode first, so they compile while the server starts.
+        """Ask for both shapes now, rows (decode) first, so they compile while the server starts.
 
         ``aux_layers``: the variant that also returns those layers' features, for EAGLE. It then
         serves every step of this runner, features asked for or not: graphs that differ only in
@@ -299,7 +358,7 @@ class CompiledStep:
         is enough to flip a near-tie and break greedy identity between the two decoders."""
         if aux_layers:
             self.features = tuple(aux_layers)
-        for shape in (StepShape(False, False), StepShape(False, True), StepShape(True, False), StepShape(True, True)):
+        for shape in (StepShape(False), StepShape(True)):
             self._request((shape, tuple(aux_layers)))
 
     def warm(self, keys: Sequence[tuple[StepShape, tuple[int, ...]]]) -> None:
@@ -334,7 +393,7 @@ class CompiledStep:
         """This shape's AOTInductor package: loaded from the cache, or built there first; used
         only once it matches the eager forward at two sizes."""
         shape, aux = key
-        module = ForwardWithFeatures(self.model, aux)
+        module = ForwardWithFeatures(self.model, aux, shape.chunks)
         # The code the graph is traced from: the model's own modules, and the step's classes here.
         sources = [*sorted({inspect.getmodule(type(m)) for m in self.model.modules()
                             if type(m).__module__.startswith("dualserve.")}, key=lambda m: m.__name__),
@@ -361,8 +420,8 @@ class CompiledStep:
         # auxiliary-feature variants, pass it, and a shape past the cap silently stays eager.
         # Dynamo's config is per thread: the cap is raised on the thread that compiles.
         shape, aux = key
-        fn = self.fn(aux)
-        with torch._dynamo.config.patch(recompile_limit=GRAPH_LIMIT), torch.inference_mode():
+        fn = self.fn(shape, aux)
+        with torch._dynamo.config.patch(recompile_limit=GRAPH_LIMIT), aoti.size_oblivious(), torch.inference_mode():
             for n in (3, 5):  # two sizes: the graph must be the dynamic one
                 fn(*self._inputs(shape, n))
         return fn
@@ -371,14 +430,14 @@ class CompiledStep:
         """The graph's inputs for a step of this shape over scratch slots only (compiling never
         touches live KV). Sequences differ in context and query length, so no size is tied to
         another by accident: a graph traced on them serves any step of its shape."""
-        seqs_n = (2 if n < 6 else 3) if shape.many_seqs else 1
-        queries = [max(2, n - i) if shape.many_queries else 1 for i in range(seqs_n)]
+        seqs_n = 2 if n < 6 else 3
+        queries = [max(2, n - i) for i in range(seqs_n)]
         seqs = [SeqAttention(n + i, q, [], "causal", self.scratch(n + i)) for i, q in enumerate(queries)]
         total = sum(queries)
         ids = torch.arange(total, device=self.device) % 7 + 3
         pos = torch.cat([torch.arange(q, device=self.device) + n + i for i, q in enumerate(queries)])
         meta = AttentionMetadata(seqs, self.scratch(total), self.cache.block_size)
-        attn = PaddedPagedAttention.build(self.cache, meta, self.device)
+        attn = PaddedPagedAttention.build(self.cache, meta, self.device, shape.chunks)
         return ids, pos, attn.rows, attn.context, attn.mask, self.cache.stacked
 
 
