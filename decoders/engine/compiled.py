@@ -297,7 +297,8 @@ class CompiledStep:
         key = (shape.chunks, aux_layers)
         with self._lock:
             if key not in self._fns:
-                self._fns[key] = torch.compile(ForwardWithFeatures(self.model, aux_layers, shape.chunks), dynamic=True)
+                self._fns[key] = torch.compile(ForwardWithFeatures(self.model, aux_layers, shape.chunks), dynamic=True,
+                                               options={"emulate_precision_casts": True})  # see PACKAGE_INDUCTOR
             return self._fns[key]
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
@@ -447,4 +448,10 @@ class CompiledStep:
 # softmax: small at decode) run on one thread, so a step opens OpenMP parallel regions only in the
 # GEMMs, as in eager mode: every region is a barrier, and a barrier is what costs when OpenMP
 # cannot spin (see ``openmp``).
-PACKAGE_INDUCTOR: dict[str, object] = {"cpp.threads": 1}
+#
+# Casts round where the code says they do (``emulate_precision_casts``): by default inductor keeps a
+# value in fp32 inside a fused kernel even where the code rounds it to bf16. A new token's key, which
+# the pool stores in bf16, then entered its own step's attention unrounded but every later step's
+# rounded, and a token verified in a tree (its parent's key new) differed from the same token
+# decoded after its parent (the key cached): greedy EAGLE left AR's output at near-ties.
+PACKAGE_INDUCTOR: dict[str, object] = {"cpp.threads": 1, "emulate_precision_casts": True}

@@ -364,16 +364,17 @@ def test_the_rows_form_gives_a_position_the_same_bits_in_any_step(tmp_path) -> N
     """The rows form's attention, as built into a package (sizes of one not specialised): a query
     row's output is the same bits whether it is the only row of the only sequence, a row of a
     verify tree whose earlier nodes are new rather than cached, or beside other sequences. A form
-    that reduces the cached and the new keys in two parts fails this."""
+    that reduces the cached and the new keys in two parts fails this, and so does a graph that
+    keeps a new key in fp32 where the pool will round it to bf16 (inductor's default)."""
     from dualserve.decoders.engine import aoti
     from dualserve.decoders.engine.compiled import PACKAGE_INDUCTOR
 
     torch.manual_seed(0)
     heads, kv_heads, d, n = 8, 2, 64, 70
     stacked = torch.zeros(2, 256, kv_heads, d, dtype=torch.bfloat16)
+    # New keys and values come in fp32; the pool holds them in bf16 (as a step stores them).
     keys, values = torch.randn(n + 8, kv_heads, d), torch.randn(n + 8, kv_heads, d)
     stacked[0, : n + 8], stacked[1, : n + 8] = keys, values
-    keys, values = stacked[0, : n + 8].float(), stacked[1, : n + 8].float()
     queries = torch.randn(n + 8, heads, d)
 
     def step(seqs):
