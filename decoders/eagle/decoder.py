@@ -164,7 +164,8 @@ class EagleDecoder:
             return 0, 0
         if pending > 1:
             return min(pending, budget), 0
-        cap = max(0, min(budget - 1, req.remaining - 1))
+        # A verify of at most ``rows_max`` tokens computes each row as AR's decode would (lossless).
+        cap = max(0, min(budget - 1, req.remaining - 1, self.runner.rows_max - 1))
         return 1, min(cap, self._budget(req, cap)[0].nodes)
 
     def sources(self, req: Request) -> tuple[bool, bool]:

@@ -36,7 +36,7 @@ from dualserve.models.attention import AttentionBackend
 from dualserve.models.diffusion_gemma import DiffusionGemma, attend
 from dualserve.models.transformer import Transformer
 
-from .compiled import CompiledStep, CompileWorker
+from .compiled import ROWS_MAX, CompiledStep, CompileWorker
 from .paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache, SdpaPagedAttention, SeqAttention,
                               SeqMask, WindowedPagedAttention, flash_available)
 
@@ -84,6 +84,13 @@ class ModelRunner:
             raise TypeError("compiled steps run the transformer core's forward only")
         self.compiled = CompiledStep(self.model, self.kv, self.scratch_slots, cache_dir, worker)
         return self.compiled
+
+    @property
+    def rows_max(self) -> int:
+        """The most new tokens a sequence may bring to a step for each of its rows to come out as
+        the same token decoded alone would (compiled: the rows graph's bound; eager: any length).
+        A lossless verify stays within it."""
+        return ROWS_MAX if self.compiled is not None else 1 << 30
 
     def _as_tensor(self, x, dtype=torch.long) -> torch.Tensor:
         return x.to(self.device) if isinstance(x, torch.Tensor) else torch.tensor(list(x), dtype=dtype,
