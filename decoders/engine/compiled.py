@@ -13,7 +13,7 @@ cached slots,
   context   (S, W)        flat KV slot of each cached token; padding -> slot 0, masked out
   mask      (S, Q, W + Q) what each query sees: valid cached slots, then its own new tokens
 
-and each layer attends with two batched matmuls; the graph returns every layer's
+and each layer attends in one of the two forms below; the graph returns every layer's
 new keys/values, stored at ``slot_mapping`` after it runs (``KVCache.store``). No
 Python runs per layer, so there is nothing to gather per sequence.
 
@@ -86,7 +86,8 @@ class PaddedPagedAttention:
         self.new_v: list[torch.Tensor] = []
 
     @classmethod
-    def build(cls, cache: KVCache, meta: AttentionMetadata, device, chunks: bool | None = None) -> "PaddedPagedAttention":
+    def build(cls, cache: KVCache, meta: AttentionMetadata, device,
+              chunks: bool | None = None) -> "PaddedPagedAttention":
         """The padded form of ``meta``; ``chunks``: which attention form (default: the one
         ``StepShape.of`` picks for these sequences)."""
         seqs = meta.seqs
