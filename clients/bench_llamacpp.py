@@ -11,7 +11,13 @@ llama.cpp ratios:
 - single stream, for each dualserve decoder (``ar``, ``eagle``, ``diffusion``, selected per
   request with ``extra_body={"decoder": ...}``) against the same llama.cpp baseline. The two
   servers alternate prompt by prompt (who goes first alternates too), so noise from other work
-  on a shared machine hits both alike; llama.cpp is measured again beside every decoder;
+  on a shared machine hits both alike; llama.cpp is measured again beside every decoder. Each
+  measured request starts ``--settle`` seconds (default 1) after the previous one ended, so that
+  neither server starts on cores the other has just been using: dualserve's OpenMP governor
+  (``decoders/engine/openmp.py``) averages its neighbours' load over about half a second and
+  keeps its threads from spinning for about a second after a neighbour's burst, and a 64-token
+  request sent straight after llama.cpp's turn ran that whole second throttled (``--settle 0``
+  measures it that way);
 - aggregate throughput at concurrency 16 (``--concurrency``) for each server, and for each server
   its c16 / c1 gain (c1: completion tokens / summed request time of its single-stream ``ar`` run).
 
@@ -103,6 +109,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="comma-separated dualserve decoders for the single-stream rows")
     p.add_argument("--requests", type=int, default=12, help="single-stream requests per decoder (and server)")
     p.add_argument("--concurrency", type=int, default=16, help="level for the aggregate row; 0 skips it")
+    p.add_argument("--settle", type=float, default=1.0,
+                   help="seconds between one request's end and the next one's start (see the module docstring)")
     p.add_argument("--concurrent-requests", type=int, default=None,
                    help="requests at that level (default: 2 x concurrency)")
     p.add_argument("--concurrent-decoder", default="ar", help="dualserve decoder for the aggregate row")
@@ -294,8 +302,9 @@ async def timed(client, spec: BenchSpec, prompt: Prompt) -> tuple[RequestResult,
 
 
 async def side_by_side(ours, ours_spec: BenchSpec, base, base_spec: BenchSpec,
-                       prompts: Sequence[Prompt], n: int, warmup: int) -> SideBySide:
-    """n prompts, each sent to both servers one after the other; who goes first alternates."""
+                       prompts: Sequence[Prompt], n: int, warmup: int, settle: float = 0.0) -> SideBySide:
+    """n prompts, each sent to both servers one after the other, ``settle`` seconds apart; who goes
+    first alternates."""
     for i in range(warmup):
         await stream_one(ours, ours_spec, prompts[i % len(prompts)])
         await stream_one(base, base_spec, prompts[i % len(prompts)])
@@ -305,6 +314,7 @@ async def side_by_side(ours, ours_spec: BenchSpec, base, base_spec: BenchSpec,
     for i in range(n):
         prompt = prompts[i % len(prompts)]
         for side in (("ours", "base") if i % 2 == 0 else ("base", "ours")):
+            await asyncio.sleep(settle)
             res, seconds = await timed(*sides[side], prompt)
             runs[side].append(res)
             wall[side] += seconds
@@ -427,18 +437,19 @@ async def run_bench(args: argparse.Namespace, ours_url: str, llama_url: str) -> 
         for d in args.decoder_list:
             print(f"single stream: dualserve decoder={d} vs llama.cpp, {args.requests} prompts", file=sys.stderr)
             single.append(await side_by_side(ours, spec(ours_model, d), base, base_spec, prompts,
-                                             args.requests, args.warmup))
+                                             args.requests, args.warmup, args.settle))
         agg = None
         if args.concurrency:
             c, n = args.concurrency, args.concurrent_requests
             print(f"aggregate: concurrency {c}, {n} requests per server", file=sys.stderr, flush=True)
             b_sum, b_res = await run_level(base, base_spec, prompts, c, n)
+            await asyncio.sleep(args.settle)
             o_sum, o_res = await run_level(ours, spec(ours_model, args.concurrent_decoder), prompts, c, n)
             agg = Aggregate(c, o_sum, b_sum, o_res, b_res)
     ar_row = next((s for s in single if s.decoder == args.concurrent_decoder), None)
     ours_c1, base_c1 = c1_throughput(ar_row, "ours"), c1_throughput(ar_row, "base")
     title = (f"dualserve ({ours_model}) vs llama.cpp ({Path(base_model).name}) · threads={args.threads} · "
-             f"chat · max_tokens={args.max_tokens} · temperature={args.temperature}"
+             f"chat · max_tokens={args.max_tokens} · temperature={args.temperature} · settle={args.settle:g} s"
              + (f" · dualserve args: {args.dualserve_args}" if args.dualserve_args else ""))
     print(format_report(title, single, agg, ours_c1, base_c1))
     report = {
