@@ -46,10 +46,17 @@ class CompileSpec:
     background: bool = True            # eager until each step shape's graph is ready
     worker: CompileWorker = field(default_factory=CompileWorker)  # one compile thread for every runner
 
-    def apply(self, runner: ModelRunner) -> None:
-        step = runner.compile(self.cache_dir, self.worker if self.background else None)
-        if self.background:
-            step.prewarm()
+    def apply(self, runner: ModelRunner, prewarm: bool = True) -> None:
+        runner.compile(self.cache_dir, self.worker if self.background else None)
+        if prewarm:
+            self.prewarm(runner)
+
+    def prewarm(self, runner: ModelRunner) -> None:
+        """Queue the runner's graphs (background only). For a runner that serves EAGLE, call it
+        after the head has named its feature layers (``CompiledStep.prewarm``), or the plain graph
+        is built first and never used."""
+        if self.background and runner.compiled is not None:
+            runner.compiled.prewarm()
 
 
 @dataclass(frozen=True)
@@ -132,15 +139,19 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
         register_diffusion_gemma(engine, spec.name, runner, base)
         return
     if compile is not None:
-        compile.apply(runner)
+        compile.apply(runner, prewarm=False)  # once the EAGLE head (if any) has named its feature layers
     if base.config.is_diffusion:
         from .diffusion.decoder import register_diffusion
 
+        if compile is not None:
+            compile.prewarm(runner)
         register_diffusion(engine, spec.name, runner, base)
         return
     engine.add_decoder(spec.name, ARDecoder(runner, engine.pool), base.tokenizer, base.config.vocab_size)
     if spec.eagle_head is not None:
         register_eagle(engine, spec, runner, device, compile, parallel, format_table)
+    if compile is not None:
+        compile.prewarm(runner)
     if spec.twin is not None:
         from .diffusion.decoder import register_diffusion
 
