@@ -164,6 +164,7 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
 
 def register_eagle(engine: Engine, spec: ServedSpec, runner: ModelRunner, device: str, compile: CompileSpec | None,
                    parallel: ParallelGroup | None, format_table: FormatTable | None) -> None:
+    from dualserve.models.dflash import is_dflash, load_dflash
     from dualserve.models.eagle import load_eagle_head
 
     from .eagle.budget import CostCurve
@@ -173,7 +174,8 @@ def register_eagle(engine: Engine, spec: ServedSpec, runner: ModelRunner, device
     if isinstance(spec.eagle_head, Path):
         # Under tensor parallelism the head drafts on rank 0 with the unsharded embedding and head.
         target = parallel.head_views.get(id(base.model), base.model) if parallel is not None else base.model
-        head = load_eagle_head(spec.eagle_head, target, device=device)
+        load = load_dflash if is_dflash(spec.eagle_head) else load_eagle_head  # a DFlash drafter or an EAGLE head
+        head = load(spec.eagle_head, target, device=device)
         if compile is not None and compile.background and runner.compiled is not None and head.config.aux_layers:
             runner.compiled.prewarm(head.config.aux_layers)
     engine.add_decoder(spec.name, EagleDecoder(runner, engine.pool, head, cost=verify_cost(base, device, format_table)),

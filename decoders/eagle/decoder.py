@@ -48,21 +48,21 @@ from typing import Sequence
 import torch
 
 from dualserve.models.assets import default_eagle_head
+from dualserve.models.dflash import DFlashDrafter, is_dflash, load_dflash
 from dualserve.models.eagle import EagleHead, load_eagle_head
 from dualserve.models.loader import LoadedModel
 
 from ..ar import fill_prompt_logprobs
 from ..engine.blocks import BlockPool, slot_of
 from ..engine.isolation import guard
-from ..engine.paged_attention import AttentionMetadata, SeqAttention
 from ..engine.request import DecoderCounters, DecoderState, Request
 from ..engine.runner import ForwardItem, ModelRunner
 from ..engine.sampling import process_logits, token_logprobs, truncated_probs
 from ..engine.scheduler import Scheduled
+from .drafters import BlockDrafter, HeadDrafter
 from .budget import NO_DRAFT, PRIOR_RATE, Batch, Budget, CostCurve, Offer, Source, SourceRate, choose_budget
 from .suffix import SuffixConfig, SuffixDraft, SuffixDrafter, TokenIndex
-from .tree import (DraftTree, DraftTreeAttention, TreeConfig, accept_greedy, accept_sampled, grow_tree, merge_trees,
-                   source_outcome)
+from .tree import DraftTree, TreeConfig, accept_greedy, accept_sampled, merge_trees, source_outcome
 
 # CPU: measured with the bundled SmolLM2 head (clients/bench_eagle.py). On an AVX2
 # CPU a forward over 2..8 tokens costs about twice a 1-token forward (GEMM packs
@@ -128,11 +128,13 @@ class EagleDecoder:
     supports_infill = False
     default_max_tokens = None
 
-    def __init__(self, runner: ModelRunner, pool: BlockPool, head: EagleHead | None, tree: TreeConfig | None = None,
-                 suffix: SuffixConfig | None = SuffixConfig(), cost: CostCurve | None = None):
-        """``head`` None: suffix drafts alone; ``suffix`` None: the head alone. ``cost`` None: every
-        step drafts the whole tree from each source; a ``CostCurve``: ``choose_budget`` sizes each
-        step, down to no draft at all, and the curve learns from the verify forwards."""
+    def __init__(self, runner: ModelRunner, pool: BlockPool, head: EagleHead | DFlashDrafter | None,
+                 tree: TreeConfig | None = None, suffix: SuffixConfig | None = SuffixConfig(),
+                 cost: CostCurve | None = None):
+        """``head``: the model draft source, an EAGLE head or a DFlash drafter (``drafters.py``); None:
+        suffix drafts alone. ``suffix`` None: the model alone. ``cost`` None: every step drafts the
+        whole tree from each source; a ``CostCurve``: ``choose_budget`` sizes each step, down to no
+        draft at all, and the curve learns from the verify forwards."""
         if head is None and suffix is None:
             raise ValueError("eagle needs a draft head or suffix drafts")
         self.runner = runner
@@ -141,13 +143,12 @@ class EagleDecoder:
         self.tree = tree or (GPU_TREE if runner.device.type == "cuda" else CPU_TREE)
         self.suffix = SuffixDrafter(suffix) if suffix is not None else None
         self.cost = cost
-        self.kv = None
-        self.aux_layers: tuple[int, ...] | list[int] = ()
-        if head is not None:
-            c = head.config.layer
-            self.kv = runner.head_kv(head.config.num_layers, c.num_kv_heads, c.head_dim)
-            self.aux_layers = head.config.aux_layers
-        self.head_level_seconds: float | None = None  # EMA: head seconds per drafted level (catch-up included)
+        self.drafter: HeadDrafter | BlockDrafter | None = None
+        if isinstance(head, DFlashDrafter):
+            self.drafter = BlockDrafter(runner, pool, head)
+        elif head is not None:
+            self.drafter = HeadDrafter(runner, pool, head, self.tree)
+        self.aux_layers: tuple[int, ...] = self.drafter.aux_layers if self.drafter is not None else ()
         self._last = (0, 0, 0)  # the previous step: requests, forward tokens, tokens emitted
 
     @property
@@ -182,16 +183,15 @@ class EagleDecoder:
         if st is None or cap <= 0:  # a fresh state starts with a plain step
             return NO_DRAFT, None
         use_head, use_suffix = self.sources(req)
-        # The head drafts once it has seen (or can catch up to) the pair ending at the root.
-        use_head = use_head and st.head_len + len(st.pending) == req.num_tokens - 1 and (
-            len(st.pending) > 0 or st.last_hidden is not None)
+        # The model drafts once it has seen (or can catch up to) every feature before the root.
+        use_head = use_head and self.drafter.ready(req, st)
         draft = None
         if use_suffix:
             st.index.sync(req.all_ids)
             draft = self.suffix.propose(st.index, req.all_ids, min(SUFFIX_NODES, cap), min(SUFFIX_NODES, cap))
             draft = draft if draft.num_nodes else None
-        head_nodes = [n for n in (self._head_nodes(d) for d in range(1, self.tree.depth + 1)) if n <= cap] \
-            if use_head else []
+        d = self.drafter
+        head_nodes = [n for n in (d.nodes(k) for k in range(1, d.max_depth + 1)) if n <= cap] if use_head else []
         suffix_nodes = [sum(1 for x in draft.tree.depths[1:] if x <= d) for d in range(1, max(draft.tree.depths) + 1)] \
             if draft is not None else []
         if self.cost is None:  # fixed sizes: everything on offer
@@ -199,24 +199,13 @@ class EagleDecoder:
                             len(suffix_nodes), suffix_nodes[-1] if suffix_nodes else 0)
         else:
             rates = req.counters_of(EagleCounters).rates
-            head = Offer(tuple(head_nodes), rates["head"].rate, tuple(self._head_seconds(d) for d in
-                                                                        range(1, len(head_nodes) + 1)))
+            head = Offer(tuple(head_nodes), rates["head"].rate,
+                         tuple(d.seconds(k, self.cost(1)) for k in range(1, len(head_nodes) + 1)))
             suffix = Offer(tuple(suffix_nodes), rates["suffix"].rate)
             budget = choose_budget(self.cost, head if head_nodes else None, suffix if suffix_nodes else None,
                                    self._others(), cap)
         st.planned = (req.num_tokens, budget, draft)
         return budget, draft
-
-    def _head_nodes(self, depth: int) -> int:
-        """Tree nodes the head drafts at ``depth``: the configured tree's share, as a tree can hold."""
-        t = self.tree
-        return min(t.num_nodes, TreeConfig(depth, t.top_k, 1).pool_size, max(depth, -(-t.num_nodes * depth // t.depth)))
-
-    def _head_seconds(self, depth: int) -> float:
-        # Before any measurement: a level costs about a quarter of a one-token target forward (one
-        # layer plus the full-vocabulary logits, which are a fifth of a small model's weights).
-        level = self.head_level_seconds if self.head_level_seconds is not None else 0.25 * self.cost(1)
-        return level * (depth + 1)
 
     def _others(self) -> Batch:
         """The rest of the batch, as the previous step had it."""
@@ -247,16 +236,14 @@ class EagleDecoder:
         decode = [s for s in decode if not s.request.finished]
         catch_up = [s.request for s in decode if planned[id(s.request)][0].head_depth
                     or len(s.request.decoder_state.pending) >= MAX_PENDING]
-        self._catch_up(catch_up)
+        if self.drafter is not None:
+            self.drafter.catch_up(catch_up)
         trees = {}
         for s in decode:
             with guard(s.request, emit, "drafting"):
                 trees[id(s.request)] = self._draft(s, *planned[id(s.request)])
-        levels = sum(planned[id(s.request)][0].head_depth + 1 for s in decode if planned[id(s.request)][0].head_depth)
-        if levels:
-            per_level = (time.perf_counter() - started) / levels
-            old = self.head_level_seconds
-            self.head_level_seconds = per_level if old is None else old + 0.3 * (per_level - old)
+        if self.drafter is not None:
+            self.drafter.observe(time.perf_counter() - started, [planned[id(s.request)][0].head_depth for s in decode])
         batch = [s for s in batch if not s.request.finished]  # a failed draft leaves the step
         if not batch:
             return
@@ -317,40 +304,6 @@ class EagleDecoder:
     # ---- draft -----------------------------------------------------------------
 
     @torch.inference_mode()
-    def _catch_up(self, reqs: list[Request]) -> None:
-        """One head forward over every request's unseen (feature, next token) pairs."""
-        reqs = [r for r in reqs if len(r.decoder_state.pending)]
-        if not reqs or self.head is None:
-            return
-        ids, pos, hidden, seqs, slots = [], [], [], [], []
-        for r in reqs:
-            st: EagleState = r.decoder_state
-            n = len(st.pending)
-            ids.append(torch.tensor(r.all_ids[st.head_len + 1: st.head_len + 1 + n]))
-            pos.append(torch.arange(st.head_len, st.head_len + n))
-            hidden.append(st.pending)
-            ctx = self._head_context(r, st)
-            seqs.append(SeqAttention(len(ctx), n, r.table.blocks, "causal", ctx))
-            slots.append(torch.tensor(self.pool.slot_mapping(r.table, st.head_len, st.head_len + n)))
-        dev = self.runner.device
-        meta = AttentionMetadata(seqs, torch.cat(slots).to(dev), self.runner.block_size)
-        out = self.head(torch.cat(ids).to(dev), torch.cat(hidden), torch.cat(pos).to(dev),
-                        self.runner.attention(self.kv, meta))
-        offset = 0
-        for r in reqs:
-            st = r.decoder_state
-            n = len(st.pending)
-            offset += n
-            st.last_hidden = out[offset - 1]
-            st.head_len += n
-            st.pending = st.pending[:0]
-
-    def _head_context(self, req: Request, st: EagleState) -> torch.Tensor:
-        """Flat slots of the head KV this request may read: positions head_start .. head_len - 1."""
-        return torch.tensor(self.pool.slot_mapping(req.table, st.head_start, st.head_len), dtype=torch.long,
-                            device=self.runner.device)
-
-    @torch.inference_mode()
     def _draft(self, s: Scheduled, budget: Budget, suffix: SuffixDraft | None) -> DraftTree:
         """The merged tree of this step's sources (head first, then suffix), within the reserved slots."""
         req = s.request
@@ -358,11 +311,9 @@ class EagleDecoder:
         root = req.all_ids[-1]
         plain = DraftTree([root], [-1])
         head = plain
-        # The head must have seen the pair ending at the root (catch-up ran for it this step).
+        # The model must have seen every feature before the root (catch-up ran for it this step).
         if budget.head_depth and st.last_hidden is not None and st.head_len == req.num_tokens - 1:
-            attn = DraftTreeAttention(self.kv, self._head_context(req, st))
-            config = TreeConfig(budget.head_depth, self.tree.top_k, budget.head_nodes)
-            head = grow_tree(self.head, attn, root, st.last_hidden, req.num_tokens - 1, config, req.remaining - 1)
+            head = self.drafter.draft(req, st, budget.head_depth, budget.head_nodes)
         tail = plain
         if budget.suffix_depth and suffix is not None:
             tail = suffix.tree.cut(budget.suffix_nodes, budget.suffix_depth)
@@ -447,8 +398,10 @@ class EagleDecoder:
 
 def eagle_decoder(loaded: LoadedModel, runner: ModelRunner, pool: BlockPool, head_path: Path | str | None = None,
                   tree: TreeConfig | None = None, cost: CostCurve | None = None) -> EagleDecoder | None:
-    """An EAGLE decoder for ``loaded``: from ``head_path``, else the bundled head for that model, else None."""
+    """An EAGLE decoder for ``loaded``: from ``head_path`` (an EAGLE head or a DFlash drafter directory),
+    else the bundled head for that model, else None."""
     path = Path(head_path) if head_path else default_eagle_head(loaded.name)
     if path is None:
         return None
-    return EagleDecoder(runner, pool, load_eagle_head(path, loaded.model), tree, cost=cost)
+    model = load_dflash(path, loaded.model) if is_dflash(path) else load_eagle_head(path, loaded.model)
+    return EagleDecoder(runner, pool, model, tree, cost=cost)
