@@ -9,7 +9,9 @@ their input, multi-turn tool calls) it generates greedily in each mode:
 - ``ar``: plain autoregressive decoding;
 - ``head``: ``eagle`` drafting with the EAGLE head alone (request field ``draft: "head"``);
 - ``suffix``: ``eagle`` drafting from suffix lookup alone (``draft: "suffix"``);
-- ``both``: the head and suffix lookup in one tree (``draft: "both"``, the default).
+- ``both``: the head and suffix lookup in one tree (``draft: "both"``, the default);
+- ``block``: ``eagle`` drafting with a DFlash block-diffusion drafter alone (``draft: "block"``;
+  ``--dflash DIR`` loads one beside the head).
 
 Modes take turns going first, so slow drift on a shared machine hits all alike. Reported per
 set and mode: tok/s (completion tokens / request wall time, prefill included), the ratio to
@@ -38,7 +40,8 @@ import torch
 from dualserve.clients.bench import DEFAULT_PROMPTS
 
 AGENTIC_PROMPTS = Path(__file__).parent / "prompts" / "agentic.jsonl"
-MODES = {"ar": ("ar", "auto"), "head": ("eagle", "head"), "suffix": ("eagle", "suffix"), "both": ("eagle", "both")}
+MODES = {"ar": ("ar", "auto"), "head": ("eagle", "head"), "suffix": ("eagle", "suffix"), "both": ("eagle", "both"),
+         "block": ("eagle", "block")}
 
 
 @dataclass
@@ -124,7 +127,8 @@ def deploy(args: argparse.Namespace):
     head = Path(args.head) if args.head else default_eagle_head(name)
     table = cached_measure(loaded.config, cache / "host") if args.budget == "cost" else None
     compile_spec = CompileSpec(cache_dir=cache / "compile") if args.compile else None
-    dep = build_deployment([ServedSpec(name, loaded, eagle_head=head or "suffix")],
+    dflash = Path(args.dflash) if args.dflash else None
+    dep = build_deployment([ServedSpec(name, loaded, eagle_head=head or "suffix", dflash=dflash)],
                            EngineConfig(enable_prefix_caching=False), PoolSpec(num_blocks=args.num_blocks),
                            compile=compile_spec, format_table=table)
     if compile_spec is not None:  # measure compiled steps only: wait for every graph (built or loaded)
@@ -224,6 +228,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--head", default=None, help="EAGLE head directory (default: the bundled one for the model)")
+    p.add_argument("--dflash", default=None, help="a DFlash drafter directory, for the block mode")
     p.add_argument("--prompts", nargs="+", default=[str(DEFAULT_PROMPTS), str(AGENTIC_PROMPTS)],
                    help="prompt sets (JSONL with prompt or messages)")
     p.add_argument("--modes", default="ar,head,suffix,both", help="comma-separated, from " + ", ".join(MODES))

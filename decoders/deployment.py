@@ -74,6 +74,8 @@ class ServedSpec:
     base: LoadedModel                  # an AR model, or a diffusion-family model
     # EAGLE draft head directory for an AR base; "suffix": serve ``eagle`` from suffix drafts alone
     eagle_head: Path | Literal["suffix"] | None = None
+    # A DFlash drafter directory: a second model draft source of ``eagle`` (``draft: "block"``)
+    dflash: Path | None = None
     twin: LoadedModel | None = None    # diffusion twin of an AR base, served as its "diffusion" decoder
 
 
@@ -148,7 +150,7 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
         register_diffusion(engine, spec.name, runner, base)
         return
     engine.add_decoder(spec.name, ARDecoder(runner, engine.pool), base.tokenizer, base.config.vocab_size)
-    if spec.eagle_head is not None:
+    if spec.eagle_head is not None or spec.dflash is not None:
         register_eagle(engine, spec, runner, device, compile, parallel, format_table)
     if compile is not None:
         compile.prewarm(runner)
@@ -170,16 +172,18 @@ def register_eagle(engine: Engine, spec: ServedSpec, runner: ModelRunner, device
     from .eagle.budget import CostCurve
     from .eagle.decoder import EagleDecoder
 
-    base, head = spec.base, None
+    base, head, block = spec.base, None, None
+    # Under tensor parallelism the models draft on rank 0 with the unsharded embedding and head.
+    target = parallel.head_views.get(id(base.model), base.model) if parallel is not None else base.model
     if isinstance(spec.eagle_head, Path):
-        # Under tensor parallelism the head drafts on rank 0 with the unsharded embedding and head.
-        target = parallel.head_views.get(id(base.model), base.model) if parallel is not None else base.model
         load = load_dflash if is_dflash(spec.eagle_head) else load_eagle_head  # a DFlash drafter or an EAGLE head
         head = load(spec.eagle_head, target, device=device)
-        if compile is not None and compile.background and runner.compiled is not None and head.config.aux_layers:
-            runner.compiled.prewarm(head.config.aux_layers)
-    engine.add_decoder(spec.name, EagleDecoder(runner, engine.pool, head, cost=verify_cost(base, device, format_table)),
-                       base.tokenizer, base.config.vocab_size)
+    if spec.dflash is not None:
+        block = load_dflash(spec.dflash, target, device=device)
+    decoder = EagleDecoder(runner, engine.pool, head, cost=verify_cost(base, device, format_table), block=block)
+    if compile is not None and compile.background and runner.compiled is not None and decoder.aux_layers:
+        runner.compiled.prewarm(decoder.aux_layers)
+    engine.add_decoder(spec.name, decoder, base.tokenizer, base.config.vocab_size)
 
 
 def verify_cost(model: LoadedModel, device: str, table: FormatTable | None) -> "CostCurve":
@@ -210,7 +214,8 @@ def build_deployment(models: list[LoadedModel] | list[ServedSpec], engine_config
     if parallel is not None:
         compile = None  # collectives are not traced into compiled graphs: tensor-parallel steps run eagerly
         parallel.shard_models([m.model for m in loaded],
-                              keep_head_for=[s.base.model for s in specs if isinstance(s.eagle_head, Path)])
+                              keep_head_for=[s.base.model for s in specs
+                                             if isinstance(s.eagle_head, Path) or s.dflash is not None])
         num_blocks = parallel.agree(num_blocks)
     cfg = engine_config or EngineConfig()
     cfg = dataclasses.replace(cfg, num_blocks=num_blocks, block_size=pool.block_size)

@@ -71,7 +71,8 @@ class SamplingFields(Struct, kw_only=True):
     decoder: str | None = None
     priority: str | None = None
     latency_budget_ms: float | None = None
-    # eagle's draft sources: "head" (the EAGLE head), "suffix" (lookup), "both" or "auto" (all it has)
+    # eagle's draft sources: "head" (the EAGLE head), "block" (the DFlash drafter), "suffix" (lookup),
+    # "both" or "auto" (the preferred model and lookup)
     draft: str | None = None
 
 

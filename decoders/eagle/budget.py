@@ -31,13 +31,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-Source = str  # "head" | "suffix"
-SOURCES: tuple[Source, ...] = ("head", "suffix")
+Source = str  # "head" (EAGLE head) | "block" (DFlash drafter) | "suffix"
+SOURCES: tuple[Source, ...] = ("head", "block", "suffix")
 
 # Prior acceptance rates, per drafted level: the bundled head's measured mean acceptance
 # length 1.55 (README) is a per-level rate near 0.35; suffix drafts are verbatim repeats,
 # accepted far more often when they match at all (SuffixDecoding reports 0.6-0.8 on agents).
-PRIOR_RATE = {"head": 0.35, "suffix": 0.6}
+# A DFlash drafter starts from the head's prior until its own rate is measured.
+PRIOR_RATE = {"head": 0.35, "block": 0.35, "suffix": 0.6}
 EMA = 0.3            # weight of the newest observation
 DRIFT = 0.02         # per unused step, towards the prior
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -120,7 +121,8 @@ class CostCurve:
 
 @dataclass(frozen=True)
 class Budget:
-    """What one request drafts this step: depth and nodes per source. All zero: a plain step."""
+    """What one request drafts this step: depth and nodes per source ("head": the request's model
+    source, an EAGLE head or a DFlash drafter). All zero: a plain step."""
 
     head_depth: int = 0
     head_nodes: int = 0

@@ -82,9 +82,11 @@ MAX_PENDING = 64
 class EagleState(DecoderState):
     """Per-request draft state (``Request.decoder_state``; reset to None on preemption)."""
 
-    head_start: int              # first position with head KV (earlier ones came from the prefix cache)
-    head_len: int                # head KV holds pairs (feature j, token j+1) for head_start <= j < head_len
+    head_start: int              # first position with draft KV (earlier ones came from the prefix cache)
+    head_len: int                # draft KV covers positions head_start <= j < head_len (the head: pairs
+                                 # (feature j, token j+1); a DFlash drafter: feature j)
     pending: torch.Tensor        # (n, hidden) features of positions head_len .. head_len + n - 1
+    model: Source | None = None  # the model source this request drafts from: "head", "block" or none
     last_hidden: torch.Tensor | None = None  # head output at the newest pair: predicts the root's child
     index: TokenIndex = field(default_factory=TokenIndex)  # prompt + output, for suffix drafts
     # This step's budget and suffix draft, made by plan for the request at this many tokens.
@@ -116,7 +118,8 @@ class EagleCounters(DecoderCounters):
         return out
 
 
-# Bit of each source in ``DraftTree.sources``: the order trees are merged in.
+# Bit of each source in ``DraftTree.sources``: the order trees are merged in ("head": the request's
+# model source, the EAGLE head or the DFlash drafter).
 SOURCE_BITS: dict[Source, int] = {"head": 0, "suffix": 1}
 
 
@@ -130,25 +133,34 @@ class EagleDecoder:
 
     def __init__(self, runner: ModelRunner, pool: BlockPool, head: EagleHead | DFlashDrafter | None,
                  tree: TreeConfig | None = None, suffix: SuffixConfig | None = SuffixConfig(),
-                 cost: CostCurve | None = None):
-        """``head``: the model draft source, an EAGLE head or a DFlash drafter (``drafters.py``); None:
-        suffix drafts alone. ``suffix`` None: the model alone. ``cost`` None: every step drafts the
-        whole tree from each source; a ``CostCurve``: ``choose_budget`` sizes each step, down to no
-        draft at all, and the curve learns from the verify forwards."""
-        if head is None and suffix is None:
-            raise ValueError("eagle needs a draft head or suffix drafts")
+                 cost: CostCurve | None = None, block: DFlashDrafter | None = None, prefer: Source | None = None):
+        """``head`` and ``block``: the model draft sources (``drafters.py``), an EAGLE head and a DFlash
+        drafter, either or both (a DFlash drafter passed as ``head`` is the block source); none:
+        suffix drafts alone. A request drafts from the one its ``draft`` field names, else from
+        ``prefer`` (default: the head if loaded). ``suffix`` None: models alone. ``cost`` None: every
+        step drafts the whole tree from each source; a ``CostCurve``: ``choose_budget`` sizes each
+        step, down to no draft at all, and the curve learns from the verify forwards."""
+        models = [m for m in (head, block) if m is not None]
+        if not models and suffix is None:
+            raise ValueError("eagle needs a draft model or suffix drafts")
         self.runner = runner
         self.pool = pool
-        self.head = head
         self.tree = tree or (GPU_TREE if runner.device.type == "cuda" else CPU_TREE)
         self.suffix = SuffixDrafter(suffix) if suffix is not None else None
         self.cost = cost
-        self.drafter: HeadDrafter | BlockDrafter | None = None
-        if isinstance(head, DFlashDrafter):
-            self.drafter = BlockDrafter(runner, pool, head)
-        elif head is not None:
-            self.drafter = HeadDrafter(runner, pool, head, self.tree)
-        self.aux_layers: tuple[int, ...] = self.drafter.aux_layers if self.drafter is not None else ()
+        self.drafters: dict[Source, HeadDrafter | BlockDrafter] = {}
+        for m in models:
+            if isinstance(m, DFlashDrafter):
+                self.drafters["block"] = BlockDrafter(runner, pool, m)
+            else:
+                self.drafters["head"] = HeadDrafter(runner, pool, m, self.tree)
+        if len(self.drafters) != len(models):
+            raise ValueError("eagle takes one EAGLE head and one DFlash drafter at most")
+        if prefer is not None and prefer not in self.drafters:
+            raise ValueError(f"no {prefer!r} draft model is loaded")
+        self.prefer: Source | None = prefer or next(iter(self.drafters), None)
+        # The target features every model needs, computed once in each verify forward.
+        self.aux_layers: tuple[int, ...] = tuple(sorted({i for d in self.drafters.values() for i in d.aux_layers}))
         self._last = (0, 0, 0)  # the previous step: requests, forward tokens, tokens emitted
 
     @property
@@ -169,13 +181,23 @@ class EagleDecoder:
         cap = max(0, min(budget - 1, req.remaining - 1, self.runner.rows_max - 1))
         return 1, min(cap, self._budget(req, cap)[0].nodes)
 
+    def model_for(self, req: Request) -> Source | None:
+        """The model source ``req`` drafts from, by its ``draft`` choice within what is loaded."""
+        choice = req.params.draft
+        if choice == "suffix":
+            return None
+        if choice in ("head", "block"):
+            return choice if choice in self.drafters else None
+        return self.prefer
+
     def sources(self, req: Request) -> tuple[bool, bool]:
-        """(head, suffix): whether each drafts for ``req``, by its ``draft`` choice within what exists.
+        """(model, suffix): whether each drafts for ``req``, by its ``draft`` choice within what exists.
         A grammar constraint's state cannot branch, so constrained requests go token by token."""
         if req.constraint is not None:
             return False, False
-        choice = req.params.draft
-        return self.head is not None and choice != "suffix", self.suffix is not None and choice != "head"
+        st: EagleState | None = req.decoder_state
+        model = st.model if st is not None else self.model_for(req)
+        return model is not None, self.suffix is not None and req.params.draft not in ("head", "block")
 
     def _budget(self, req: Request, cap: int) -> tuple[Budget, SuffixDraft | None]:
         """This step's budget and suffix draft for ``req`` (kept in its state for ``step``)."""
@@ -184,13 +206,13 @@ class EagleDecoder:
             return NO_DRAFT, None
         use_head, use_suffix = self.sources(req)
         # The model drafts once it has seen (or can catch up to) every feature before the root.
-        use_head = use_head and self.drafter.ready(req, st)
+        d = self.drafters.get(st.model)
+        use_head = use_head and d.ready(req, st)
         draft = None
         if use_suffix:
             st.index.sync(req.all_ids)
             draft = self.suffix.propose(st.index, req.all_ids, min(SUFFIX_NODES, cap), min(SUFFIX_NODES, cap))
             draft = draft if draft.num_nodes else None
-        d = self.drafter
         head_nodes = [n for n in (d.nodes(k) for k in range(1, d.max_depth + 1)) if n <= cap] if use_head else []
         suffix_nodes = [sum(1 for x in draft.tree.depths[1:] if x <= d) for d in range(1, max(draft.tree.depths) + 1)] \
             if draft is not None else []
@@ -199,7 +221,7 @@ class EagleDecoder:
                             len(suffix_nodes), suffix_nodes[-1] if suffix_nodes else 0)
         else:
             rates = req.counters_of(EagleCounters).rates
-            head = Offer(tuple(head_nodes), rates["head"].rate,
+            head = Offer(tuple(head_nodes), rates[st.model].rate if use_head else 0.0,
                          tuple(d.seconds(k, self.cost(1)) for k in range(1, len(head_nodes) + 1)))
             suffix = Offer(tuple(suffix_nodes), rates["suffix"].rate)
             budget = choose_budget(self.cost, head if head_nodes else None, suffix if suffix_nodes else None,
@@ -223,8 +245,8 @@ class EagleDecoder:
             return
         for s in batch:
             if s.request.decoder_state is None:
-                n = s.request.num_computed
-                s.request.decoder_state = EagleState(n, n, self._no_features())
+                n, model = s.request.num_computed, self.model_for(s.request)
+                s.request.decoder_state = EagleState(n, n, self._no_features(model), model)
         decode = [s for s in batch if s.request.num_computed == s.request.num_tokens - 1]
         started = time.perf_counter()
         planned: dict[int, tuple[Budget, SuffixDraft | None]] = {}
@@ -236,14 +258,15 @@ class EagleDecoder:
         decode = [s for s in decode if not s.request.finished]
         catch_up = [s.request for s in decode if planned[id(s.request)][0].head_depth
                     or len(s.request.decoder_state.pending) >= MAX_PENDING]
-        if self.drafter is not None:
-            self.drafter.catch_up(catch_up)
+        for name, d in self.drafters.items():
+            d.catch_up([r for r in catch_up if r.decoder_state.model == name])
         trees = {}
         for s in decode:
             with guard(s.request, emit, "drafting"):
                 trees[id(s.request)] = self._draft(s, *planned[id(s.request)])
-        if self.drafter is not None:
-            self.drafter.observe(time.perf_counter() - started, [planned[id(s.request)][0].head_depth for s in decode])
+        for name, d in self.drafters.items():  # at batch 1 the step's drafting is that request's
+            d.observe(time.perf_counter() - started, [planned[id(s.request)][0].head_depth for s in decode
+                                                      if s.request.decoder_state.model == name])
         batch = [s for s in batch if not s.request.finished]  # a failed draft leaves the step
         if not batch:
             return
@@ -275,9 +298,14 @@ class EagleDecoder:
                 counters.verify_seconds += time.perf_counter() - started
         self._last = (len(batch), num_tokens, emitted)
 
-    def _no_features(self) -> torch.Tensor:
-        width = self.head.config.layer.hidden_size if self.head is not None else 0
+    def _no_features(self, model: Source | None) -> torch.Tensor:
+        width = self.drafters[model].model.config.layer.hidden_size if model is not None else 0
         return torch.zeros(0, width, device=self.runner.device)
+
+    def _features(self, st: EagleState, final: torch.Tensor, aux: list[torch.Tensor]) -> None:
+        """Queue the features of these target positions for the request's model source."""
+        if st.model is not None:
+            st.pending = torch.cat([st.pending, self.drafters[st.model].features(final, aux, self.aux_layers)])
 
     def _item(self, s: Scheduled, tree: DraftTree | None) -> ForwardItem:
         req = s.request
@@ -297,8 +325,7 @@ class EagleDecoder:
         start = req.num_computed
         if req.needs_prompt_logprobs:
             fill_prompt_logprobs(self.runner, req, final, start)
-        if self.head is not None:
-            state.pending = torch.cat([state.pending, self.head.features(final, aux)])
+        self._features(state, final, aux)
         self.pool.mark_written(req.table, req.all_ids, start + n)
 
     # ---- draft -----------------------------------------------------------------
@@ -313,7 +340,7 @@ class EagleDecoder:
         head = plain
         # The model must have seen every feature before the root (catch-up ran for it this step).
         if budget.head_depth and st.last_hidden is not None and st.head_len == req.num_tokens - 1:
-            head = self.drafter.draft(req, st, budget.head_depth, budget.head_nodes)
+            head = self.drafters[st.model].draft(req, st, budget.head_depth, budget.head_nodes)
         tail = plain
         if budget.suffix_depth and suffix is not None:
             tail = suffix.tree.cut(budget.suffix_nodes, budget.suffix_depth)
@@ -370,7 +397,11 @@ class EagleDecoder:
         counters.accept_lengths.append(emitted)
         if len(tree) == 1:
             counters.plain_steps += 1
+        model = req.decoder_state.model
         for source, bit in SOURCE_BITS.items():
+            source = model if source == "head" else source  # bit 0: whichever model drafted
+            if source is None:
+                continue
             outcome = source_outcome(tree, path, bit) if tree.sources else None
             if outcome is None:
                 counters.rates[source].idle()
@@ -390,10 +421,8 @@ class EagleDecoder:
         written = start + 1 + len(path)  # root + accepted nodes
         self.pool.mark_written(req.table, req.all_ids, written)
         self.pool.truncate(req.table, written)
-        if self.head is not None:
-            rows = torch.tensor([0] + path, device=final.device)
-            st: EagleState = req.decoder_state
-            st.pending = torch.cat([st.pending, self.head.features(final[rows], [a[rows] for a in aux])])
+        rows = torch.tensor([0] + path, device=final.device)
+        self._features(req.decoder_state, final[rows], [a[rows] for a in aux])
 
 
 def eagle_decoder(loaded: LoadedModel, runner: ModelRunner, pool: BlockPool, head_path: Path | str | None = None,

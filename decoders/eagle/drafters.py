@@ -53,6 +53,10 @@ class _Drafter:
         return torch.tensor(self.pool.slot_mapping(req.table, st.head_start, st.head_len), dtype=torch.long,
                             device=self.runner.device)
 
+    def features(self, final: torch.Tensor, aux: list[torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor:
+        """What target positions contribute, from the verify's features of ``layers`` (a superset)."""
+        return self.model.features(final, [aux[layers.index(i)] for i in self.aux_layers])
+
     def ready(self, req: Request, st) -> bool:
         """Whether the source has seen, or can catch up to, every feature before the root."""
         return st.head_len + len(st.pending) == req.num_tokens - 1 and (

@@ -27,8 +27,8 @@ import torch
 from .grammar import GrammarSpec
 
 
-DraftChoice = Literal["auto", "head", "suffix", "both"]
-DRAFT_CHOICES: tuple[DraftChoice, ...] = ("auto", "head", "suffix", "both")
+DraftChoice = Literal["auto", "head", "block", "suffix", "both"]
+DRAFT_CHOICES: tuple[DraftChoice, ...] = ("auto", "head", "block", "suffix", "both")
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,8 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     grammar: GrammarSpec | None = None   # structured output (JSON schema, regex, Lark)
-    # ``eagle``'s draft sources: "auto"/"both" every one it has, "head" the EAGLE head, "suffix" lookup
+    # ``eagle``'s draft sources: "auto"/"both" its preferred model and suffix lookup, "head" the EAGLE head
+    # alone, "block" the DFlash drafter alone, "suffix" lookup alone
     draft: DraftChoice = "auto"
 
     @property

@@ -23,8 +23,8 @@ from dualserve.decoders.engine.sampling import SamplingParams
 from dualserve.models.attention import DenseAttention
 from dualserve.models.dflash import DFlashDrafter, is_dflash, load_dflash, save_dflash
 from dualserve.models.transformer import rotate_half
-from test_eagle import GREEDY, PROMPTS, V, assert_first_two_tokens_follow, assert_same_as_ar, make_engine, run, \
-    tiny_target
+from test_eagle import GREEDY, PROMPTS, V, Tok, assert_first_two_tokens_follow, assert_same_as_ar, make_engine, \
+    oracle_head, run, tiny_target
 from tiny_dflash import write_tiny_dflash
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -143,11 +143,40 @@ def test_greedy_identical_to_ar(tmp_path: Path, bigram: float) -> None:
     drafter, _ = tiny_drafter(tmp_path, target)
     engine = make_engine(target, drafter, TreeConfig(depth=3, top_k=2, num_nodes=4))
     outs = assert_same_as_ar(engine)
-    assert all(o[-1].stats.get("head_steps", 0) > 0 for o in outs)  # the drafter drafted
+    assert all(o[-1].stats.get("block_steps", 0) > 0 for o in outs)  # the drafter drafted
     # With suffix drafts merged in, repeated output gets accepted: the KV moves run too.
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, draft="both")
     outs = assert_same_as_ar(engine, params)
     assert max(o[-1].stats["mean_accept_length"] for o in outs) > 1.5
+
+
+def test_head_and_drafter_side_by_side(tmp_path: Path) -> None:
+    """Both model sources in one decoder: each request drafts from the one it names, in one batch."""
+    from dualserve.decoders.ar import ARDecoder
+    from dualserve.decoders.eagle.decoder import EagleDecoder
+    from dualserve.decoders.engine.engine import Engine, EngineConfig
+    from dualserve.decoders.engine.runner import ModelRunner
+
+    target = tiny_target(1)  # a bigram target: the oracle head's drafts are accepted
+    drafter, _ = tiny_drafter(tmp_path, target)
+    engine = Engine(EngineConfig(num_blocks=256, block_size=4))
+    runner = ModelRunner(target, 256, 4)
+    engine.add_decoder("m", ARDecoder(runner, engine.pool), Tok())
+    eagle = EagleDecoder(runner, engine.pool, oracle_head(target), TreeConfig(depth=3, top_k=2, num_nodes=4),
+                         block=drafter)
+    engine.add_decoder("m", eagle, Tok())
+    assert eagle.prefer == "head" and set(eagle.drafters) == {"head", "block"}
+    params = {d: SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, draft=d) for d in ("head", "block")}
+    jobs = [(dec, p, params[d]) for p in PROMPTS[:3] for d in ("head", "block") for dec in ("ar", "eagle")]
+    outs = run(engine, jobs)
+    for i in range(0, len(jobs), 2):
+        assert [t for d in outs[i + 1] for t in d.token_ids] == [t for d in outs[i] for t in d.token_ids]
+        stats, model = outs[i + 1][-1].stats, jobs[i + 1][2].draft
+        assert stats.get(f"{model}_steps", 0) > 0 and not stats.get(f"{'block' if model == 'head' else 'head'}_steps")
+    assert max(o[-1].stats["mean_accept_length"] for o in outs[1::4]) > 2  # the oracle head's requests
+    engine.pool.check()
+    with pytest.raises(ValueError, match="at most"):
+        EagleDecoder(runner, engine.pool, drafter, block=drafter)
 
 
 def test_mixed_batch_prefix_cache_and_preemption(tmp_path: Path) -> None:
@@ -178,5 +207,5 @@ def test_sampling_matches_plain_sampling(tmp_path: Path) -> None:
     prompt = [3, 1, 4]
     n = 800
     outs = run(engine, [("eagle", prompt, SamplingParams(**{**params.__dict__, "seed": i})) for i in range(n)])
-    assert sum(o[-1].stats.get("head_steps", 0) for o in outs) > n // 2
+    assert sum(o[-1].stats.get("block_steps", 0) for o in outs) > n // 2
     assert_first_two_tokens_follow(target, prompt, params, outs)
