@@ -89,9 +89,11 @@ class SpinGovernor:
 
     A daemon thread samples every ``interval`` seconds. ``neighbour_load`` is the number of
     cores other processes used, averaged over about ``smoothing`` seconds (an exponential
-    average of the samples). Throttling starts when the cores left free (cpus - load) fall
-    below torch's threads by more than ``margin`` and stops when two samples in a row are back
-    within ``margin / 2`` (hysteresis, so a brief job does not flap it).
+    average of the samples). Throttling starts when the cores left free (cpus - average load)
+    fall below torch's threads by more than ``margin``. It stops when two *samples* in a row
+    are back within ``margin / 2``, and the average restarts from the latest sample: a
+    neighbour's burst that has ended then costs about two intervals, not the average's decay
+    (about a second after a two-core burst, a whole short request decoded throttled).
 
     The average and the margin tell a CPU-bound neighbour (a core, all the time) from the
     server's own streaming clients: a client reading 60 chunks a second uses 0.3-0.7 of a core
@@ -135,9 +137,15 @@ class SpinGovernor:
             self.observe(min(float(self.cpus), max(0.0, other)))
 
     def observe(self, sample: float) -> None:
-        """One interval's measurement: ``sample`` cores used by other processes."""
+        """One interval's measurement: ``sample`` cores used by other processes. Throttling starts
+        on the average and ends on the samples themselves."""
         self.neighbour_load += self._weight * (sample - self.neighbour_load)
-        self.update(self.neighbour_load)
+        if not self.throttled:
+            self.update(self.neighbour_load)
+            return
+        self.update(sample)
+        if not self.throttled:
+            self.neighbour_load = sample
 
     def update(self, load: float) -> None:
         """Throttle or release for an average ``load`` of cores used by other processes."""

@@ -78,6 +78,30 @@ def test_governor_averages_bursts():
     g.stop()
 
 
+def test_governor_releases_when_the_neighbour_stops():
+    """A neighbour that kept both cores busy for a second (a burst of another server) is let go
+    two calm samples after it stops, not after the average decays (about a second); a later
+    single busy sample does not throttle again."""
+    g = SpinGovernor(interval=0.1, smoothing=0.5)
+    g.cpus, g.threads = 2, 2
+    for _ in range(10):
+        g.observe(2.0)
+    assert g.throttled and g.neighbour_load > 1.5
+    g.observe(0.0)
+    assert g.throttled                 # one calm sample is not enough (hysteresis)
+    g.observe(0.05)
+    assert not g.throttled and g.neighbour_load == 0.05
+    g.observe(1.0)                     # a client's chunk
+    assert not g.throttled
+    for _ in range(3):                 # a CPU-bound neighbour is back: throttled within half a second
+        g.observe(1.0)
+    assert g.throttled and g.switches == 2
+    g.observe(0.9)
+    g.observe(1.0)
+    assert g.throttled                 # it stays throttled while the neighbour runs
+    g.stop()
+
+
 def test_compile_worker_thread_exits_when_idle():
     worker = CompileWorker()
     done = []
