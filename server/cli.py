@@ -342,6 +342,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 TRAINERS = {
     "train-eagle": ("dualserve.decoders.training.eagle_train", "train an EAGLE draft head for a model (self-distilled)"),
+    "train-dflash": ("dualserve.decoders.training.dflash_train", "train a DFlash block-diffusion drafter for a model (self-distilled)"),
     "train-diffusion": ("dualserve.decoders.training.diffusion_train", "adapt an AR model into a block-diffusion twin"),
 }
 
