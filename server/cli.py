@@ -49,7 +49,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "SmolLM2-135M-Instruct)")
     p.add_argument("--eagle", default="auto", help="EAGLE draft head directory for the AR model; 'auto' uses "
                    "the bundled head for the default model; 'suffix' serves eagle from suffix drafts alone "
-                   "(no head); 'none' disables")
+                   "(no head); 'none' disables. A DFlash drafter directory is accepted too")
+    p.add_argument("--dflash", default="none", help="a DFlash block-diffusion drafter directory, loaded beside the "
+                   "EAGLE head as eagle's second model draft source (request field draft: \"block\")")
     p.add_argument("--twin", default="auto", help="diffusion twin (adapter directory) of the AR model, served as "
                    "its 'diffusion' decoder; 'auto' uses the bundled twin for the default model; 'none' disables")
     p.add_argument("--diffusion", default=None, help="a diffusion model (LLaDA, Dream, block diffusion, "
@@ -134,6 +136,9 @@ def load_deployment(args: argparse.Namespace, parallel=None):
         specs[0].eagle_head = "suffix" if args.eagle == "suffix" else bundled(args.eagle, name, default_eagle_head)
         if specs[0].eagle_head is not None:
             log.info("EAGLE head %s", specs[0].eagle_head)
+        if args.dflash != "none":
+            specs[0].dflash = bundled(args.dflash, name, lambda _: None)
+            log.info("DFlash drafter %s (eagle's draft: \"block\")", specs[0].dflash)
         twin_path = bundled(args.twin, name, default_twin)
         if twin_path is not None:
             specs[0].twin = load_twin(twin_path, name=name, base=loaded)
@@ -296,7 +301,7 @@ def generate_loads(args: argparse.Namespace) -> argparse.Namespace:
     if args.decoder != "diffusion":
         trimmed.twin = "none"
     if args.decoder != "eagle":
-        trimmed.eagle = "none"
+        trimmed.eagle = trimmed.dflash = "none"
     trimmed.diffusion = None
     return trimmed
 

@@ -19,6 +19,8 @@ from typing import Iterator
 
 import httpx
 import pytest
+import torch
+from tiny_dflash import write_tiny_dflash
 
 # Loading takes a few seconds on an idle machine; a first run also converts the GGUF (~20 s),
 # and a busy 2-core CI runner can be several times slower.
@@ -70,11 +72,17 @@ def server_url(default_gguf: Path, cache_dir: Path, tmp_path_factory: pytest.Tem
     # policy to this host's measured forward costs (tests/server/test_router.py covers that).
     policy = log.parent / "policy.json"
     policy.write_text("{}")
+    # An untrained DFlash drafter in the default model's geometry, beside the bundled head: requests
+    # with draft "block" run the side-by-side path (its drafts are rarely accepted; output is exact).
+    dflash = log.parent / "dflash"
+    write_tiny_dflash(dflash, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
+                      vocab_size=49152, num_layers=1, target_layer_ids=[1, 14, 26], num_target_layers=30,
+                      block_size=4, mask_token_id=0, dtype=torch.float16)
     cmd = [sys.executable, "-m", "dualserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--cache-dir", str(cache_dir),
            # Eager: building the default model's compiled graphs takes minutes of CPU on a cold cache, which
            # would compete with the tests; tests/decoders/engine/test_compiled.py covers the compiled step.
-           "--no-compile", "--router-policy", str(policy)]
+           "--no-compile", "--router-policy", str(policy), "--dflash", str(dflash)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -181,11 +181,14 @@ class BlockDrafter(_Drafter):
             return DraftTree([root], [-1])
         dev = self.runner.device
         ctx = self.context(req, st)
-        ids = torch.tensor(self.model.block_ids(root, depth + 1), device=dev)
-        pos = torch.arange(start, start + depth + 1, device=dev)
+        # The whole block, as trained: rows attend to the masks after them too, so a shorter block
+        # would change every row. The chain is cut to ``depth`` after.
+        size = self.model.config.block_size
+        ids = torch.tensor(self.model.block_ids(root, size), device=dev)
+        pos = torch.arange(start, start + size, device=dev)
         # The block's own keys are not stored (slot mapping None): they exist for this forward only.
-        meta = AttentionMetadata([SeqAttention(len(ctx), depth + 1, req.table.blocks, "bidirectional", ctx)], None,
+        meta = AttentionMetadata([SeqAttention(len(ctx), size, req.table.blocks, "bidirectional", ctx)], None,
                                  self.runner.block_size)
         h = self.model(ids, pos, self.runner.attention(self.kv, meta))
-        tokens = self.model.to_target(self.model.logits(h[1:]).argmax(-1)).tolist()
+        tokens = self.model.to_target(self.model.logits(h[1:depth + 1]).argmax(-1)).tolist()
         return DraftTree([root] + tokens, list(range(-1, depth)))

@@ -46,7 +46,7 @@ def test_streamed_stop_is_exact(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
-@pytest.mark.parametrize("draft", ["head", "suffix", "both"])
+@pytest.mark.parametrize("draft", ["head", "block", "suffix", "both"])
 def test_draft_sources_greedy_identical(client, draft):
     """Each choice of draft sources (the ``draft`` body field) gives plain AR's greedy text."""
     text = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
@@ -55,6 +55,10 @@ def test_draft_sources_greedy_identical(client, draft):
     ar = client.chat.completions.create(**kw, extra_body={"decoder": "ar"})
     eagle = client.chat.completions.create(**kw, extra_body={"decoder": "eagle", "draft": draft})
     assert eagle.choices[0].message.content == ar.choices[0].message.content
+    stats = eagle.usage.model_extra["dualserve"]
+    if draft in ("head", "block"):  # the named model alone (the budget may find it does not pay here)
+        other = "block" if draft == "head" else "head"
+        assert not stats.get("suffix_steps") and not stats.get(f"{other}_steps"), str(stats)
 
 
 def test_unknown_draft_source_is_a_400(client):
