@@ -51,6 +51,7 @@ class SourceRate:
     prior: float
     rate: float = -1.0
     accept_length: float = 0.0  # EMA of accepted drafted tokens per step that drafted (reported)
+    weight: float = EMA         # of the newest observation
 
     def __post_init__(self) -> None:
         if self.rate < 0:
@@ -60,8 +61,8 @@ class SourceRate:
         """A step that drafted from this source: ``accepted`` levels passed, then one failed or not."""
         trials = accepted + int(rejected)
         if trials:
-            self.rate += EMA * (accepted / trials - self.rate)
-        self.accept_length += EMA * (accepted - self.accept_length)
+            self.rate += self.weight * (accepted / trials - self.rate)
+        self.accept_length += self.weight * (accepted - self.accept_length)
 
     def idle(self) -> None:
         self.rate += DRIFT * (self.prior - self.rate)

@@ -41,7 +41,7 @@ decoder has; "head"; "suffix"). Without a head, ``eagle`` drafts from suffix loo
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -73,6 +73,12 @@ CPU_TREE = TreeConfig(depth=3, top_k=2, num_nodes=4)
 GPU_TREE = TreeConfig(depth=5, top_k=8, num_nodes=48)
 # Suffix drafts: the most nodes and the deepest path offered per step (the budget picks less).
 SUFFIX_NODES = 16
+# A model source the budget has left unused for this many of a request's steps drafts one level,
+# so its acceptance keeps being measured: a source whose prior says it cannot pay would otherwise
+# never be tried, however good it is. The probe costs one extra token in one step of this many.
+EXPLORE_AFTER = 32
+# Weight of one request-step's outcome in the decoder-wide rate that seeds new requests' rates.
+LEARNED_EMA = 0.05
 # Head features waiting for the head: past this many the head catches up even on a step it does
 # not draft, so a request drafting from suffix alone does not hold features for its whole output.
 MAX_PENDING = 64
@@ -87,6 +93,7 @@ class EagleState(DecoderState):
                                  # (feature j, token j+1); a DFlash drafter: feature j)
     pending: torch.Tensor        # (n, hidden) features of positions head_len .. head_len + n - 1
     model: Source | None = None  # the model source this request drafts from: "head", "block" or none
+    model_idle: int = 0          # steps since the model source last drafted
     last_hidden: torch.Tensor | None = None  # head output at the newest pair: predicts the root's child
     index: TokenIndex = field(default_factory=TokenIndex)  # prompt + output, for suffix drafts
     # This step's budget and suffix draft, made by plan for the request at this many tokens.
@@ -161,6 +168,8 @@ class EagleDecoder:
         self.prefer: Source | None = prefer or next(iter(self.drafters), None)
         # The target features every model needs, computed once in each verify forward.
         self.aux_layers: tuple[int, ...] = tuple(sorted({i for d in self.drafters.values() for i in d.aux_layers}))
+        # Each source's per-level acceptance over every request so far: a new request's rates start here.
+        self.learned: dict[Source, SourceRate] = {s: SourceRate(p, weight=LEARNED_EMA) for s, p in PRIOR_RATE.items()}
         self._last = (0, 0, 0)  # the previous step: requests, forward tokens, tokens emitted
 
     @property
@@ -226,6 +235,9 @@ class EagleDecoder:
             suffix = Offer(tuple(suffix_nodes), rates["suffix"].rate)
             budget = choose_budget(self.cost, head if head_nodes else None, suffix if suffix_nodes else None,
                                    self._others(), cap)
+            if head_nodes and not budget.head_depth and st.model_idle >= EXPLORE_AFTER \
+                    and budget.nodes + head_nodes[0] <= cap:
+                budget = replace(budget, head_depth=1, head_nodes=head_nodes[0])  # a probe (EXPLORE_AFTER)
         st.planned = (req.num_tokens, budget, draft)
         return budget, draft
 
@@ -247,6 +259,7 @@ class EagleDecoder:
             if s.request.decoder_state is None:
                 n, model = s.request.num_computed, self.model_for(s.request)
                 s.request.decoder_state = EagleState(n, n, self._no_features(model), model)
+                s.request.counters_of(EagleCounters).rates = {k: SourceRate(r.rate) for k, r in self.learned.items()}
         decode = [s for s in batch if s.request.num_computed == s.request.num_tokens - 1]
         started = time.perf_counter()
         planned: dict[int, tuple[Budget, SuffixDraft | None]] = {}
@@ -397,16 +410,19 @@ class EagleDecoder:
         counters.accept_lengths.append(emitted)
         if len(tree) == 1:
             counters.plain_steps += 1
-        model = req.decoder_state.model
+        st: EagleState = req.decoder_state
         for source, bit in SOURCE_BITS.items():
-            source = model if source == "head" else source  # bit 0: whichever model drafted
+            source = st.model if source == "head" else source  # bit 0: whichever model drafted
             if source is None:
                 continue
             outcome = source_outcome(tree, path, bit) if tree.sources else None
+            if source == st.model:
+                st.model_idle = 0 if outcome is not None else st.model_idle + 1
             if outcome is None:
                 counters.rates[source].idle()
                 continue
             counters.rates[source].observe(*outcome)
+            self.learned[source].observe(*outcome)
             counters.drafted[source] = counters.drafted.get(source, 0) + 1
             counters.accepted[source] = counters.accepted.get(source, 0) + outcome[0]
 

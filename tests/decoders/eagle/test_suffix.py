@@ -252,3 +252,21 @@ def test_default_model_repetitive_prompt_greedy_identical(default_gguf: Path, ca
     stats = outs[("eagle", "suffix")][-1].stats
     assert stats["suffix_steps"] > 0 and stats["mean_accept_length"] > 1.3, json.dumps(stats)
     dep.engine.pool.check()
+
+
+def test_a_source_its_prior_rules_out_is_probed_and_its_rate_learned() -> None:
+    """A model source whose rate says it cannot pay still drafts one level every EXPLORE_AFTER steps,
+    so a good one is found; the decoder-wide rate it learns seeds the next request's."""
+    from dualserve.decoders.eagle.decoder import EXPLORE_AFTER, LEARNED_EMA
+
+    target = tiny_target(1)  # a bigram target: the oracle head's drafts are all accepted
+    engine = make_engine(target, oracle_head(target), TreeConfig(3, 2, 4), cost=CostCurve(1.0, 2.5))
+    decoder = engine.decoders[("m", "eagle")]
+    decoder.learned["head"] = SourceRate(0.0, weight=LEARNED_EMA)  # rules the head out
+    params = SamplingParams(max_tokens=3 * EXPLORE_AFTER + 8, temperature=0.0, ignore_eos=True, draft="head")
+    first = same_as_ar(engine, [PROMPTS[0]], params)[0][-1].stats
+    assert first["head_steps"] >= 2 and first["head_accept_length"] == 1.0  # probes, each accepted
+    assert decoder.learned["head"].rate > 0.05
+    decoder.learned["head"] = SourceRate(0.95, weight=LEARNED_EMA)  # as if many requests had shown it
+    second = same_as_ar(engine, [PROMPTS[1]], params)[0][-1].stats
+    assert second["head_steps"] > 4 * second["plain_steps"]
