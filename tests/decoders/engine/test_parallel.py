@@ -233,6 +233,24 @@ def test_a_hung_rank_is_noticed_within_the_timeout(llama):
 
 
 @pytest.mark.slow
+def test_dflash_drafter_greedy_identical(llama, tmp_path):
+    """eagle with a DFlash drafter alone: it drafts on rank 0 (unsharded embedding and head) and the
+    verify runs on both ranks; 48 tokens take it past EXPLORE_AFTER, so the untrained drafter drafts."""
+    from tiny_dflash import write_tiny_dflash
+    from tiny_twin import HIDDEN, VOCAB
+
+    write_tiny_dflash(tmp_path, hidden_size=HIDDEN, num_heads=4, num_kv_heads=2, head_dim=HIDDEN // 4,
+                      intermediate_size=48, vocab_size=VOCAB, num_layers=1, target_layer_ids=[0, 1],
+                      num_target_layers=2, block_size=4, mask_token_id=VOCAB - 1)
+    argv = ("--model", str(llama), "--eagle", "none", "--dflash", str(tmp_path), "--twin", "none",
+            "--quantization", "none", "--num-blocks", "64")
+    one = load_deployment(model_args(*argv))
+    want = generate(one, PROMPTS, 48, "eagle")
+    del one
+    with ranks(*argv) as dep:
+        assert generate(dep, PROMPTS, 48, "eagle") == want
+
+
 def test_default_model_greedy_identical_for_every_decoder():
     """SmolLM2-135M (int4, 9 heads over 3 KV heads: split 6/3) with its EAGLE head and diffusion
     twin: the ``exact`` reduction gives the one-rank tokens for ar, eagle and diffusion."""
