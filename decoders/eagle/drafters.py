@@ -166,7 +166,7 @@ class BlockDrafter(_Drafter):
             feats.append(st.pending)
             slots.append(torch.tensor(self.pool.slot_mapping(r.table, st.head_len, st.head_len + n)))
         k, v = self.model.context_kv(torch.cat(feats), torch.cat(pos).to(dev))
-        self.kv.store(torch.cat(slots).to(dev), k, v)
+        self.runner.store_head_kv(self.kv, torch.cat(slots).to(dev), k, v)
         for r in reqs:
             st = r.decoder_state
             st.head_len += len(st.pending)

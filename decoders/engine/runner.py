@@ -109,6 +109,11 @@ class ModelRunner:
         return KVCache(num_layers, self.kv.num_blocks, self.block_size, num_kv_heads, head_dim, self.kv.dtype,
                        self.device)
 
+    def store_head_kv(self, kv: KVCache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write a draft model's keys and values (layers, tokens, kv_heads, head_dim) at ``slots`` of
+        ``kv`` (from ``head_kv``), without running attention: a DFlash drafter's context."""
+        kv.store(slots, k, v)
+
     def attention(self, kv: KVCache, meta: AttentionMetadata) -> AttentionBackend:
         """The attention backend chosen at start-up, over ``kv`` (the model's or a head's)."""
         return self.backend(kv, meta)
