@@ -231,7 +231,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dflash", default=None, help="a DFlash drafter directory, for the block mode")
     p.add_argument("--prompts", nargs="+", default=[str(DEFAULT_PROMPTS), str(AGENTIC_PROMPTS)],
                    help="prompt sets (JSONL with prompt or messages)")
-    p.add_argument("--modes", default="ar,head,suffix,both", help="comma-separated, from " + ", ".join(MODES))
+    p.add_argument("--modes", default=None, help="comma-separated, from " + ", ".join(MODES) +
+                   " (default: all; block only with --dflash)")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="weight format (auto: as served, int4 for the default model)")
     p.add_argument("--compile", action="store_true",
@@ -248,6 +249,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp on the GGUF file")
     p.add_argument("--json", default=None, help="write rows and summary here")
     args = p.parse_args(argv)
+    if args.modes is None:
+        args.modes = ",".join(m for m in MODES if m != "block" or args.dflash)
+    if "block" in args.modes.split(",") and not args.dflash:
+        p.error("mode block needs --dflash DIR")
     if unknown := [m for m in args.modes.split(",") if m and m not in MODES]:
         p.error(f"unknown modes {unknown}")
     return args

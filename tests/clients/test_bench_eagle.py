@@ -21,4 +21,5 @@ def test_summary_ratios_and_identity() -> None:
     assert by_mode["ar"]["ratio_to_ar"] == 1.0
     assert abs(by_mode["suffix"]["ratio_to_ar"] - 30 / 2.5 / 10) < 1e-9
     assert by_mode["suffix"]["identical"] == 1 and by_mode["suffix"]["accept_length"] == 2.25
-    assert parse_args([]).modes.split(",") == list(MODES)
+    assert parse_args([]).modes.split(",") == [m for m in MODES if m != "block"]
+    assert parse_args(["--dflash", "d"]).modes.split(",") == list(MODES)
