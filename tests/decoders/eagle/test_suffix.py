@@ -265,7 +265,8 @@ def test_a_source_its_prior_rules_out_is_probed_and_its_rate_learned() -> None:
     decoder.learned["head"] = SourceRate(0.0, weight=LEARNED_EMA)  # rules the head out
     params = SamplingParams(max_tokens=3 * EXPLORE_AFTER + 8, temperature=0.0, ignore_eos=True, draft="head")
     first = same_as_ar(engine, [PROMPTS[0]], params)[0][-1].stats
-    assert first["head_steps"] >= 2 and first["head_accept_length"] == 1.0  # probes, each accepted
+    # Probes, each accepted in full (once one has raised the request's rate, the budget may draft deeper).
+    assert first["head_steps"] >= 2 and first["head_accept_length"] >= 1.0
     assert decoder.learned["head"].rate > 0.05
     decoder.learned["head"] = SourceRate(0.95, weight=LEARNED_EMA)  # as if many requests had shown it
     second = same_as_ar(engine, [PROMPTS[1]], params)[0][-1].stats
