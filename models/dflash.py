@@ -245,7 +245,12 @@ def load_dflash(path: Path | str, target: Transformer, dtype: torch.dtype | None
 
 def dflash_config_dict(config: DFlashConfig, target: ModelConfig) -> dict:
     c = config.layer
+    r = c.rope_scaling
+    scaling = None if r.kind == "default" else {
+        "rope_type": r.kind, "factor": r.factor, "low_freq_factor": r.low_freq_factor,
+        "high_freq_factor": r.high_freq_factor, "original_max_position_embeddings": r.original_max_position_embeddings}
     return {
+        "rope_scaling": scaling,
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,

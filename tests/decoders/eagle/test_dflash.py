@@ -124,6 +124,17 @@ def test_save_round_trip_and_draft_vocabulary(tmp_path: Path) -> None:
     torch.testing.assert_close(paged_logits(again, feats, 11, 4), paged_logits(drafter, feats, 11, 4))
 
 
+def test_rope_scaling_survives_a_save(tmp_path: Path) -> None:
+    import dataclasses
+    from dualserve.models.config import RopeScaling
+    target = tiny_target(3, 0.5)
+    drafter, _ = tiny_drafter(tmp_path / "a", target)
+    scaled = RopeScaling("llama3", 8.0, 1.0, 4.0, 512)
+    drafter.config = dataclasses.replace(drafter.config, layer=drafter.config.layer.replace(rope_scaling=scaled))
+    save_dflash(drafter, target.config, tmp_path / "b", dtype=torch.float32)
+    assert load_dflash(tmp_path / "b", target).config.layer.rope_scaling == scaled
+
+
 def test_refuses_what_it_cannot_run(tmp_path: Path) -> None:
     import json
     target = tiny_target(3, 0.5)
