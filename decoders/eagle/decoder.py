@@ -3,11 +3,13 @@
 A step of an EAGLE request (Li et al., EAGLE-1/2/3; the tree rules live in
 ``tree.py``):
 
-  1. **catch up**: the draft head consumes the target features of positions it
+  1. **catch up**: the request's model source (``drafters.py``: an EAGLE head, or a
+     DFlash block-diffusion drafter) consumes the target features of positions it
      has not seen (the prompt after prefill, then each step's accepted tokens),
-     writing its own one-layer KV at those positions' slots;
-  2. **draft**: from the head's output at the last committed token (the "root"),
-     grow an EAGLE-2 tree (or a chain); tree nodes live in scratch tensors. Suffix
+     writing its own KV at those positions' slots;
+  2. **draft**: from the last committed token (the "root"), the head grows an
+     EAGLE-2 tree (or a chain) level by level, or the drafter proposes a block in
+     one forward; draft nodes live in scratch tensors. Suffix
      lookup (``suffix.py``) drafts continuations of the prompt, the output so far
      and earlier outputs; both trees merge into one (shared prefixes once). How
      deep each source drafts, or whether to draft at all, is set per step from the
@@ -34,8 +36,9 @@ blocks came from the prefix cache have no head KV (another decoder may have
 written them), so the head attends only from where this request started
 computing; drafts get a shorter context there, results stay exact.
 
-Sources per request: ``SamplingParams.draft`` ("auto" or "both": every source this
-decoder has; "head"; "suffix"). Without a head, ``eagle`` drafts from suffix lookup alone.
+Sources per request: ``SamplingParams.draft`` ("auto" or "both": the preferred model
+and suffix lookup; "head" or "block": that model alone; "suffix"). Without a model,
+``eagle`` drafts from suffix lookup alone.
 """
 
 from __future__ import annotations
