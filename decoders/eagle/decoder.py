@@ -82,8 +82,11 @@ SUFFIX_NODES = 16
 EXPLORE_AFTER = 32
 # Weight of one request-step's outcome in the decoder-wide rate that seeds new requests' rates.
 LEARNED_EMA = 0.05
-# Head features waiting for the head: past this many the head catches up even on a step it does
-# not draft, so a request drafting from suffix alone does not hold features for its whole output.
+# Features waiting for the model source: past this many the source catches up even on a step it
+# does not draft, so a request drafting from suffix alone does not hold features for its whole
+# output; if the source has been idle for EXPLORE_AFTER steps they are dropped instead and its
+# context restarts there (as after a prefix-cache hit: drafts see less, output stays exact), so a
+# source that does not pay, as at a large batch, costs no catch-up forwards.
 MAX_PENDING = 64
 
 
@@ -272,8 +275,16 @@ class EagleDecoder:
                 hit = st.planned is not None and st.planned[0] == s.request.num_tokens
                 planned[id(s.request)] = st.planned[1:] if hit else self._budget(s.request, s.num_lookahead)
         decode = [s for s in decode if not s.request.finished]
-        catch_up = [s.request for s in decode if planned[id(s.request)][0].head_depth
-                    or len(s.request.decoder_state.pending) >= MAX_PENDING]
+        catch_up = []
+        for s in decode:
+            st = s.request.decoder_state
+            if planned[id(s.request)][0].head_depth:
+                catch_up.append(s.request)
+            elif len(st.pending) >= MAX_PENDING:
+                if st.model_idle >= EXPLORE_AFTER:
+                    self._forget(st)
+                else:
+                    catch_up.append(s.request)
         for name, d in self.drafters.items():
             d.catch_up([r for r in catch_up if r.decoder_state.model == name])
         trees = {}
@@ -293,6 +304,7 @@ class EagleDecoder:
         num_tokens = sum(len(it.token_ids) for it in items)
         if self.cost is not None and all(id(s.request) in trees for s in batch):  # decode steps only
             self.cost.observe(num_tokens, time.perf_counter() - started)
+        roots = self._root_logits(batch, items, trees, final)
         offset, emitted = 0, 0
         for s, item in zip(batch, items):
             n = len(item.token_ids)
@@ -310,9 +322,36 @@ class EagleDecoder:
                     tree, rows = DraftTree([req.all_ids[-1]], [-1]), slice(rows.stop - 1, rows.stop)
                 counters = req.counters_of(EagleCounters)
                 counters.draft_seconds += draft_time
-                emitted += self._verify(req, tree, final[rows], [a[rows] for a in aux], emit)
+                emitted += self._verify(req, tree, final[rows], [a[rows] for a in aux], emit, roots.get(id(req)))
                 counters.verify_seconds += time.perf_counter() - started
         self._last = (len(batch), num_tokens, emitted)
+
+    def _root_logits(self, batch: Sequence[Scheduled], items: list[ForwardItem], trees: dict,
+                     final: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Every verifying request's root logits, in one head matmul: at a large batch, a matmul per
+        request cost more than the step's forward (the output head at one row is a fifth of a step)."""
+        rows, owners, offset = [], [], 0
+        for s, item in zip(batch, items):
+            n = len(item.token_ids)
+            if id(s.request) in trees:
+                rows.append(offset)  # the root is a tree's first node
+            elif s.request.num_computed + n >= s.request.num_tokens:
+                rows.append(offset + n - 1)  # the last prefill chunk: its last row is the root
+            else:
+                offset += n
+                continue
+            owners.append(id(s.request))
+            offset += n
+        if not rows:
+            return {}
+        logits = self.runner.logits(final[torch.tensor(rows, device=final.device)])
+        return dict(zip(owners, logits))
+
+    @staticmethod
+    def _forget(st: EagleState) -> None:
+        """Drop the features waiting for an idle model source: its context restarts after them."""
+        st.head_len += len(st.pending)
+        st.head_start, st.pending, st.last_hidden = st.head_len, st.pending[:0], None
 
     def _no_features(self, model: Source | None) -> torch.Tensor:
         width = self.drafters[model].model.config.layer.hidden_size if model is not None else 0
@@ -367,10 +406,11 @@ class EagleDecoder:
 
     # ---- verify ----------------------------------------------------------------
 
-    def _verify(self, req: Request, tree: DraftTree, final: torch.Tensor, aux: list[torch.Tensor], emit) -> int:
+    def _verify(self, req: Request, tree: DraftTree, final: torch.Tensor, aux: list[torch.Tensor], emit,
+                root_logits: torch.Tensor | None = None) -> int:
         """Accept, commit and keep the accepted path; returns the tokens committed."""
         params = req.params
-        cache: dict[int, torch.Tensor] = {}
+        cache: dict[int, torch.Tensor] = {} if root_logits is None else {0: root_logits}
 
         def raw(node: int) -> torch.Tensor:
             if node not in cache:
