@@ -43,10 +43,9 @@ from dualserve.models.loader import LoadedModel
 from dualserve.models.quant import linear_weight
 from dualserve.models.transformer import Transformer
 
-from .distil_prompts import default_held_out
 from .dflash_losses import DFlashStats, default_decay, dflash_loss, draft_index
 from .eagle_data import Cursor, ShardStream, target_batch
-from .eagle_train import draft_vocab, load_checkpoint, lr_at, save_checkpoint
+from .eagle_train import distilled_stream, draft_vocab, load_checkpoint, load_target, lr_at, save_checkpoint
 
 console = Console(stderr=True)
 
@@ -85,7 +84,7 @@ def new_drafter(loaded: LoadedModel, args: argparse.Namespace, d2t: torch.Tensor
     target, model = loaded.config, loaded.model
     if args.layers > target.num_layers:
         raise SystemExit(f"--layers {args.layers}: the target has {target.num_layers}")
-    # No RoPE scaling: the saved config does not carry it, so the drafter is trained as it will be loaded.
+    # Plain RoPE, as EAGLE heads use (``save_dflash`` would carry a scaling if one were set).
     layer = target.replace(num_layers=args.layers, rope_scaling=RopeScaling(), tie_word_embeddings=False)
     ids = target_layers(args, target.num_layers)
     mask = default_mask_token(loaded) if args.mask_token_id is None else args.mask_token_id
@@ -172,14 +171,7 @@ def run(loaded: LoadedModel, args: argparse.Namespace) -> Path:
         torch.set_num_threads(args.threads)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    held_out = default_held_out()  # the evaluation prompts, and any added to clients/prompts since the data
-    tok = loaded.tokenizer
-    exclude = (lambda ids: held_out.overlaps(tok.decode(ids, skip_special_tokens=True))) if tok else None
-    stream = ShardStream(Path(args.data), args.batch_size, args.block, args.seed, args.max_len, exclude)
-    stream.refresh()
-    seqs = [{"ids": s.ids, "prompt_len": torch.tensor(s.prompt_len)} for s in stream.seqs]
-    answer = sum(len(s["ids"]) - int(s["prompt_len"]) for s in seqs)
-    console.log(f"data: {args.data}: {len(seqs)} sequences, {answer} answer tokens")
+    stream, seqs = distilled_stream(loaded, args)  # the evaluation prompts held out
     vocab = loaded.config.vocab_size
     size = vocab if args.draft_vocab <= 0 else min(args.draft_vocab, vocab)
     d2t = draft_vocab(seqs, vocab, size)[0] if size < vocab else torch.zeros(vocab, dtype=torch.long)
@@ -228,14 +220,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def cmd_train_dflash(args: argparse.Namespace) -> int:
-    from dualserve.models.hub import default_cache_dir, resolve_model
-    from dualserve.models.loader import load_model
-
-    cache = default_cache_dir(args.cache_dir)
-    name, path = resolve_model(args.model, cache)
-    loaded = load_model(path, name=name, dtype=torch.float32, device=args.device, cache_dir=cache,
-                        quantization=args.quantization)
-    run(loaded, args)
+    run(load_target(args), args)
     return 0
 
 

@@ -377,11 +377,8 @@ def run(loaded: LoadedModel, args: argparse.Namespace) -> Path:
     return Path(args.output)
 
 
-def run_stream(loaded: LoadedModel, args: argparse.Namespace, work: Path) -> Path:
-    """Train an EAGLE-3 head on the distillation shards in ``args.data``."""
-    if args.kind != "eagle3":
-        raise SystemExit("--data trains EAGLE-3 heads (training-time test); use --kind eagle3")
-    work.mkdir(parents=True, exist_ok=True)
+def distilled_stream(loaded: LoadedModel, args: argparse.Namespace) -> tuple[ShardStream, list[dict]]:
+    """The batches over ``args.data`` and its sequences as ``draft_vocab`` takes them (logged)."""
     # The evaluation prompts were kept out when the data was made; checking again here also keeps
     # out any added to clients/prompts since.
     held_out = default_held_out()
@@ -392,6 +389,15 @@ def run_stream(loaded: LoadedModel, args: argparse.Namespace, work: Path) -> Pat
     seqs = [{"ids": s.ids, "prompt_len": torch.tensor(s.prompt_len)} for s in stream.seqs]
     answer = sum(len(s["ids"]) - int(s["prompt_len"]) for s in seqs)
     console.log(f"data: {args.data}: {len(seqs)} sequences, {answer} answer tokens")
+    return stream, seqs
+
+
+def run_stream(loaded: LoadedModel, args: argparse.Namespace, work: Path) -> Path:
+    """Train an EAGLE-3 head on the distillation shards in ``args.data``."""
+    if args.kind != "eagle3":
+        raise SystemExit("--data trains EAGLE-3 heads (training-time test); use --kind eagle3")
+    work.mkdir(parents=True, exist_ok=True)
+    stream, seqs = distilled_stream(loaded, args)
     d2t, t2d = draft_vocab(seqs, loaded.config.vocab_size, min(args.draft_vocab, loaded.config.vocab_size))
     head = new_head(loaded, args, d2t, t2d)  # a checkpoint, if any, overwrites all of it (vocab maps included)
     head.requires_grad_(True).train()
@@ -437,16 +443,20 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def cmd_train_eagle(args: argparse.Namespace) -> int:
-    """Load the target named by ``args`` and run all stages."""
+def load_target(args: argparse.Namespace) -> LoadedModel:
+    """The target named by ``args`` (--model, --cache-dir, --quantization, --device), in fp32 compute."""
     from dualserve.models.hub import default_cache_dir, resolve_model
     from dualserve.models.loader import load_model
 
     cache = default_cache_dir(args.cache_dir)
     name, path = resolve_model(args.model, cache)
-    loaded = load_model(path, name=name, dtype=torch.float32, device=args.device, cache_dir=cache,
-                        quantization=args.quantization)
-    run(loaded, args)
+    return load_model(path, name=name, dtype=torch.float32, device=args.device, cache_dir=cache,
+                      quantization=args.quantization)
+
+
+def cmd_train_eagle(args: argparse.Namespace) -> int:
+    """Load the target named by ``args`` and run all stages."""
+    run(load_target(args), args)
     return 0
 
 
