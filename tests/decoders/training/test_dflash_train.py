@@ -185,3 +185,17 @@ def test_draft_vocab_index_maps_target_ids() -> None:
     d2t = torch.tensor([3, 3, 5])  # draft ids 0, 1, 2 -> target ids 3, 4, 7
     index = draft_index(d2t, 10)
     assert index.tolist() == [-1, -1, -1, 0, 1, -1, -1, 2, -1, -1]
+
+
+def test_bf16_autocast_step_follows_fp32(target: LoadedModel, data: Path) -> None:
+    """``--bf16`` autocast (any CPU runs it: AMX and AVX512-BF16 natively, AVX2 emulated) gives the
+    fp32 loss within bf16's precision and finite gradients for every parameter."""
+    drafter, _ = new(target, data)
+    batch = toy_batch(target, data, drafter)
+    anchors = sample_anchors(batch, 4, torch.Generator().manual_seed(0))
+    fp32, _ = dflash_loss(drafter, batch, 4, None, 2.0, None, anchors=anchors)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16, _ = dflash_loss(drafter, batch, 4, None, 2.0, None, anchors=anchors)
+    bf16.backward()
+    assert abs(float(bf16) - float(fp32)) < 0.05 * float(fp32)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in drafter.parameters() if p.requires_grad)
