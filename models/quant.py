@@ -9,6 +9,11 @@ decoding streams 4 to 8 times fewer bytes than fp32:
     (``aten._weight_int4pack_mm`` on CUDA), whose packed layout and
     ``(q - 8) * scale + mid`` convention are its own; ``mid = zero + 8 * scale``.
   * ``Int8Linear``: symmetric per output channel, ``w = q * scale``, ``aten._weight_int8pack_mm``.
+  * ``W8A8Linear``: int8 per output channel times int8 activations quantized per
+    token at run time (``torch._int_mm``, int32 accumulation). Integer sums are exact,
+    so a row's result is the same bits for any row count, blocking or thread count,
+    on any CPU; float GEMMs are not (MKL picks kernels by row count and splits long
+    reductions across threads). The twin's adapter uses it for that reason.
   * ``QuantEmbedding``: int8 rows with one scale per group of 32 columns (GGUF's
     Q8_0 exactly); a lookup dequantizes only the rows it gathers.
 
@@ -137,6 +142,55 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}"
+
+
+class W8A8Linear(nn.Module):
+    """y = (round(x / s) @ q^T) * s * scale (+ b): int8 weights per output channel, int8 activations per token.
+
+    ``digits`` > 1 writes each activation as that many int8 digits (x ~ d0 s + d1 s/254 + ...),
+    multiplied in one integer GEMM of stacked rows: about 7 more bits of activation per
+    digit, still exact integer sums.
+    """
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None, digits: int = 1):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.digits = digits
+        self.register_buffer("qweight", q.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.float())
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, digits: int = 1) -> "W8A8Linear":
+        w = w.float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        return cls((w / scales[:, None]).round().clamp(-127, 127), scales, bias, digits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rest = x.reshape(-1, self.in_features).float()
+        step = (rest.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-30)  # per token; a zero row stays zero
+        digits, steps = [], []
+        for _ in range(self.digits):
+            d = (rest / step).round()
+            digits.append(d)
+            steps.append(step)
+            rest, step = rest - d * step, step / 254  # the remainder is within half a step
+        acc = torch._int_mm(torch.cat(digits).to(torch.int8), self.qweight.t()).float()
+        acc = acc.view(self.digits, -1, self.out_features)
+        y = acc[0] * steps[0]
+        for i in range(1, self.digits):
+            y = y + acc[i] * steps[i]
+        y = y * self.scales
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, digits={self.digits}"
 
 
 class QuantEmbedding(nn.Module):

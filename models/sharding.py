@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .adapter import LoRA, MaskedEmbedding
-from .quant import GROUP, Int4Linear, Int8Linear, QuantEmbedding
+from .quant import GROUP, Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear
 from .transformer import Attention, DecoderLayer, SwiGLU, Transformer
 
 
@@ -118,6 +118,8 @@ def take_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
     if isinstance(layer, nn.Linear):
         return float_linear(layer.weight[rows], None if layer.bias is None else layer.bias[rows])
     bias = None if layer.bias is None else layer.bias[rows]
+    if isinstance(layer, W8A8Linear):
+        return W8A8Linear(layer.qweight[rows], layer.scales[rows], bias, layer.digits)
     if isinstance(layer, Int8Linear):
         return Int8Linear(layer.qweight[rows], layer.scales[rows], bias)
     if isinstance(layer, Int4Linear):
@@ -130,6 +132,8 @@ def take_cols(layer: nn.Module, lo: int, hi: int, keep_bias: bool) -> nn.Module:
     if isinstance(layer, nn.Linear):
         return float_linear(layer.weight[:, lo:hi], layer.bias if keep_bias else None)
     bias = layer.bias if keep_bias else None
+    if isinstance(layer, W8A8Linear):
+        return W8A8Linear(layer.qweight[:, lo:hi], layer.scales, bias, layer.digits)
     if isinstance(layer, Int8Linear):
         return Int8Linear(layer.qweight[:, lo:hi], layer.scales, bias)
     if isinstance(layer, Int4Linear):
@@ -234,8 +238,8 @@ class Sharder:
         """Output rows of ``layer`` (``whole_input``: of a row-parallel layer done exactly, a module
         distinct from a column-parallel slice of the same layer)."""
         if isinstance(layer, LoRA):  # B's rows follow the base's; A sees the whole input
-            return self.once(layer, lambda m: LoRA(self.rows(m.base, rows, whole_input), m.lora_A,
-                                                   m.lora_B_t[:, rows].t(), m.scale), whole_input)
+            return self.once(layer, lambda m: LoRA(self.rows(m.base, rows, whole_input), m.down,
+                                                   take_rows(m.up, rows)), whole_input)
         return self.once(layer, lambda m: take_rows(m, rows), whole_input)
 
     def row_parallel(self, layer: nn.Module, in_sizes: Sequence[int], owner: nn.Module) -> nn.Module:
@@ -253,8 +257,8 @@ class Sharder:
 
     def cols(self, layer: nn.Module, lo: int, hi: int) -> nn.Module:
         if isinstance(layer, LoRA):  # A's columns follow the base's; each rank adds its partial product
-            return self.once(layer, lambda m: LoRA(self.cols(m.base, lo, hi), m.lora_A[:, lo:hi].clone(),
-                                                   m.lora_B_t.t(), m.scale))
+            return self.once(layer, lambda m: LoRA(self.cols(m.base, lo, hi), take_cols(m.down, lo, hi, False),
+                                                   m.up))
         return self.once(layer, lambda m: take_cols(m, lo, hi, keep_bias=self.shard.rank == 0))
 
     def attention(self, attn: Attention) -> None:

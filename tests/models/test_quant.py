@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from dualserve.models.attention import DenseAttention
 from dualserve.models.checkpoint import build
 from dualserve.models.config import ModelConfig
-from dualserve.models.formats import FormatTable, choose, measure
+from dualserve.models.formats import FormatTable, choose, copy_format, measure
 from dualserve.models.loader import converted_dir, load_model
-from dualserve.models.quant import (Int4Linear, Int8Linear, QuantEmbedding, dequantize_portable, gguf_blocks,
-                                    quantize_int4)
+from dualserve.models.quant import (Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear, dequantize_portable,
+                                    gguf_blocks, quantize_int4)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,33 @@ def test_int4_and_int8_layers_multiply_by_their_dequantized_weights() -> None:
     q, scales, zeros = quantize_int4(w)
     assert int(q.max()) <= 15 and int(q.min()) >= 0
     assert (Int4Linear(q, scales, zeros).dequantize() - w).abs().max() < scales.max() * 0.51 + 0.05
+
+
+@pytest.mark.parametrize("shape", [(32, 1536), (3072, 32), (96, 128)])
+def test_w8a8_rows_are_the_same_bits_in_any_batch_and_thread_count(shape) -> None:
+    """Integer sums: a row's output depends on that row alone, for every row count and thread count
+    (float GEMMs differ by both on some CPUs), and follows the float product within int8's error."""
+    torch.manual_seed(0)
+    out, inp = shape
+    w, x = torch.randn(out, inp) * 0.05, torch.randn(40, inp)
+    want = x @ w.t()
+    layer = W8A8Linear.from_float(w, digits=2)
+    got = layer(x)
+    one_digit = W8A8Linear.from_float(w)(x)
+    torch.testing.assert_close(one_digit, want, rtol=0.05, atol=0.05 * float(want.abs().max()))
+    # against the int8 weights themselves, the second digit removes nearly all of the activations' error
+    exact = x @ layer.dequantize().t()
+    assert (got - exact).abs().max() < 0.02 * (one_digit - exact).abs().max()
+    threads = torch.get_num_threads()
+    try:
+        for n in {1, threads}:
+            torch.set_num_threads(n)
+            for rows in (1, 2, 3, 5, 8, 11, 16, 17, 40):
+                assert torch.equal(layer(x[:rows]), got[:rows]), (n, rows)
+                assert torch.equal(layer(x[rows - 1:rows]), got[rows - 1:rows]), (n, rows)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(layer(torch.zeros(2, inp)), torch.zeros(2, out))  # a padding row stays zero
 
 
 def test_quantized_embedding_lookup() -> None:
@@ -134,11 +161,24 @@ def test_format_choice_on_every_kind_of_host() -> None:
     assert choose(table(40, 15, 30, 30), "none") == ("none", "bf16")
     # a float checkpoint on a host where int4 is far faster is quantized
     assert choose(table(40, 30, 12, 10), "none") == ("int4", "int4")
+    # w8a8 is never a decode format, however fast: it only ever serves as a second copy
+    fast_copy = FormatTable("test", table(40, 30, 12, 10).ms | {"w8a8": {"1": 5, "8": 6}})
+    assert choose(fast_copy, "int4") == ("int4", "int4")
+
+
+def test_a_second_copy_only_where_it_makes_many_token_forwards_much_cheaper() -> None:
+    """The AMX host's measured table (ms, 1 / 8 tokens): w8a8 makes 8 tokens 2.2x cheaper than int4."""
+    amx = FormatTable("amx", {"int4": {"1": 7.8, "8": 21.0}, "w8a8": {"1": 9.6, "8": 9.7}})
+    assert copy_format(amx, "int4") == "w8a8"
+    # a host without int8 matrix units: not cheaper enough to be worth the memory
+    avx2 = FormatTable("avx2", {"int4": {"1": 9.0, "8": 25.0}, "w8a8": {"1": 20.0, "8": 22.0}})
+    assert copy_format(avx2, "int4") is None
+    assert copy_format(FormatTable("old", {"int4": {"1": 9.0, "8": 25.0}}), "int4") is None  # not measured
 
 
 def test_measure_covers_every_format_and_token_count() -> None:
     cfg = ModelConfig(family="llama", vocab_size=128, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
                       head_dim=16, intermediate_size=96, tie_word_embeddings=True)
     t = measure(cfg)
-    assert set(t.ms) == {"fp32", "bf16", "int8", "int4"}
+    assert set(t.ms) == {"fp32", "bf16", "int8", "int4", "w8a8"}
     assert all(set(v) == {"1", "8"} and min(v.values()) > 0 for v in t.ms.values())
