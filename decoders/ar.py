@@ -104,6 +104,7 @@ class ARDecoder:
     shares_prompt_blocks = True
     supports_infill = False
     default_max_tokens = None
+    draft_choices = ()
 
     def __init__(self, runner: ModelRunner, pool: BlockPool):
         self.runner = runner

@@ -42,6 +42,7 @@ class DecoderTraits:
     # tokens (AR decoders, as llama.cpp does); "none" cannot (block-causal diffusion never sees it).
     infill: Infill = "fim"
     default_max_tokens: int | None = None  # for a request that sets none, where its endpoint has no default
+    drafts: tuple[str, ...] = ()  # the ``draft`` values it serves; () where the field means nothing to it
 
 
 @dataclass(frozen=True)

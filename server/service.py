@@ -434,6 +434,10 @@ class Service:
                                   latency_budget_ms=body.latency_budget_ms, n=body.n,
                                   infill=infill and model.native_infill, structured=structured,
                                   traits=model.traits, fim=infill and not model.native_infill)
+        if body.draft and route.traits.drafts and body.draft not in route.traits.drafts:
+            raise bad_request(f"draft {body.draft!r} names a draft model that {model.name!r} does not load; its "
+                              f"{route.decoder} decoder drafts with: {', '.join(route.traits.drafts)}", "draft",
+                              "invalid_value")
         if infill and route.traits.infill == "none":
             raise bad_request(f"model {model.name!r} cannot infill with its diffusion decoder (block-causal "
                               "attention never sees the suffix); use decoder 'ar' or 'auto'", "suffix",

@@ -153,6 +153,7 @@ class DiffusionDecoder:
 
     name = "diffusion"
     default_max_tokens = DEFAULT_MAX_TOKENS
+    draft_choices = ()
 
     def __init__(self, runner: ModelRunner, pool: BlockPool, config: DiffusionConfig | None = None,
                  max_batched_tokens: int = 512, publish_blocks: bool = True):

@@ -256,6 +256,7 @@ class DiffusionGemmaDecoder:
     supports_infill = False  # the canvas sees only the text before it
     shares_prompt_blocks = True
     default_max_tokens = 256  # a canvas is sized by max_tokens
+    draft_choices = ()
 
     def __init__(self, runner: ModelRunner, pool: BlockPool, denoising: DenoisingConfig | None = None):
         model = runner.model

@@ -60,7 +60,7 @@ from ..engine.blocks import BlockPool, slot_of
 from ..engine.isolation import guard
 from ..engine.request import DecoderCounters, DecoderState, Request
 from ..engine.runner import ForwardItem, ModelRunner
-from ..engine.sampling import process_logits, token_logprobs, truncated_probs
+from ..engine.sampling import DRAFT_CHOICES, process_logits, token_logprobs, truncated_probs
 from ..engine.scheduler import Scheduled
 from .drafters import BlockDrafter, HeadDrafter
 from .budget import NO_DRAFT, PRIOR_RATE, Batch, Budget, CostCurve, Offer, Source, SourceRate, choose_budget
@@ -195,6 +195,11 @@ class EagleDecoder:
         # A verify of at most ``rows_max`` tokens computes each row as AR's decode would (lossless).
         cap = max(0, min(budget - 1, req.remaining - 1, self.runner.rows_max - 1))
         return 1, min(cap, self._budget(req, cap)[0].nodes)
+
+    @property
+    def draft_choices(self) -> tuple[str, ...]:
+        """``draft`` values served: every choice but a model source that is not loaded."""
+        return tuple(c for c in DRAFT_CHOICES if c not in ("head", "block") or c in self.drafters)
 
     def model_for(self, req: Request) -> Source | None:
         """The model source ``req`` drafts from, by its ``draft`` choice within what is loaded."""

@@ -34,6 +34,10 @@ class Decoder(Protocol):
     default_max_tokens: int | None
     """max_tokens when the client sets none; None: whatever room the context leaves."""
 
+    draft_choices: tuple[str, ...]
+    """The request field ``draft`` values it serves (eagle: its loaded draft sources); () where
+    ``draft`` means nothing to it."""
+
     def plan(self, req: Request, budget: int) -> tuple[int, int]:
         """(tokens the next step computes, lookahead slots to reserve) for ``req`` within
         ``budget`` tokens. Pure: the scheduler may call it and then not run the request."""

@@ -134,10 +134,12 @@ def test_route_carries_the_decoders_traits():
 
 def test_traits_come_from_what_each_decoder_declares():
     def decoder(name: str, supports_infill: bool, default_max_tokens: int | None):
-        return SimpleNamespace(name=name, supports_infill=supports_infill, default_max_tokens=default_max_tokens)
+        return SimpleNamespace(name=name, supports_infill=supports_infill, default_max_tokens=default_max_tokens,
+                               draft_choices=("auto", "head", "suffix", "both") if name == "eagle" else ())
 
     assert decoder_traits(decoder("ar", False, None)) == DecoderTraits(infill="fim")  # AR infills with FIM tokens
-    assert decoder_traits(decoder("eagle", False, None)) == DecoderTraits(infill="fim")
+    assert decoder_traits(decoder("eagle", False, None)) == DecoderTraits(infill="fim",
+                                                                        drafts=("auto", "head", "suffix", "both"))
     assert decoder_traits(decoder("diffusion", True, 256)) == DecoderTraits(infill="native", default_max_tokens=256)
     assert decoder_traits(decoder("diffusion", False, 128)) == DecoderTraits(infill="none", default_max_tokens=128)
 
@@ -171,3 +173,23 @@ def test_policy_fitted_to_forward_costs() -> None:
     assert (flat.interactive, flat.high_value) == ("eagle", "eagle")
     assert fit_to_forward_costs(RoutingPolicy(), table(7.0, 7.4), "int4", ["ar", "diffusion"]).interactive == \
         "diffusion"
+
+
+def test_a_draft_model_that_is_not_loaded_is_a_400():
+    """``draft: "block"`` on a model whose eagle decoder has no DFlash drafter is refused with the
+    choices it has; a loaded source routes, and the field means nothing to another decoder."""
+    from dualserve.server.errors import ErrorKind
+    from dualserve.server.protocol import CompletionRequest
+    from dualserve.server.service import ServedModel, Service
+
+    traits = {"eagle": DecoderTraits(drafts=("auto", "head", "suffix", "both")), "ar": DecoderTraits()}
+    model = ServedModel("m", SimpleNamespace(backend=SimpleNamespace(get_vocab=lambda: {"a": 0})), 64,
+                        ["ar", "eagle"], traits)
+    service = Service(None, {"m": model}, Router())
+    body = CompletionRequest(model="m", prompt="hi", draft="block")
+    with pytest.raises(APIError) as err:
+        service.route(model, body, "eagle")
+    assert err.value.kind == ErrorKind.INVALID_REQUEST and err.value.param == "draft"
+    assert "head, suffix" in err.value.message
+    assert service.route(model, CompletionRequest(model="m", prompt="hi", draft="head"), "eagle").decoder == "eagle"
+    assert service.route(model, body, "ar").decoder == "ar"
