@@ -102,7 +102,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     cache = default_cache_dir(None)
     name, path = resolve_model(None, cache)
-    base = load_model(path, name=name, cache_dir=cache)
+    base = load_model(path, name=name, cache_dir=cache, quantization=args.quantization)
     twin = load_twin(args.twin or BUNDLED_TWIN[name], base=base, name=f"{name}-twin")
     head = Path(args.eagle or BUNDLED_EAGLE[name])
     spec = ServedSpec(name, base, eagle_head=head if head.exists() else None, twin=twin)
@@ -179,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--twin", default=None, help="twin directory (default: the bundled one)")
     p.add_argument("--eagle", default=None, help="EAGLE head directory (default: the bundled one)")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--quantization", default="none", choices=["auto", "none", "int8", "int4"],
+                   help="the base model's weights (auto: as served, int4 for the default model)")
     p.add_argument("--json", default=None, help="write the summary (with every output) here")
     args = p.parse_args(argv)
     summary = evaluate(args)

@@ -38,7 +38,7 @@ from torch import nn
 
 from .checkpoint import LoadedModel, build
 from .config import ModelConfig
-from .quant import Int8Linear, W8A8Linear, linear_weight
+from .quant import W8A8Linear
 from .transformer import Transformer
 
 ADAPTER_FILE = "adapter.safetensors"
@@ -184,30 +184,8 @@ def shared_twin(model: Transformer, adapter: dict[str, torch.Tensor], spec: Twin
     return twin.eval().requires_grad_(False)
 
 
-def copied_twin(model: Transformer, adapter: dict[str, torch.Tensor], spec: TwinSpec) -> Transformer:
-    """A twin with its own projections, ``W + scale * B @ A`` in ``W8A8Linear`` (two activation digits),
-    for hosts where that format's many-token forwards are much cheaper than the base's
-    (``models.formats.copy_format``). The embedding, norms and rotary tables stay the AR model's;
-    the head shares the base's int8 weight tensor.
-    """
-    twin = shared_twin(model, adapter, spec)
-    for i, (mine, theirs) in enumerate(zip(twin.layers, model.layers)):
-        for target in LORA_TARGETS:
-            base = theirs.get_submodule(target)
-            w = linear_weight(base).float()
-            if target in spec.targets:
-                a, b = adapter[f"layers.{i}.{target}.lora_A"].float(), adapter[f"layers.{i}.{target}.lora_B"].float()
-                w = w + spec.scale * (b @ a).to(w.device)
-            mine.set_submodule(target, W8A8Linear.from_float(w, getattr(base, "bias", None), digits=2))
-    head = model.lm_head
-    if isinstance(head, Int8Linear):  # the same int8 tensor, multiplied with int8 activations
-        twin.lm_head = W8A8Linear(head.qweight, head.scales.float(), head.bias, digits=2)
-    return twin.eval().requires_grad_(False)
-
-
-def apply_twin(base: LoadedModel, path: Path | str, name: str | None = None, copy: str | None = None) -> LoadedModel:
-    """A twin built from an already loaded base model (which is left unchanged). ``copy`` ("w8a8"): the
-    twin's projections in their own weights of that format, rather than the base's plus the adapter."""
+def apply_twin(base: LoadedModel, path: Path | str, name: str | None = None) -> LoadedModel:
+    """A twin built from an already loaded base model (which is left unchanged)."""
     path = Path(path)
     start = time.perf_counter()
     cfg = json.loads((path / "config.json").read_text())
@@ -218,8 +196,6 @@ def apply_twin(base: LoadedModel, path: Path | str, name: str | None = None, cop
         state = merged_weights(base.model, adapter, spec)
         param = next(base.model.parameters())
         model = build(twin_config(base.model.config, spec), state, param.dtype, param.device)
-    elif copy == "w8a8":
-        model = copied_twin(base.model, adapter, spec)
     else:
         model = shared_twin(base.model, adapter, spec)
     return LoadedModel(name=name or path.name, path=path, config=model.config, model=model,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from dualserve.models.attention import DenseAttention
 from dualserve.models.checkpoint import build
 from dualserve.models.config import ModelConfig
-from dualserve.models.formats import FormatTable, choose, copy_format, measure
+from dualserve.models.formats import FormatTable, choose, measure
 from dualserve.models.loader import converted_dir, load_model
 from dualserve.models.quant import (Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear, dequantize_portable,
                                     gguf_blocks, quantize_int4)
@@ -161,24 +161,11 @@ def test_format_choice_on_every_kind_of_host() -> None:
     assert choose(table(40, 15, 30, 30), "none") == ("none", "bf16")
     # a float checkpoint on a host where int4 is far faster is quantized
     assert choose(table(40, 30, 12, 10), "none") == ("int4", "int4")
-    # w8a8 is never a decode format, however fast: it only ever serves as a second copy
-    fast_copy = FormatTable("test", table(40, 30, 12, 10).ms | {"w8a8": {"1": 5, "8": 6}})
-    assert choose(fast_copy, "int4") == ("int4", "int4")
-
-
-def test_a_second_copy_only_where_it_makes_many_token_forwards_much_cheaper() -> None:
-    """The AMX host's measured table (ms, 1 / 8 tokens): w8a8 makes 8 tokens 2.2x cheaper than int4."""
-    amx = FormatTable("amx", {"int4": {"1": 7.8, "8": 21.0}, "w8a8": {"1": 9.6, "8": 9.7}})
-    assert copy_format(amx, "int4") == "w8a8"
-    # a host without int8 matrix units: not cheaper enough to be worth the memory
-    avx2 = FormatTable("avx2", {"int4": {"1": 9.0, "8": 25.0}, "w8a8": {"1": 20.0, "8": 22.0}})
-    assert copy_format(avx2, "int4") is None
-    assert copy_format(FormatTable("old", {"int4": {"1": 9.0, "8": 25.0}}), "int4") is None  # not measured
 
 
 def test_measure_covers_every_format_and_token_count() -> None:
     cfg = ModelConfig(family="llama", vocab_size=128, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
                       head_dim=16, intermediate_size=96, tie_word_embeddings=True)
     t = measure(cfg)
-    assert set(t.ms) == {"fp32", "bf16", "int8", "int4", "w8a8"}
+    assert set(t.ms) == {"fp32", "bf16", "int8", "int4"}
     assert all(set(v) == {"1", "8"} and min(v.values()) > 0 for v in t.ms.values())
