@@ -207,7 +207,8 @@ def decoder_traits(decoder: Decoder) -> DecoderTraits:
     from .router import FIM_DECODERS, DecoderTraits
 
     infill = "native" if decoder.supports_infill else "fim" if decoder.name in FIM_DECODERS else "none"
-    return DecoderTraits(infill=infill, default_max_tokens=decoder.default_max_tokens)
+    return DecoderTraits(infill=infill, default_max_tokens=decoder.default_max_tokens,
+                         drafts=tuple(decoder.draft_choices))
 
 
 def served_models(dep, max_model_len: int) -> dict[str, ServedModel]:
