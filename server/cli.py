@@ -185,6 +185,9 @@ def pick_format(args: argparse.Namespace, path: Path, cache: Path, dtype: torch.
     log = logging.getLogger("dualserve")
     log.info("forward GEMM cost on this host (ms, 1 token / 8 tokens): %s -> %s",
              ", ".join(f"{f} {a:.1f}/{b:.1f}" for f, a, b in table.as_rows()), candidate)
+    if not table.quiet:
+        log.info("the format table was measured while other processes used %.1f cores: not cached, and the "
+                 "checkpoint's own format is kept; the next quiet start measures again", table.neighbour_cores)
     return quantization, torch.bfloat16 if candidate == "bf16" else dtype, table
 
 

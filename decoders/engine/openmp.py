@@ -39,6 +39,8 @@ from typing import Callable, TypeVar
 
 import torch
 
+from dualserve.models.host import machine_busy_ticks, own_ticks
+
 log = logging.getLogger("dualserve.openmp")
 
 T = TypeVar("T")
@@ -67,21 +69,6 @@ def governed() -> bool:
     """Whether this host's torch runs GNU OpenMP teams that a governor can throttle."""
     return (os.path.exists("/proc/stat") and torch.get_num_threads() > 1
             and "OpenMP" in torch.__config__.parallel_info())
-
-
-def _machine_busy_ticks() -> int:
-    """Busy CPU time of the whole machine, in clock ticks: everything but idle and iowait.
-    Steal counts as busy: the hypervisor took the core."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    return sum(fields) - fields[3] - fields[4]
-
-
-def _own_ticks() -> int:
-    """CPU time of this process (all its threads), in clock ticks."""
-    with open("/proc/self/stat") as f:
-        rest = f.read().rsplit(")", 1)[1].split()
-    return int(rest[11]) + int(rest[12])  # utime, stime (fields 14 and 15 of proc(5))
 
 
 class SpinGovernor:
@@ -128,9 +115,9 @@ class SpinGovernor:
 
     def _watch(self) -> None:
         ticks = os.sysconf("SC_CLK_TCK")
-        busy, own = _machine_busy_ticks(), _own_ticks()
+        busy, own = machine_busy_ticks(), own_ticks()
         while not self._stop.wait(self.interval):
-            busy2, own2 = _machine_busy_ticks(), _own_ticks()
+            busy2, own2 = machine_busy_ticks(), own_ticks()
             # Clamped: the two counters are sampled a moment apart, and per-thread times are rounded.
             other = ((busy2 - busy) - (own2 - own)) / ticks / self.interval
             busy, own = busy2, own2

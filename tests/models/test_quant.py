@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from dualserve.models.attention import DenseAttention
 from dualserve.models.checkpoint import build
 from dualserve.models.config import ModelConfig
-from dualserve.models.formats import FormatTable, choose, measure
+from dualserve.models import formats
+from dualserve.models.formats import FormatTable, cached_measure, choose, measure
+from dualserve.models.host import NeighbourLoad
 from dualserve.models.loader import converted_dir, load_model
 from dualserve.models.quant import (Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear, dequantize_portable,
                                     gguf_blocks, quantize_int4)
@@ -163,9 +165,38 @@ def test_format_choice_on_every_kind_of_host() -> None:
     assert choose(table(40, 30, 12, 10), "none") == ("int4", "int4")
 
 
+TINY = ModelConfig(family="llama", vocab_size=128, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                   head_dim=16, intermediate_size=96, tie_word_embeddings=True)
+
+
 def test_measure_covers_every_format_and_token_count() -> None:
-    cfg = ModelConfig(family="llama", vocab_size=128, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
-                      head_dim=16, intermediate_size=96, tie_word_embeddings=True)
-    t = measure(cfg)
+    t = measure(TINY, rounds=2)
     assert set(t.ms) == {"fp32", "bf16", "int8", "int4"}
     assert all(set(v) == {"1", "8"} and min(v.values()) > 0 for v in t.ms.values())
+    assert t.neighbour_cores >= 0
+
+
+def test_a_table_measured_on_a_busy_host_keeps_the_stored_format_and_is_not_cached(tmp_path, monkeypatch) -> None:
+    # int8 "faster" only because a neighbour slowed the int4 timings: the file's format stays
+    busy = FormatTable("test", table(40, 30, 4, 239).ms, neighbour_cores=1.0)
+    assert not busy.quiet and choose(busy, "int4") == ("int4", "int4")
+    assert choose(busy, "none") == ("none", "fp32")
+    monkeypatch.setattr(formats, "measure", lambda config: busy)
+    assert cached_measure(TINY, tmp_path) is busy
+    assert not (tmp_path / "formats.json").exists()
+    quiet = FormatTable("test", table(40, 30, 12, 10).ms, neighbour_cores=0.1)
+    monkeypatch.setattr(formats, "measure", lambda config: quiet)
+    assert cached_measure(TINY, tmp_path) is quiet
+    monkeypatch.setattr(formats, "measure", lambda config: pytest.fail("measured again"))
+    assert cached_measure(TINY, tmp_path) == quiet  # read back from the cache
+
+
+def test_neighbour_load_counts_another_process_not_this_one() -> None:
+    import subprocess
+    import sys
+
+    with NeighbourLoad() as alone:
+        sum(range(20_000_000))  # this process's own work (about a core for a while) is not a neighbour's
+    with NeighbourLoad() as beside:
+        subprocess.run([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass"])
+    assert alone.cores < 0.4 < beside.cores
