@@ -72,6 +72,7 @@ from typing import Iterator, Sequence
 
 from dualserve.clients.bench import (
     DEFAULT_PROMPTS,
+    WARMUP_PROMPT,
     BenchSpec,
     LevelSummary,
     Prompt,
@@ -305,9 +306,9 @@ async def side_by_side(ours, ours_spec: BenchSpec, base, base_spec: BenchSpec,
                        prompts: Sequence[Prompt], n: int, warmup: int, settle: float = 0.0) -> SideBySide:
     """n prompts, each sent to both servers one after the other, ``settle`` seconds apart; who goes
     first alternates."""
-    for i in range(warmup):
-        await stream_one(ours, ours_spec, prompts[i % len(prompts)])
-        await stream_one(base, base_spec, prompts[i % len(prompts)])
+    for _ in range(warmup):
+        await stream_one(ours, ours_spec, WARMUP_PROMPT)
+        await stream_one(base, base_spec, WARMUP_PROMPT)
     runs: dict[str, list[RequestResult]] = {"ours": [], "base": []}
     wall = {"ours": 0.0, "base": 0.0}
     sides = {"ours": (ours, ours_spec), "base": (base, base_spec)}
