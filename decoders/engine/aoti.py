@@ -28,19 +28,19 @@ with a log line saying why.
 package a process loads or builds removes the packages of the same directory that no process
 has used for ``STALE_DAYS`` (those of an older torch, model or dualserve, mostly).
 
-**Compiled in a child process.** The export (seconds) runs in the server, on the live module;
-the exported program, which holds no weights, is saved and a short-lived child process
-(``python -m dualserve.decoders.engine.aoti``) lowers and compiles it. Inductor's lowering and
-code generation held about 1 GB more in the server while a package built (the default
-deployment's first start peaked at 1.6 GB RSS; its later starts at about 0.65 GB), and the heap
-it left behind stayed fragmented; in a child it is returned to the machine when the child exits.
+**Built in a child process.** ``build`` saves the module (its weights included) and the example
+step to a temporary file, and a short-lived child process (``python -m
+dualserve.decoders.engine.aoti``) exports, lowers and compiles it. In the server, the export
+alone raised the default deployment's resident memory from 0.7 to 1.7 GB, and glibc kept what it
+freed: its first start held 1.5 GB after building its four packages, its later starts 0.65 GB.
+In a child all of it goes back to the machine when the child exits.
 
 **Tracing runs alone** (``TRACING``). ``torch.export`` in non-strict mode traces by patching
 ``torch.nn.Module.__call__`` for the whole process: a module that runs on another thread while
-an export traces is caught by the tracer and fails. The engine runs each step's model code
-through ``TRACING.step()``, and ``build`` traces under ``TRACING.export()``, which waits for the
-running step and holds the next ones until the trace ends (seconds, once per package; the
-C++ compile that follows runs beside the steps).
+an export traces is caught by the tracer and fails. ``build`` exports in its child, where nothing
+else runs; ``build_here`` (the child's body, and any export in a serving process) traces under
+``TRACING.export()``, which waits for the running step and holds the next ones until the trace
+ends. The engine runs each step's model code through ``TRACING.step()``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import inspect
-import json
 import os
 import subprocess
 import sys
@@ -206,37 +205,38 @@ class PackagedGraph:
 
 def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: tuple[dict[int, object], ...],
           path: Path, inductor: dict[str, object]) -> None:
-    """Export ``module`` on ``example`` with ``dynamic`` dims (sizes of one included,
-    ``size_oblivious``), its weights as inputs, and build
-    its package at ``path`` (written under a temporary name and renamed, so a reader never sees
-    half a file)."""
+    """Build ``module``'s package at ``path`` in a child process (the module docstring): exported on
+    ``example`` with ``dynamic`` dims (sizes of one included, ``size_oblivious``) and its weights as
+    inputs, then compiled. Written under a temporary name and renamed, so a reader never sees half
+    a file; raises with the child's last words if it fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    job = path.with_name(f".{path.stem}.{os.getpid()}.job.pt")
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
+    try:
+        torch.save({"module": module, "example": example, "dynamic": dynamic, "inductor": dict(inductor)}, job)
+        # The child unpickles the module's classes, so it imports what this process can.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        done = subprocess.run([sys.executable, "-m", __name__, str(job), str(tmp)], capture_output=True, text=True,
+                              env=env)
+        if done.returncode != 0:
+            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-12:])
+            raise RuntimeError(f"building {path.name} failed in its child process (exit {done.returncode}):\n{tail}")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        job.unlink(missing_ok=True)
+
+
+def build_here(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: tuple[dict[int, object], ...],
+               package: Path, inductor: dict[str, object]) -> None:
+    """Export and compile in this process: the body of ``build``'s child."""
     tensors = _tensors(module)
     names = sorted(tensors)
     wrapped = _WeightsAsInputs(module, names, len(example))
     args = (*example, *(tensors[name] for name in names))
     with TRACING.export(), size_oblivious(), torch.inference_mode(False), torch.no_grad():
         program = torch.export.export(wrapped, args, dynamic_shapes=((*dynamic, *({} for _ in names)),), strict=False)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
-    exported = path.with_name(f".{path.stem}.{os.getpid()}.exported.pt2")
-    try:
-        torch.export.save(program, str(exported))
-        del program
-        compile_in_child(exported, tmp, inductor)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-        exported.unlink(missing_ok=True)
-
-
-def compile_in_child(exported: Path, package: Path, inductor: dict[str, object]) -> None:
-    """Lower and compile the saved exported program at ``exported`` into the package at
-    ``package``, in a child process (the module docstring); raises with the child's last words."""
-    done = subprocess.run([sys.executable, "-m", __name__, str(exported), str(package), json.dumps(inductor)],
-                          capture_output=True, text=True, env=os.environ.copy())
-    if done.returncode != 0:
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-12:])
-        raise RuntimeError(f"compiling {package.name} failed in its child process (exit {done.returncode}):\n{tail}")
+    torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=dict(inductor))
 
 
 def matches(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], tolerance: float = 0.2) -> str | None:
@@ -257,11 +257,11 @@ def matches(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], tolerance
     return None
 
 
-def _compile_main(exported: str, package: str, inductor: str) -> None:
-    """The child process of ``compile_in_child``."""
-    program = torch.export.load(exported)
-    torch._inductor.aoti_compile_and_package(program, package_path=package, inductor_configs=json.loads(inductor))
+def _child(job: str, package: str) -> None:
+    """``build``'s child process: the saved job, exported and compiled into ``package``."""
+    spec = torch.load(job, weights_only=False)
+    build_here(spec["module"], spec["example"], spec["dynamic"], Path(package), spec["inductor"])
 
 
 if __name__ == "__main__":
-    _compile_main(*sys.argv[1:4])
+    _child(*sys.argv[1:3])
