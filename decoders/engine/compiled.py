@@ -33,7 +33,8 @@ sizes of one are not specialised (``aoti.build`` exports size-obliviously), so t
 ``rows`` graph serves one sequence or many, one query row or many: a decode row runs the very code
 a verify row runs. W is padded to at least 2. On the CPU each graph is an AOTInductor package
 (``aoti.py``), built once per host and model under the model cache (minutes on 2 cores) and
-loaded in well under a second on later starts; elsewhere it is a ``torch.compile``'d graph.
+loaded in well under a second on later starts; elsewhere it is a ``torch.compile``'d graph,
+and on CUDA a rows step replays a CUDA graph captured for its bucket of sizes (``cuda_graphs``).
 Either way the work happens on a background thread: until a shape's graph is ready, that shape
 runs eagerly, and every shape's build or load is logged with its time.
 """
@@ -48,7 +49,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch._inductor.runtime.cache_dir_utils import cache_dir as default_cache_dir
@@ -56,6 +57,9 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir as default_cache_d
 from . import aoti
 from .heap import trim_heap
 from .paged_attention import AttentionMetadata, KVCache, SeqAttention, as_stored, mask_tensor
+
+if TYPE_CHECKING:
+    from .cuda_graphs import CudaGraphs
 
 log = logging.getLogger("dualserve.compile")
 
@@ -86,14 +90,17 @@ class PaddedPagedAttention:
         self.new_v: list[torch.Tensor] = []
 
     @classmethod
-    def build(cls, cache: KVCache, meta: AttentionMetadata, device,
-              chunks: bool | None = None) -> "PaddedPagedAttention":
+    def build(cls, cache: KVCache, meta: AttentionMetadata, device, chunks: bool | None = None,
+              sizes: "PaddedSizes | None" = None) -> "PaddedPagedAttention":
         """The padded form of ``meta``; ``chunks``: which attention form (default: the one
-        ``StepShape.of`` picks for these sequences)."""
+        ``StepShape.of`` picks for these sequences); ``sizes``: pad to these (S, Q, W, T), at
+        least the step's own (a CUDA graph's bucket; the step's tokens then come first in T)."""
         seqs = meta.seqs
         total = sum(s.query_len for s in seqs)
         S, Q = len(seqs), max(s.query_len for s in seqs)
         W = max(2, max(s.context_len for s in seqs))
+        if sizes is not None:
+            S, Q, W, total = sizes.sequences, sizes.queries, sizes.context, sizes.tokens
         rows = torch.full((S, Q), total, dtype=torch.long)
         context = torch.zeros(S, W, dtype=torch.long)
         mask = torch.zeros(S, Q, W + Q, dtype=torch.bool)
@@ -109,6 +116,7 @@ class PaddedPagedAttention:
             own = torch.ones(s.query_len, s.query_len, dtype=torch.bool) if new is None else new[:, -s.query_len:]
             mask[i, : s.query_len, W: W + s.query_len] = own
             mask[i, s.query_len:, W + s.query_len - 1] = True  # padded queries see one slot: no empty softmax
+        mask[len(seqs):, :, W - 1] = True  # so do padded sequences' (a bucket's)
         slots = meta.slot_mapping
         chunks = StepShape.of(meta).chunks if chunks is None else chunks
         return cls(cache.stacked, slots.to(device), rows.to(device), context.to(device), mask.to(device), chunks)
@@ -162,6 +170,16 @@ class PaddedPagedAttention:
         probs = torch.softmax(scores.float(), dim=-1).to(vs.dtype).view(S, kv_heads, group * Q, W + Q)
         out = torch.matmul(probs, vs.permute(0, 2, 1, 3))                                    # (S, kv, group * Q, d)
         return out.view(S, kv_heads, group, Q, d).permute(0, 3, 1, 2, 4)                    # (S, Q, kv, group, d)
+
+
+@dataclass(frozen=True)
+class PaddedSizes:
+    """The padded step's sizes: sequences S, query rows Q, cached slots W, token rows T."""
+
+    sequences: int
+    queries: int
+    context: int
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -292,6 +310,8 @@ class CompiledStep:
         self.features: tuple[int, ...] = ()  # feature layers every step computes (set by prewarm)
         self._pending: set[tuple[StepShape, tuple[int, ...]]] = set()
         self._lock = threading.Lock()
+        # CUDA: each compiled rows forward's captured graphs (``cuda_graphs``), by the forward's id.
+        self.cuda_graphs: dict[int, CudaGraphs] | None = {} if self.device.type == "cuda" else None
 
     def fn(self, shape: StepShape, aux_layers: tuple[int, ...]) -> Callable:
         """The torch.compile'd forward of this form that also returns these layers' features. The
@@ -337,7 +357,12 @@ class CompiledStep:
     def _run(self, graph: Callable[..., Sequence[torch.Tensor]], shape: StepShape, ids: torch.Tensor,
              pos: torch.Tensor, meta: AttentionMetadata) -> Sequence[torch.Tensor]:
         """One graph over ``meta``'s sequences: stores their new keys and values, returns the
-        hidden states and the feature layers'."""
+        hidden states and the feature layers'. On CUDA a rows step replays its bucket's CUDA graph."""
+        if self.cuda_graphs is not None and not shape.chunks:
+            replayed = self.cuda_graphs[id(graph)](ids, pos, meta)
+            if replayed is not None:
+                self.cache.store(replayed.slot_mapping, replayed.new_k, replayed.new_v)
+                return replayed.outputs
         attn = PaddedPagedAttention.build(self.cache, meta, ids.device, shape.chunks)
         out = graph(ids, pos, attn.rows, attn.context, attn.mask, self.cache.stacked)
         self.cache.store(attn.slot_mapping, out[-2], out[-1])
@@ -429,6 +454,10 @@ class CompiledStep:
         with torch._dynamo.config.patch(recompile_limit=GRAPH_LIMIT), aoti.size_oblivious(), torch.inference_mode():
             for n in (3, 5):  # two sizes: the graph must be the dynamic one
                 fn(*self._inputs(shape, n))
+        if self.cuda_graphs is not None and not shape.chunks:
+            from .cuda_graphs import CudaGraphs  # CUDA only; it builds on this module's padded form
+
+            self.cuda_graphs[id(fn)] = CudaGraphs(fn, self.cache)
         return fn
 
     def _inputs(self, shape: StepShape, n: int) -> tuple[torch.Tensor, ...]:
