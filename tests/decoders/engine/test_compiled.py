@@ -11,52 +11,12 @@ import torch
 from dualserve.decoders.ar import ARDecoder
 from dualserve.decoders.engine.compiled import ROWS_MAX, PaddedPagedAttention, StepShape
 from dualserve.decoders.engine.engine import Engine, EngineConfig
-from dualserve.decoders.engine.paged_attention import AttentionMetadata, KVCache, SdpaPagedAttention, SeqAttention
+from dualserve.decoders.engine.paged_attention import KVCache, SdpaPagedAttention
 from dualserve.decoders.engine.runner import ModelRunner
 from dualserve.decoders.engine.sampling import SamplingParams
-from dualserve.models.checkpoint import build
-from dualserve.models.config import ModelConfig
 from dualserve.models.quant import Int4Linear
 from dualserve.models.transformer import Transformer
-
-CFG = ModelConfig(family="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=16, intermediate_size=96, tie_word_embeddings=True)
-BLOCK = 4
-
-
-class FakeTokenizer:
-    eos_token_id = None
-    eos_token_ids: tuple[int, ...] = ()
-    vocab_size = CFG.vocab_size
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(chr(65 + i % 26) for i in ids)
-
-    def id_to_token(self, i: int) -> str:
-        return chr(65 + i % 26)
-
-
-def tiny(quantization: str = "none") -> Transformer:
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = Transformer(CFG).eval().requires_grad_(False)
-        for p in model.parameters():
-            p.normal_(0, 0.2) if p.dim() > 1 else p.fill_(1.0)
-    if quantization == "none":
-        return model
-    return build(CFG, dict(model.state_dict()), torch.float32, "cpu", quantization)
-
-
-def meta_for(cache: KVCache, seqs: list[tuple[int, int, object]]) -> AttentionMetadata:
-    """Sequences (context, new tokens, mask) over consecutive blocks, storing the new tokens."""
-    out, slots, block = [], [], 0
-    for context, new, mask in seqs:
-        blocks = list(range(block, block + (context + new + BLOCK - 1) // BLOCK))
-        block += len(blocks)
-        out.append(SeqAttention(context, new, blocks, mask))
-        pos = torch.arange(context, context + new)
-        slots.append(torch.tensor(blocks)[pos // BLOCK] * BLOCK + pos % BLOCK)
-    return AttentionMetadata(out, torch.cat(slots), BLOCK)
+from tiny_engine import BLOCK, CFG, FakeTokenizer, meta_for, tiny
 
 
 @pytest.mark.parametrize("seqs", [
@@ -74,9 +34,9 @@ def test_padded_attention_equals_the_eager_backend(seqs) -> None:
         c.v[0].copy_(caches[0].v[0].normal_())
     total = sum(s[1] for s in seqs)
     q, k, v = torch.randn(total, 4, 16), torch.randn(total, 2, 16), torch.randn(total, 2, 16)
-    want = SdpaPagedAttention(caches[0], meta_for(caches[0], seqs))(0, q, k, v)
+    want = SdpaPagedAttention(caches[0], meta_for(seqs))(0, q, k, v)
     before = caches[1].k[0].clone()
-    padded = PaddedPagedAttention.build(caches[1], meta_for(caches[1], seqs), "cpu")
+    padded = PaddedPagedAttention.build(caches[1], meta_for(seqs), "cpu")
     got = padded(0, q, k, v)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # The graph leaves the cache alone and hands back what to store: the same slots get the same values.

@@ -12,37 +12,13 @@ from dualserve.decoders.ar import ARDecoder
 from dualserve.decoders.engine.compiled import ForwardWithFeatures, PaddedPagedAttention, PaddedSizes, StepShape
 from dualserve.decoders.engine.cuda_graphs import CONTEXT_MIN, bucket
 from dualserve.decoders.engine.engine import Engine, EngineConfig
-from dualserve.decoders.engine.paged_attention import AttentionMetadata, KVCache, SeqAttention
+from dualserve.decoders.engine.paged_attention import KVCache
 from dualserve.decoders.engine.runner import ModelRunner
 from dualserve.decoders.engine.sampling import SamplingParams
-from dualserve.models.config import ModelConfig
 from dualserve.models.transformer import Transformer
+from tiny_engine import BLOCK, CFG, FakeTokenizer, meta_for, tiny
 
-CFG = ModelConfig(family="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=16, intermediate_size=96, tie_word_embeddings=True)
-BLOCK = 4
 TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-
-
-def tiny(device: str = "cpu") -> Transformer:
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = Transformer(CFG).eval().requires_grad_(False)
-        for p in model.parameters():
-            p.normal_(0, 0.2) if p.dim() > 1 else p.fill_(1.0)
-    return model.to(device)
-
-
-def meta_for(seqs: list[tuple[int, int, object]]) -> AttentionMetadata:
-    """Sequences (context, new tokens, mask) over consecutive blocks, storing the new tokens."""
-    out, slots, block = [], [], 0
-    for context, new, mask in seqs:
-        blocks = list(range(block, block + (context + new + BLOCK - 1) // BLOCK))
-        block += len(blocks)
-        out.append(SeqAttention(context, new, blocks, mask))
-        pos = torch.arange(context, context + new)
-        slots.append(torch.tensor(blocks)[pos // BLOCK] * BLOCK + pos % BLOCK)
-    return AttentionMetadata(out, torch.cat(slots), BLOCK)
 
 
 def test_buckets_cover_decode_batches_and_verify_trees_and_nothing_larger() -> None:
@@ -105,17 +81,6 @@ def test_captured_decode_steps_give_the_uncaptured_tokens_on_a_gpu() -> None:
     """On CUDA the compiled rows step replays a captured graph per bucket; greedy tokens equal
     those of the same compiled forward without graphs, in any batch."""
 
-    class FakeTokenizer:
-        eos_token_id = None
-        eos_token_ids: tuple[int, ...] = ()
-        vocab_size = CFG.vocab_size
-
-        def decode(self, ids, skip_special_tokens: bool = True) -> str:
-            return "".join(chr(65 + i % 26) for i in ids)
-
-        def id_to_token(self, i: int) -> str:
-            return chr(65 + i % 26)
-
     def engine_for(model: Transformer, graphs: bool) -> tuple[Engine, object]:
         engine = Engine(EngineConfig(num_blocks=256, block_size=BLOCK, max_batched_tokens=24))
         runner = ModelRunner(model, 256, BLOCK, use_flash=False, device="cuda")
@@ -128,7 +93,7 @@ def test_captured_decode_steps_give_the_uncaptured_tokens_on_a_gpu() -> None:
 
     rng = random.Random(2)
     prompts = [[rng.randrange(3, CFG.vocab_size) for _ in range(rng.randrange(2, 14))] for _ in range(6)]
-    model = tiny("cuda")
+    model = tiny().to("cuda")
     plain, _ = engine_for(model, graphs=False)
     captured, step = engine_for(model, graphs=True)
     want = decode(plain, prompts)
