@@ -29,7 +29,7 @@ package a process loads or builds removes the packages of the same directory tha
 has used for ``STALE_DAYS`` (those of an older torch, model or dualserve, mostly).
 
 **Built in a child process.** ``build`` saves the module (its weights included) and the example
-step to a temporary file, and a short-lived child process (``python -m
+step (the KV pool as its shape only) to a temporary file, and a short-lived child process (``python -m
 dualserve.decoders.engine.aoti``) exports, lowers and compiles it. In the server, the export
 alone raised the default deployment's resident memory from 0.7 to 1.7 GB, and glibc kept what it
 freed: its first start held 1.5 GB after building its four packages, its later starts 0.65 GB.
@@ -213,7 +213,8 @@ def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: t
     job = path.with_name(f".{path.stem}.{os.getpid()}.job.pt")
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
     try:
-        torch.save({"module": module, "example": example, "dynamic": dynamic, "inductor": dict(inductor)}, job)
+        torch.save({"module": module, "example": [_shape_only(t) for t in example], "dynamic": dynamic,
+                    "inductor": dict(inductor)}, job)
         # The child unpickles the module's classes, so it imports what this process can.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         done = subprocess.run([sys.executable, "-m", __name__, str(job), str(tmp)], capture_output=True, text=True,
@@ -225,6 +226,25 @@ def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: t
     finally:
         tmp.unlink(missing_ok=True)
         job.unlink(missing_ok=True)
+
+
+# Example inputs of at least this many elements (the KV pool) travel to the child as their shape:
+# the export reads only their sizes, and saving the pool itself (190 MB per runner on the default
+# deployment) made its pages resident in the server, 180 MB that stayed.
+SHAPE_ONLY_NUMEL = 1 << 20
+
+
+def _shape_only(t: torch.Tensor) -> torch.Tensor | dict:
+    if t.numel() < SHAPE_ONLY_NUMEL:
+        return t
+    return {"shape": tuple(t.shape), "stride": t.stride(), "dtype": t.dtype}
+
+
+def _example(saved: object) -> torch.Tensor:
+    """An example input as ``build`` saved it: itself, or an uninitialised tensor of its shape."""
+    if isinstance(saved, dict):
+        return torch.empty_strided(saved["shape"], saved["stride"], dtype=saved["dtype"])
+    return saved
 
 
 def build_here(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: tuple[dict[int, object], ...],
@@ -260,7 +280,8 @@ def matches(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], tolerance
 def _child(job: str, package: str) -> None:
     """``build``'s child process: the saved job, exported and compiled into ``package``."""
     spec = torch.load(job, weights_only=False)
-    build_here(spec["module"], spec["example"], spec["dynamic"], Path(package), spec["inductor"])
+    example = tuple(_example(saved) for saved in spec["example"])
+    build_here(spec["module"], example, spec["dynamic"], Path(package), spec["inductor"])
 
 
 if __name__ == "__main__":
