@@ -358,8 +358,9 @@ class CompiledStep:
              pos: torch.Tensor, meta: AttentionMetadata) -> Sequence[torch.Tensor]:
         """One graph over ``meta``'s sequences: stores their new keys and values, returns the
         hidden states and the feature layers'. On CUDA a rows step replays its bucket's CUDA graph."""
-        if self.cuda_graphs is not None and not shape.chunks:
-            replayed = self.cuda_graphs[id(graph)](ids, pos, meta)
+        graphs = self.cuda_graphs.get(id(graph)) if self.cuda_graphs is not None else None
+        if graphs is not None:
+            replayed = graphs(ids, pos, meta)
             if replayed is not None:
                 self.cache.store(replayed.slot_mapping, replayed.new_k, replayed.new_v)
                 return replayed.outputs
