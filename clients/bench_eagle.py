@@ -233,7 +233,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="prompt sets (JSONL with prompt or messages)")
     p.add_argument("--modes", default=None, help="comma-separated, from " + ", ".join(MODES) +
                    " (default: all; block only with --dflash)")
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "w4a8"],
                    help="weight format (auto: as served, int4 for the default model)")
     p.add_argument("--compile", action="store_true",
                    help="compiled steps, as the server runs them (waits until every graph is built or loaded)")

@@ -1,7 +1,7 @@
 """Forward cost table: what one forward of T new tokens costs, by weight format, eager and compiled.
 
 Run as ``python -m dualserve.clients.bench_forward`` (on a quiet machine: it times, it does not
-test). For each format of ``--formats`` (``fp32 bf16 int8 int4``) the default model (or
+test). For each format of ``--formats`` (``fp32 bf16 int8 int4 w4a8``) the default model (or
 ``--model``) is loaded in that format, and ONE sequence with ``--context`` cached tokens (128)
 runs forwards of T = 1, 2, 4, 8, 16, 32, 64 new tokens through ``ModelRunner.forward`` with real
 ``ForwardItem``s (a block table over the KV pool, slots to store the new keys/values), followed by
@@ -35,10 +35,11 @@ from typing import Callable, Sequence
 import torch
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
-FORMATS = ("fp32", "bf16", "int8", "int4")
+FORMATS = ("fp32", "bf16", "int8", "int4", "w4a8")
 # format -> (load_model's quantization, dtype)
 FORMAT_LOAD = {"fp32": ("none", torch.float32), "bf16": ("none", torch.bfloat16),
-               "int8": ("int8", torch.float32), "int4": ("int4", torch.float32)}
+               "int8": ("int8", torch.float32), "int4": ("int4", torch.float32),
+               "w4a8": ("w4a8", torch.float32)}
 TARGET_8_OVER_1 = 1.3
 
 

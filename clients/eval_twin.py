@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--twin", default=None, help="twin directory (default: the bundled one)")
     p.add_argument("--eagle", default=None, help="EAGLE head directory (default: the bundled one)")
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--quantization", default="none", choices=["auto", "none", "int8", "int4"],
+    p.add_argument("--quantization", default="none", choices=["auto", "none", "int8", "int4", "w4a8"],
                    help="the base model's weights (auto: as served, int4 for the default model)")
     p.add_argument("--json", default=None, help="write the summary (with every output) here")
     args = p.parse_args(argv)

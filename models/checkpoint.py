@@ -27,7 +27,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .quant import (PORTABLE_KEYS, QuantEmbedding, Quantization, concat_portable, dequantize_portable,
-                    float_to_linear, to_linear, Int8Linear)
+                    float_to_linear, head_linear, to_linear)
 from .tokenizer import Tokenizer
 from .transformer import Transformer
 
@@ -112,8 +112,7 @@ def _quantize_into(model: Transformer, state: dict[str, Weight], fmt: Quantizati
                              else float_to_linear(weight.to(device), bias, fmt, dtype))
     emb = state.pop("embed_tokens.weight")
     head = state.pop("lm_head.weight", emb)
-    swapped["lm_head"] = (to_linear(head, HEAD_QUANTIZATION, None, dtype, device) if isinstance(head, dict)
-                          else Int8Linear.from_float(head.to(device)))
+    swapped["lm_head"] = head_linear(head, fmt, dtype, device)
     if isinstance(emb, dict) and "zeros" not in emb:  # GGUF Q8_0: the exact grouped int8 layout
         swapped["embed_tokens"] = QuantEmbedding(emb["qweight"].to(device), emb["scales"].to(device), dtype)
     else:

@@ -41,16 +41,16 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .host import NeighbourLoad
-from .quant import Int4Linear, Int8Linear, Quantization
+from .quant import Dot8Linear, Int4Linear, Int8Linear, Quantization
 
-Candidate = Literal["fp32", "bf16", "int8", "int4"]
-CANDIDATES: tuple[Candidate, ...] = ("fp32", "bf16", "int8", "int4")
+Candidate = Literal["fp32", "bf16", "int8", "int4", "w4a8"]
+CANDIDATES: tuple[Candidate, ...] = ("fp32", "bf16", "int8", "int4", "w4a8")
 TOKENS = (1, 8)
 # The checkpoint's own format is kept unless another is this much faster: it is exact to the file.
 KEEP_STORED_MARGIN = 0.9
 ROUNDS = 5          # timing rounds; each cell keeps its fastest
 QUIET_CORES = 0.25  # other processes' average use (cores) up to which a table is trusted and cached
-TABLE_VERSION = 2   # cache entries of another version are measured again
+TABLE_VERSION = 3   # cache entries of another version are measured again
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,12 @@ class FormatTable:
 
     def as_rows(self) -> list[tuple[str, float, float]]:
         return [(f, v["1"], v["8"]) for f, v in self.ms.items()]
+
+
+def candidates() -> tuple[Candidate, ...]:
+    """The formats this host can run: w4a8 needs the project's kernel (``models.kernels``) built."""
+    from . import kernels
+    return CANDIDATES if kernels.available() else tuple(c for c in CANDIDATES if c != "w4a8")
 
 
 def host_key() -> str:
@@ -105,6 +111,8 @@ def _layer(fmt: Candidate, out: int, inp: int, head: bool):
     if fmt == "bf16":
         wb = w.bfloat16()
         return lambda x: F.linear(x.bfloat16(), wb)
+    if fmt == "w4a8":
+        return Dot8Linear.from_float(w, bits=8 if head or inp % 32 else 4)
     if fmt == "int8" or head or inp % 32:
         return Int8Linear.from_float(w)  # quantized models keep an int8 head (checkpoint.HEAD_QUANTIZATION)
     return Int4Linear.from_float(w)
@@ -113,17 +121,18 @@ def _layer(fmt: Candidate, out: int, inp: int, head: bool):
 @torch.inference_mode()
 def measure(config: ModelConfig, rounds: int = ROUNDS) -> FormatTable:
     """Every format at every token count once per round, each cell its fastest round (module docstring)."""
+    formats = candidates()
     layers = {fmt: [(_layer(fmt, o, i, o == config.vocab_size), i, c) for o, i, c in _shapes(config)]
-              for fmt in CANDIDATES}
+              for fmt in formats}
     inputs = {(tokens, inp): torch.randn(tokens, inp) for tokens in TOKENS for _, inp, _ in _shapes(config)}
-    for fmt in CANDIDATES:  # first calls pack weights and pick kernels: not timed
+    for fmt in formats:  # first calls pack weights and pick kernels: not timed
         for layer, inp, _ in layers[fmt]:
             for tokens in TOKENS:
                 layer(inputs[tokens, inp])
-    ms = {fmt: {str(tokens): float("inf") for tokens in TOKENS} for fmt in CANDIDATES}
+    ms = {fmt: {str(tokens): float("inf") for tokens in TOKENS} for fmt in formats}
     with NeighbourLoad() as load:
         for _ in range(rounds):
-            for fmt in CANDIDATES:
+            for fmt in formats:
                 for tokens in TOKENS:
                     total = sum(_time(lambda: layer(inputs[tokens, inp])) * count for layer, inp, count in layers[fmt])
                     ms[fmt][str(tokens)] = min(ms[fmt][str(tokens)], round(total, 3))
@@ -154,7 +163,7 @@ def choose(table: FormatTable, stored: Quantization) -> tuple[Quantization, Cand
     Returns (quantization, candidate); quantization "none" means float weights, in
     the candidate's dtype (fp32 or bf16).
     """
-    best = min(CANDIDATES, key=table.decode_ms)
+    best = min((f for f in candidates() if f in table.ms), key=table.decode_ms)
     own: Candidate = "fp32" if stored == "none" else stored
     if not table.quiet or (best != own and table.decode_ms(best) > KEEP_STORED_MARGIN * table.decode_ms(own)):
         best = own

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-Quantization = Literal["none", "int8", "int4"]
+Quantization = Literal["none", "int8", "int4", "w4a8"]
 GROUP = 32  # GGUF's block size, and the int4 group size
 PORTABLE_KEYS = ("qweight", "scales", "zeros")
 
@@ -193,6 +193,69 @@ class W8A8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, digits={self.digits}"
 
 
+class Dot8Linear(nn.Module):
+    """y = x @ W^T (+ b) with W in groups of 32 (int4 with scale and minimum, or int8 with a
+    scale: GGUF's Q4_1 / Q8_0 blocks) and x quantized per row to int8 groups of 32 at run
+    time, multiplied in exact integer sums by ``dualserve::dot8_linear`` (``models.kernels``).
+    """
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int,
+                 bias: torch.Tensor | None = None):
+        """q (out, in): 0..15 with w = q * scale + min (bits 4), or -127..127 with w = q * scale (bits 8)."""
+        super().__init__()
+        from . import kernels
+        if not kernels.available():
+            raise RuntimeError(f"the dot8 kernel is not available here: {kernels.unavailable_reason()}")
+        self.out_features, self.in_features = q.shape
+        self.bits = bits
+        packed, d, m = kernels.pack(q.cpu(), scales.cpu(), None if mins is None else mins.cpu(), bits)
+        self.register_buffer("packed", packed.to(q.device))
+        self.register_buffer("d", d.to(q.device))
+        self.register_buffer("m", m.to(q.device))
+        self.register_buffer("bias", None if bias is None else bias.float())
+
+    def __setstate__(self, state):  # an unpickled layer (a build's child process) needs the library too
+        from . import kernels
+        kernels.available()
+        super().__setstate__(state)
+
+    @classmethod
+    def from_int4(cls, q, scales, zeros, bias=None) -> "Dot8Linear":
+        return cls(q, scales, zeros, 4, bias)
+
+    @classmethod
+    def from_grouped(cls, q: torch.Tensor, scales: torch.Tensor) -> "Dot8Linear":
+        """Q8_0 groups as they are: no rounding."""
+        return cls(q, scales, None, 8)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, bits: int = 4) -> "Dot8Linear":
+        if bits == 4:
+            return cls(*quantize_int4(w), 4, bias)
+        out, inp = w.shape
+        g = w.float().view(out, inp // GROUP, GROUP)
+        scales = (g.abs().amax(-1) / 127).clamp(min=1e-12).half().float()
+        return cls((g / scales[..., None]).round().clamp(-127, 127).view(out, inp), scales, None, 8, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype not in (torch.float32, torch.bfloat16):
+            x2 = x2.float()
+        y = torch.ops.dualserve.dot8_linear(x2.contiguous(), self.packed, self.d, self.m, self.out_features, self.bits)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weight (out, in) this layer multiplies by (for tests and references)."""
+        from .kernels import unpack
+        return unpack(self.packed.cpu(), self.d.cpu(), self.m.cpu(), self.out_features, self.in_features, self.bits)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, activations=int8 groups of 32"
+
+
 class QuantEmbedding(nn.Module):
     """Token embeddings stored as int8 with one scale per group of columns; rows dequantize on lookup."""
 
@@ -288,6 +351,10 @@ def to_linear(parts: dict[str, torch.Tensor], fmt: Quantization, bias: torch.Ten
               dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     """A portable weight as a linear layer in ``fmt``: int4 stays exact when it came as int4."""
     parts = {k: v.to(device) for k, v in parts.items()}
+    if fmt == "w4a8" and portable_kind(parts) == "int4" and parts["qweight"].shape[1] % GROUP == 0:
+        return Dot8Linear.from_int4(parts["qweight"], parts["scales"], parts["zeros"], bias)
+    if fmt == "w4a8" and portable_kind(parts) == "int8_grouped" and parts["qweight"].shape[1] % GROUP == 0:
+        return Dot8Linear.from_grouped(parts["qweight"], parts["scales"])
     if fmt == "int4" and portable_kind(parts) == "int4":
         return Int4Linear(parts["qweight"], parts["scales"], parts["zeros"], bias)
     if fmt == "int8" and portable_kind(parts) == "int8_grouped":
@@ -296,8 +363,27 @@ def to_linear(parts: dict[str, torch.Tensor], fmt: Quantization, bias: torch.Ten
     return float_to_linear(w, bias, fmt, dtype)
 
 
+def head_linear(weight: dict[str, torch.Tensor] | torch.Tensor, fmt: Quantization, dtype: torch.dtype,
+                device: torch.device | str) -> nn.Module:
+    """The output head of a quantized model: 8 bits whatever the layers use (checkpoint.HEAD_QUANTIZATION),
+    in the layers' kernel family: int8 groups of 32 under w4a8 (a Q8_0 head exactly), else int8 per channel."""
+    width = weight["qweight"].shape[1] if isinstance(weight, dict) else weight.shape[1]
+    if fmt == "w4a8" and width % GROUP == 0:
+        if isinstance(weight, dict) and portable_kind(weight) == "int8_grouped":
+            return Dot8Linear.from_grouped(weight["qweight"].to(device), weight["scales"].to(device))
+        w = dequantize_portable(weight) if isinstance(weight, dict) else weight
+        return Dot8Linear.from_float(w.to(device), bits=8)
+    if isinstance(weight, dict):
+        return to_linear(weight, "int8", None, dtype, device)
+    return Int8Linear.from_float(weight.to(device))
+
+
 def float_to_linear(w: torch.Tensor, bias: torch.Tensor | None, fmt: Quantization,
                     dtype: torch.dtype) -> nn.Module:
+    if fmt == "w4a8" and w.shape[1] % GROUP == 0:
+        return Dot8Linear.from_float(w, bias)
+    if fmt == "w4a8":
+        fmt = "int8"
     if fmt == "int4" and w.shape[1] % GROUP == 0:
         return Int4Linear.from_float(w, bias)
     if fmt in ("int4", "int8"):

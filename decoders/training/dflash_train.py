@@ -190,7 +190,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``train-dflash`` flags, for this module's own parser or a subcommand of ``dualserve``."""
     p.add_argument("--model", default=None, help="target: HF directory, .gguf file or known name (default model)")
     p.add_argument("--cache-dir", default=None)
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "w4a8"],
                    help="target weight format; auto keeps the checkpoint's (int4 for a Q4 GGUF), as served")
     p.add_argument("--data", required=True, help="distillation shards (distil.py); they may still be growing")
     p.add_argument("--output", required=True, help="drafter directory to write (config.json + model.safetensors)")

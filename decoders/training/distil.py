@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Self-distil the target's answers into resumable shards.")
     p.add_argument("--model", default=None, help="target: HF directory, .gguf file or known name (default model)")
     p.add_argument("--cache-dir", default=None)
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "w4a8"],
                    help="weight format; auto keeps the checkpoint's (int4 for the default Q4 GGUF), as served")
     p.add_argument("--out", default=None, help="default: <cache>/distil/<model>-<format>")
     p.add_argument("--tokens", type=int, default=500_000, help="stop once this many answer tokens exist")

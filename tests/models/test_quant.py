@@ -171,7 +171,7 @@ TINY = ModelConfig(family="llama", vocab_size=128, hidden_size=64, num_layers=1,
 
 def test_measure_covers_every_format_and_token_count() -> None:
     t = measure(TINY, rounds=2)
-    assert set(t.ms) == {"fp32", "bf16", "int8", "int4"}
+    assert set(t.ms) == set(formats.candidates()) >= {"fp32", "bf16", "int8", "int4"}
     assert all(set(v) == {"1", "8"} and min(v.values()) > 0 for v in t.ms.values())
     assert t.neighbour_cores >= 0
 

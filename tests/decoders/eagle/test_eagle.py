@@ -333,7 +333,7 @@ def assert_first_two_tokens_follow(target, prompt: list[int], params: SamplingPa
 
 # ---- the real default model with its bundled head -------------------------------------
 
-@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("quantization", ["none", "int4", "w4a8"])
 def test_default_model_greedy_identical(default_gguf: Path, cache_dir: Path, quantization: str) -> None:
     """The bundled SmolLM2 head: the greedy tokens of plain AR on a few benchmark prompts, in fp32 and in the
     default model's own int4 (one of these prompts has a near-tie in int4 that a verify computed with other

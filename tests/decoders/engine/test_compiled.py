@@ -1,5 +1,5 @@
 """The compiled step: padded paged attention equals the eager backend, and compiled engines decode the
-same greedy tokens as eager ones, in every batch composition, in fp32 and with int4 weights."""
+same greedy tokens as eager ones, in every batch composition, in fp32, with int4 weights and in w4a8."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from dualserve.decoders.engine.engine import Engine, EngineConfig
 from dualserve.decoders.engine.paged_attention import KVCache, SdpaPagedAttention
 from dualserve.decoders.engine.runner import ModelRunner
 from dualserve.decoders.engine.sampling import SamplingParams
-from dualserve.models.quant import Int4Linear
+from dualserve.models import kernels
+from dualserve.models.quant import Dot8Linear, Int4Linear
 from dualserve.models.transformer import Transformer
 from tiny_engine import BLOCK, CFG, FakeTokenizer, meta_for, tiny
 
@@ -70,11 +71,15 @@ def decode(engine: Engine, prompts: list[list[int]], waves: int) -> list[list[in
     return [out[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("quantization", ["none", "int4", "w4a8"])
 def test_compiled_engine_decodes_the_eager_tokens_in_any_batch(quantization: str) -> None:
+    if quantization == "w4a8" and not kernels.available():
+        pytest.skip("no C++ compiler for the dot8 kernel")
     model = tiny(quantization)
     if quantization == "int4":
         assert isinstance(model.layers[0].mlp.down_proj, Int4Linear)
+    if quantization == "w4a8":
+        assert isinstance(model.layers[0].mlp.down_proj, Dot8Linear)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, CFG.vocab_size) for _ in range(rng.randrange(2, 14))] for _ in range(8)]
     eager = [decode(engine_for(model, False), [p], 1)[0] for p in prompts]

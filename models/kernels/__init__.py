@@ -1,0 +1,179 @@
+"""The project's own CPU kernel: ``dualserve::dot8_linear`` (``dot8.cpp``).
+
+PyTorch's weight-only kernels widen every weight to a float and multiply in
+floats: at one token they stream the weights as fast as memory allows, but each
+more token costs another pass of float work, so eight tokens (an EAGLE verify, a
+diffusion block) cost 2.4x one on a 2-core AVX-512 host. ``dot8`` multiplies the
+way llama.cpp does: activations are quantized per row to int8 groups of 32, each
+group's dot product with the int4 or int8 weight group is an exact integer sum
+(AVX512-VNNI ``vpdpbusd``: 64 multiply-adds per instruction), and a weight group
+is unpacked once for up to eight rows. Integer sums are exact, so a row's result
+does not depend on how many rows came with it, on the thread count, or on which
+code path (AVX512-VNNI, AVX2, plain C) the host runs.
+
+The source is compiled at first use with the host's C++ compiler (about 40 s) into
+``<cache>/kernels/`` under a name that hashes the source, the compiler and the
+torch build, and loaded with ``torch.ops.load_library``. Without a compiler the
+kernel is reported unavailable and the formats that need it are not offered.
+The code path is chosen at run time from the CPU's flags, never at compile time,
+so one build serves every CPU.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("dot8.cpp")
+TILE = 16
+GROUP = 32
+_loaded: bool | None = None
+_error: str | None = None
+
+
+def _cache_dir() -> Path:
+    from ..hub import default_cache_dir
+    return default_cache_dir() / "kernels"
+
+
+def _flags() -> list[str]:
+    from torch.utils.cpp_extension import include_paths, library_paths
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    inc = [f"-I{p}" for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    lib = library_paths()[0]
+    return ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *inc, f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def library_path() -> Path:
+    """Where this source, compiler and torch build's library lives (built or not)."""
+    try:
+        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise RuntimeError(f"no C++ compiler ({_compiler()}): {e}") from e
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), version, torch.__version__, sys.version,
+                                    " ".join(_flags())]).encode()).hexdigest()[:16]
+    return _cache_dir() / f"dot8-{key}.so"
+
+
+def build() -> Path:
+    """Compile the kernel if this machine has not yet (one process at a time, atomically)."""
+    so = library_path()
+    if so.exists():
+        return so
+    so.parent.mkdir(parents=True, exist_ok=True)
+    with open(so.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not so.exists():
+            tmp = so.with_suffix(f".{os.getpid()}.tmp")
+            cmd = [_compiler(), str(SOURCE), "-o", str(tmp), *_flags()]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                tmp.unlink(missing_ok=True)
+                raise RuntimeError(f"building {SOURCE.name} failed:\n{done.stderr[-4000:]}")
+            tmp.rename(so)
+    return so
+
+
+def available() -> bool:
+    """Whether ``torch.ops.dualserve.dot8_linear`` can run here (built and loaded on first call)."""
+    global _loaded, _error
+    if _loaded is None:
+        try:
+            if not hasattr(torch.ops.dualserve, "dot8_linear"):
+                torch.ops.load_library(str(build()))
+                _register_fake()
+            _loaded = True
+        except (RuntimeError, OSError) as e:
+            _loaded, _error = False, str(e)
+    return _loaded
+
+
+def unavailable_reason() -> str | None:
+    available()
+    return _error
+
+
+def code_path() -> str:
+    """The instruction set the kernel runs with on this CPU: avx512_vnni, avx2 or scalar."""
+    if not available():
+        raise RuntimeError(_error)
+    return torch.ops.dualserve.dot8_path()
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("dualserve::dot8_linear")
+    def _(x, q, d, m, n, bits, force_scalar=0):
+        return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+
+# ---- the packed layout (dot8.cpp's header) ----------------------------------------
+
+def pack(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (out, in): 0..15 (bits 4, w = d q + m) or -127..127 (bits 8, w = d q), in groups of
+    32 along the input with scales/mins (out, in // 32). Returns the kernel's (q, d, m)."""
+    out, inp = q.shape
+    if inp % GROUP:
+        raise ValueError(f"dot8 needs an input width divisible by {GROUP}, not {inp}")
+    tiles, groups = -(-out // TILE), inp // GROUP
+    pad = tiles * TILE - out
+    q = q.to(torch.int16)
+    if bits == 8:
+        q = q + 128
+        mins = torch.zeros_like(scales) if mins is None else mins
+    q = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(tiles, TILE, groups, GROUP)
+    if bits == 4:
+        # chunk j: lane c byte b = q[c, 8j + b] | q[c, 8j + 4 + b] << 4
+        g = q.view(tiles, TILE, groups, 4, 2, 4)
+        packed = (g[..., 0, :] | (g[..., 1, :] << 4))                  # (tiles, 16, groups, 4, 4)
+    else:
+        packed = q.view(tiles, TILE, groups, 8, 4)                        # chunk j: k = 4j..4j+3
+    packed = packed.permute(0, 2, 3, 1, 4).contiguous().to(torch.uint8)  # (tiles, groups, chunk, 16, 4)
+
+    def per_tile(v: torch.Tensor) -> torch.Tensor:
+        v = torch.nn.functional.pad(v.float(), (0, 0, 0, pad)).view(tiles, TILE, groups)
+        return v.permute(0, 2, 1).contiguous().half()
+    return packed.flatten(), per_tile(scales), per_tile(mins)
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+              bits: int) -> torch.Tensor:
+    """What ``dot8_linear`` computes, in float64 from the unpacked weight (for tests)."""
+    x = x.float()
+    rows, inp = x.shape
+    xg = x.view(rows, -1, GROUP)
+    sx = xg.abs().amax(-1) / 127
+    a = torch.where(sx[..., None] > 0, torch.round(xg / sx[..., None]), torch.zeros_like(xg)).double()
+    d = scales.half().double()
+    m = (torch.zeros_like(scales) if mins is None else mins).half().double()
+    qg = q.double().view(q.shape[0], -1, GROUP)
+    dot = torch.einsum("rgk,ngk->rng", a, qg)
+    y = dot * d[None] + (m[None] * a.sum(-1)[:, None, :] if bits == 4 else 0)
+    return (y * sx.double()[:, None, :]).sum(-1)
+
+
+def unpack(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, out: int, inp: int, bits: int) -> torch.Tensor:
+    """The float weight (out, in) a packed layer stands for (``pack`` inverted)."""
+    tiles, groups = -(-out // TILE), inp // GROUP
+    b = packed.view(tiles, groups, -1, TILE, 4).to(torch.int16)
+    if bits == 4:
+        q = torch.stack([b & 0x0F, b >> 4], dim=3)                 # (tiles, groups, chunk, 2, 16, 4)
+        q = q.permute(0, 4, 1, 2, 3, 5).reshape(tiles * TILE, inp)
+    else:
+        q = b.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, inp) - 128
+    scale = d.float().permute(0, 2, 1).reshape(tiles * TILE, groups, 1)
+    low = m.float().permute(0, 2, 1).reshape(tiles * TILE, groups, 1)
+    w = q.float().view(tiles * TILE, groups, GROUP) * scale + (low if bits == 4 else 0)
+    return w.view(tiles * TILE, inp)[:out]

@@ -1,0 +1,386 @@
+// dualserve::dot8_linear: y = x @ W^T with W in GGUF-style groups of 32 (int4 with a
+// scale and a minimum, or int8 with a scale) and x quantized per row to int8 groups
+// of 32 (llama.cpp's Q8 activations). Every group's dot product is an exact integer
+// sum (AVX512-VNNI vpdpbusd, AVX2 vpmaddubsw, or plain C), so all code
+// paths give the same integers; the float epilogue runs in one fixed order per
+// output, so a row's result is the same bits for any row count, thread count or CPU.
+//
+// Weight layout (built by models/kernels/__init__.py: pack):
+//   tiles of 16 output channels; per tile, per group g, CHUNKS chunks of 64 bytes,
+//   lane c (4 bytes) of a chunk belongs to channel c of the tile:
+//     int4 (bits 4): chunk j holds k = 8j..8j+3 in the low nibbles and 8j+4..8j+7
+//                    in the high nibbles, q in 0..15, w = d * q + m;
+//     int8 (bits 8): chunk j holds k = 4j..4j+3 as u = q + 128, w = d * q.
+//   d and m: fp16, [tile][group][16].
+// Per output channel n and row r:  y = sum_g sx[r,g] * (d[n,g] * dot + m[n,g] * asum[r,g])
+// where dot = sum_k q[n,k] a[r,k] (int4) or sum_k u a - 128 asum (int8), a = round(x / sx).
+
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define DOT8_X86 1
+#endif
+
+namespace {
+
+constexpr int TILE = 16;
+constexpr int GROUP = 32;
+constexpr int MAX_ROWS = 8;  // rows per register block
+
+struct Acts {
+  const int8_t* a;     // (M, K)
+  const float* sx;     // (M, G)
+  const int32_t* sum;  // (M, G)
+  int64_t K, G;
+};
+
+struct Weights {
+  const uint8_t* q;
+  const uint16_t* d;  // fp16 bits
+  const uint16_t* m;
+  int64_t G;
+  int bits;
+  int chunks() const { return bits == 4 ? 4 : 8; }
+  const uint8_t* tile(int64_t t) const { return q + t * G * chunks() * 64; }
+  const uint16_t* dt(int64_t t) const { return d + t * G * TILE; }
+  const uint16_t* mt(int64_t t) const { return m + t * G * TILE; }
+};
+
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---- the reference path: plain C, the same integers and the same float order ----
+
+void tile_scalar(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
+                 int valid) {
+  const uint8_t* q = w.tile(t);
+  for (int r = 0; r < rows; ++r) {
+    const int8_t* a = x.a + (r0 + r) * x.K;
+    for (int c = 0; c < valid; ++c) {
+      float y = 0.f;
+      for (int64_t g = 0; g < w.G; ++g) {
+        const uint8_t* qg = q + g * w.chunks() * 64;
+        int32_t dot = 0;
+        for (int j = 0; j < w.chunks(); ++j) {
+          const uint8_t* lane = qg + j * 64 + c * 4;
+          for (int b = 0; b < 4; ++b) {
+            if (w.bits == 4) {
+              dot += int32_t(lane[b] & 0x0F) * a[g * GROUP + 8 * j + b];
+              dot += int32_t(lane[b] >> 4) * a[g * GROUP + 8 * j + 4 + b];
+            } else {
+              dot += (int32_t(lane[b]) - 128) * a[g * GROUP + 4 * j + b];
+            }
+          }
+        }
+        const int64_t rg = (r0 + r) * x.G + g;
+        float v = half_to_float(w.dt(t)[g * TILE + c]) * float(dot);
+        if (w.bits == 4) v = std::fma(half_to_float(w.mt(t)[g * TILE + c]), float(x.sum[rg]), v);
+        y = std::fma(x.sx[rg], v, y);
+      }
+      out[r * ldo + c] = y;
+    }
+  }
+}
+
+#ifdef DOT8_X86
+
+// ---- AVX-512 VNNI: 16 channels per register ----
+
+template <int R, int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))
+void tile_avx512_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, float* out, int64_t ldo, int valid) {
+  constexpr int CH = BITS == 4 ? 4 : 8;
+  const uint8_t* q = w.tile(t);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.G; ++g) {
+    __m512i acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    const uint8_t* qg = q + g * CH * 64;
+    const int64_t k0 = g * GROUP;
+    for (int j = 0; j < CH; ++j) {
+      const __m512i v = _mm512_loadu_si512(qg + j * 64);
+      if (BITS == 4) {
+        const __m512i lo = _mm512_and_si512(v, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = x.a + (r0 + r) * x.K + k0 + 8 * j;
+          acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi32(load4(a)));
+          acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(load4(a + 4)));
+        }
+      } else {
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = x.a + (r0 + r) * x.K + k0 + 4 * j;
+          acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(load4(a)));
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.dt(t) + g * TILE)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mt(t) + g * TILE)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t rg = (r0 + r) * x.G + g;
+      __m512i dot = acc[r];
+      if (BITS == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x.sum[rg]));
+      __m512 v = _mm512_mul_ps(d, _mm512_cvtepi32_ps(dot));
+      if (BITS == 4) v = _mm512_fmadd_ps(m, _mm512_set1_ps(float(x.sum[rg])), v);
+      y[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.sx[rg]), v, y[r]);
+    }
+  }
+  const __mmask16 mask = valid >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
+}
+
+template <int BITS>
+void tile_avx512(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
+                 int valid) {
+  switch (rows) {
+    case 1: return tile_avx512_rows<1, BITS>(w, t, x, r0, out, ldo, valid);
+    case 2: return tile_avx512_rows<2, BITS>(w, t, x, r0, out, ldo, valid);
+    case 3: return tile_avx512_rows<3, BITS>(w, t, x, r0, out, ldo, valid);
+    case 4: return tile_avx512_rows<4, BITS>(w, t, x, r0, out, ldo, valid);
+    case 5: return tile_avx512_rows<5, BITS>(w, t, x, r0, out, ldo, valid);
+    case 6: return tile_avx512_rows<6, BITS>(w, t, x, r0, out, ldo, valid);
+    case 7: return tile_avx512_rows<7, BITS>(w, t, x, r0, out, ldo, valid);
+    default: return tile_avx512_rows<8, BITS>(w, t, x, r0, out, ldo, valid);
+  }
+}
+
+// ---- AVX2: each tile as two halves of 8 channels ----
+
+__attribute__((target("avx2,fma,f16c")))
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+  // u <= 15 here (int8 weights take the sign path below), so pairs cannot saturate int16.
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+template <int R, int BITS>
+__attribute__((target("avx2,fma,f16c")))
+void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, float* out, int64_t ldo, int valid) {
+  constexpr int CH = BITS == 4 ? 4 : 8;
+  const uint8_t* q = w.tile(t);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int half = 0; half < 2; ++half) {
+    __m256 y[R];
+    for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < w.G; ++g) {
+      __m256i acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+      const uint8_t* qg = q + g * CH * 64 + half * 32;
+      const int64_t k0 = g * GROUP;
+      for (int j = 0; j < CH; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + j * 64));
+        if (BITS == 4) {
+          const __m256i lo = _mm256_and_si256(v, low);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* a = x.a + (r0 + r) * x.K + k0 + 8 * j;
+            acc[r] = dot_u8s8(acc[r], lo, _mm256_set1_epi32(load4(a)));
+            acc[r] = dot_u8s8(acc[r], hi, _mm256_set1_epi32(load4(a + 4)));
+          }
+        } else {
+          const __m256i s = _mm256_xor_si256(v, _mm256_set1_epi8(char(0x80)));  // u - 128 = q, signed
+          const __m256i mag = _mm256_sign_epi8(s, s);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* a = x.a + (r0 + r) * x.K + k0 + 4 * j;
+            const __m256i sa = _mm256_sign_epi8(_mm256_set1_epi32(load4(a)), s);
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, sa),
+                                                                _mm256_set1_epi16(1)));
+          }
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dt(t) + g * TILE + half * 8)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mt(t) + g * TILE + half * 8)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t rg = (r0 + r) * x.G + g;
+        __m256 v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(acc[r]));  // int8: acc is already sum q a
+        if (BITS == 4) v = _mm256_fmadd_ps(m, _mm256_set1_ps(float(x.sum[rg])), v);
+        y[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.sx[rg]), v, y[r]);
+      }
+    }
+    const int n = valid - half * 8;
+    for (int r = 0; r < R; ++r) {
+      if (n >= 8) {
+        _mm256_storeu_ps(out + r * ldo + half * 8, y[r]);
+      } else if (n > 0) {
+        alignas(32) float buf[8];
+        _mm256_store_ps(buf, y[r]);
+        std::memcpy(out + r * ldo + half * 8, buf, sizeof(float) * n);
+      }
+    }
+  }
+}
+
+template <int BITS>
+void tile_avx2(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
+               int valid) {
+  switch (rows) {
+    case 1: return tile_avx2_rows<1, BITS>(w, t, x, r0, out, ldo, valid);
+    case 2: return tile_avx2_rows<2, BITS>(w, t, x, r0, out, ldo, valid);
+    case 3: return tile_avx2_rows<3, BITS>(w, t, x, r0, out, ldo, valid);
+    default: return tile_avx2_rows<4, BITS>(w, t, x, r0, out, ldo, valid);
+  }
+}
+
+#endif  // DOT8_X86
+
+using TileFn = void (*)(const Weights&, int64_t, const Acts&, int64_t, int, float*, int64_t, int);
+
+struct Path {
+  const char* name;
+  TileFn four, eight;
+  int rows;
+};
+
+Path pick_path() {
+#ifdef DOT8_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return {"avx512_vnni", tile_avx512<4>, tile_avx512<8>, MAX_ROWS};
+  if (avx2) return {"avx2", tile_avx2<4>, tile_avx2<8>, 4};
+#endif
+  return {"scalar", tile_scalar, tile_scalar, MAX_ROWS};
+}
+
+Path& path(int64_t force_scalar) {
+  static Path best = pick_path();
+  static Path scalar = {"scalar", tile_scalar, tile_scalar, MAX_ROWS};
+  return force_scalar ? scalar : best;
+}
+
+// Per row and group of 32: sx = max|x| / 127, a = round(x / sx) (ties to even), sum = sum a.
+// Every path divides (not multiplies by a reciprocal) and rounds in the default mode, so
+// they agree bit for bit.
+inline void quantize_group_scalar(const float* v, int8_t* a, float* sx, int32_t* sum) {
+  float amax = 0.f;
+  for (int i = 0; i < GROUP; ++i) amax = std::fmax(amax, std::fabs(v[i]));
+  const float s = amax / 127.f;
+  int32_t total = 0;
+  for (int i = 0; i < GROUP; ++i) {
+    const int32_t qi = s > 0.f ? int32_t(std::nearbyint(v[i] / s)) : 0;
+    a[i] = int8_t(qi);
+    total += qi;
+  }
+  *sx = s;
+  *sum = total;
+}
+
+#ifdef DOT8_X86
+__attribute__((target("avx512f,avx512bw")))
+void quantize_group_avx512(const float* v, int8_t* a, float* sx, int32_t* sum) {
+  const __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  const float s = amax / 127.f;
+  *sx = s;
+  if (!(s > 0.f)) {
+    std::memset(a, 0, GROUP);
+    *sum = 0;
+    return;
+  }
+  const __m512 vs = _mm512_set1_ps(s);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_div_ps(x0, vs)), q1 = _mm512_cvtps_epi32(_mm512_div_ps(x1, vs));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm512_cvtsepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(a + 16), _mm512_cvtsepi32_epi8(q1));
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+}
+#endif
+
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* a, float* sx, int32_t* sum, bool simd) {
+  const int64_t G = K / GROUP;
+#ifdef DOT8_X86
+  static const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+#else
+  constexpr bool wide = false;
+#endif
+  float v[GROUP];
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t g = 0; g < G; ++g) {
+      const T* xg = x + r * K + g * GROUP;
+      const float* f;
+      if constexpr (std::is_same_v<T, float>) {
+        f = xg;
+      } else {
+        for (int i = 0; i < GROUP; ++i) v[i] = static_cast<float>(xg[i]);
+        f = v;
+      }
+#ifdef DOT8_X86
+      if (wide && simd) {
+        quantize_group_avx512(f, a + r * K + g * GROUP, sx + r * G + g, sum + r * G + g);
+        continue;
+      }
+#endif
+      quantize_group_scalar(f, a + r * K + g * GROUP, sx + r * G + g, sum + r * G + g);
+    }
+  }
+}
+
+at::Tensor dot8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
+                       int64_t n, int64_t bits, int64_t force_scalar) {
+  TORCH_CHECK(bits == 4 || bits == 8, "dot8_linear: bits must be 4 or 8");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "dot8_linear: x must be a contiguous matrix");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "dot8_linear: x must be fp32 or bf16");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % GROUP == 0, "dot8_linear: the input width must be a multiple of 32");
+  const int64_t G = K / GROUP, tiles = (n + TILE - 1) / TILE;
+  const int64_t chunk_bytes = (bits == 4 ? 4 : 8) * 64;
+  TORCH_CHECK(q.numel() == tiles * G * chunk_bytes && d.numel() == tiles * G * TILE && m.numel() == d.numel(),
+              "dot8_linear: the packed weight does not match the input width");
+  at::Tensor out = at::empty({M, n}, x.options().dtype(at::kFloat));
+  if (M == 0) return out;
+
+  std::vector<int8_t> a(M * K);
+  std::vector<float> sx(M * G);
+  std::vector<int32_t> sum(M * G);
+  if (x.scalar_type() == at::kFloat)
+    quantize_rows(x.data_ptr<float>(), M, K, a.data(), sx.data(), sum.data(), !force_scalar);
+  else
+    quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, a.data(), sx.data(), sum.data(), !force_scalar);
+
+  const Acts acts{a.data(), sx.data(), sum.data(), K, G};
+  const Weights w{q.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
+                  reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()), G, int(bits)};
+  const Path& p = path(force_scalar);
+  const TileFn fn = bits == 4 ? p.four : p.eight;
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int valid = int(std::min<int64_t>(TILE, n - t * TILE));
+      for (int64_t r0 = 0; r0 < M; r0 += p.rows) {
+        const int rows = int(std::min<int64_t>(p.rows, M - r0));
+        fn(w, t, acts, r0, rows, y + r0 * n + t * TILE, n, valid);
+      }
+    }
+  });
+  return out;
+}
+
+std::string dot8_path() { return path(0).name; }
+
+}  // namespace
+
+TORCH_LIBRARY(dualserve, lib) {
+  lib.def("dot8_linear(Tensor x, Tensor q, Tensor d, Tensor m, int n, int bits, int force_scalar=0) -> Tensor");
+  lib.def("dot8_path() -> str", &dot8_path);
+}
+
+TORCH_LIBRARY_IMPL(dualserve, CPU, lib) { lib.impl("dot8_linear", dot8_linear); }

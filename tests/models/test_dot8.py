@@ -1,0 +1,96 @@
+"""The dot8 kernel (int4/int8 weight groups times int8 activation groups): its packed layout
+round-trips, it computes the documented sum, every code path gives the same bits, and a row's
+result never depends on the rows beside it or on the thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dualserve.models import kernels
+from dualserve.models.quant import Dot8Linear, quantize_int4
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the dot8 kernel")
+
+
+def int8_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out, inp = w.shape
+    g = w.view(out, inp // 32, 32)
+    scales = (g.abs().amax(-1) / 127).clamp(min=1e-12).half().float()
+    return (g / scales[..., None]).round().clamp(-127, 127).view(out, inp), scales
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(16, 32), (40, 64), (200, 96)])  # 40 and 200: a partial last tile
+def test_pack_and_unpack_round_trip(bits: int, shape) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(*shape)
+    if bits == 4:
+        q, scales, mins = quantize_int4(w)
+        want = q.float().view(shape[0], -1, 32) * scales.half().float()[..., None] + mins.half().float()[..., None]
+    else:
+        q, scales = int8_groups(w)
+        mins = None
+        want = q.float().view(shape[0], -1, 32) * scales[..., None]
+    packed = kernels.pack(q, scales, mins, bits)
+    assert torch.equal(kernels.unpack(*packed, shape[0], shape[1], bits), want.view(shape))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])  # 13: more rows than a register block
+def test_dot8_computes_the_documented_sum(bits: int, rows: int) -> None:
+    torch.manual_seed(1)
+    w, x = torch.randn(72, 96) * 0.05, torch.randn(rows, 96)
+    x[0, :32] = 0  # an all-zero group quantizes to zeros with a zero scale
+    if bits == 4:
+        q, scales, mins = quantize_int4(w)
+    else:
+        (q, scales), mins = int8_groups(w), None
+    packed = kernels.pack(q, scales, mins, bits)
+    got = torch.ops.dualserve.dot8_linear(x, *packed, 72, bits)
+    want = kernels.reference(x, q, scales, mins, bits)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    # and it stays near the float product: the activations keep about 8 bits per group
+    torch.testing.assert_close(got, x @ kernels.unpack(*packed, 72, 96, bits).t(), rtol=0.05, atol=0.1)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_code_path_gives_the_same_bits(bits: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    layer = Dot8Linear.from_float(torch.randn(200, 160) * 0.05, bits=bits)
+    x = torch.randn(11, 160).to(dtype).contiguous()
+    args = (layer.packed, layer.d, layer.m, 200, bits)
+    assert torch.equal(torch.ops.dualserve.dot8_linear(x, *args), torch.ops.dualserve.dot8_linear(x, *args, 1))
+    assert kernels.code_path() in ("avx512_vnni", "avx2", "scalar")
+
+
+@pytest.mark.parametrize("shape", [(32, 1536), (3072, 32), (49, 576)])
+def test_rows_are_the_same_bits_in_any_batch_and_thread_count(shape) -> None:
+    torch.manual_seed(3)
+    out, inp = shape
+    layer = Dot8Linear.from_float(torch.randn(out, inp) * 0.02, bias=torch.randn(out))
+    x = torch.randn(17, inp)
+    full = layer(x)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert torch.equal(torch.cat([layer(x[i:i + 1]) for i in range(17)]), full)
+            assert torch.equal(layer(x[3:12]), full[3:12])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_shapes_are_refused() -> None:
+    layer = Dot8Linear.from_float(torch.randn(16, 64))
+    with pytest.raises(RuntimeError, match="input width"):
+        torch.ops.dualserve.dot8_linear(torch.randn(2, 48), layer.packed, layer.d, layer.m, 16, 4)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        kernels.pack(torch.zeros(16, 40, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1), 4)
+
+
+def test_the_kernel_library_is_cached_by_source() -> None:
+    so = kernels.library_path()
+    assert so.exists() and so.parent.name == "kernels"
+    assert kernels.build() == so  # built once per machine: a second call finds it
