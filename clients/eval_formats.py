@@ -136,7 +136,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dualserve.clients.eval_formats", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="model path (default: the default model's GGUF)")
     p.add_argument("--cache-dir", default=None)
-    p.add_argument("--formats", nargs="+", choices=list(FORMATS), default=["none", "int8", "int4"],
+    p.add_argument("--formats", nargs="+", choices=list(FORMATS), default=["none", "int8", "int4", "w4a8"],
                    help="none = fp32 (the reference, always run)")
     p.add_argument("--prompts", default=str(PROMPTS))
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0: all)")

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 from torch._inductor.runtime.cache_dir_utils import cache_dir as default_cache_dir
 
+from dualserve.models import kernels
 from . import aoti
 from .heap import trim_heap
 from .paged_attention import AttentionMetadata, KVCache, SeqAttention, as_stored, mask_tensor
@@ -68,6 +69,9 @@ GRAPH_LIMIT = 64  # compiled graphs per code object (dynamo's recompile_limit), 
 # verify trees (at most 21 tokens) and diffusion canvases. Above it the matmuls are cheaper (on
 # the default model, 128 cached tokens: 16 rows cost 35.9 ms as rows and 29.7 ms as matmuls).
 ROWS_MAX = 24
+# The rows form's attention runs as the project's kernel (``models.kernels``: ``attend_rows``)
+# where it is built; DUALSERVE_ATTEND_KERNEL=0 keeps inductor's loops (for comparison).
+ATTEND_KERNEL = os.environ.get("DUALSERVE_ATTEND_KERNEL", "1") != "0"
 
 
 class PaddedPagedAttention:
@@ -126,6 +130,11 @@ class PaddedPagedAttention:
         self.new_k.append(k.to(kc.dtype))
         self.new_v.append(v.to(vc.dtype))
         k, v = as_stored(k, kc), as_stored(v, vc)
+        if (ATTEND_KERNEL and not self.chunks and q.device.type == "cpu" and q.dtype == torch.float32
+                and kernels.available()):
+            # the same sums as ``_rows`` (each row over its visible keys alone), vectorised in C++
+            return torch.ops.dualserve.attend_rows(q, k, v, kc, vc, self.rows, self.context, self.mask,
+                                                   q.shape[-1] ** -0.5)
         S, Q = self.rows.shape
         T, heads, d = q.shape
         kv_heads = k.shape[1]
@@ -429,7 +438,8 @@ class CompiledStep:
         sources = [*sorted({inspect.getmodule(type(m)) for m in self.model.modules()
                             if type(m).__module__.startswith("dualserve.")}, key=lambda m: m.__name__),
                    PaddedPagedAttention, ForwardWithFeatures]
-        digest = aoti.package_key(self.model, sources, self.cache.dtype, shape, aux, sorted(PACKAGE_INDUCTOR.items()))
+        digest = aoti.package_key(self.model, sources, self.cache.dtype, shape, aux, sorted(PACKAGE_INDUCTOR.items()),
+                                  ATTEND_KERNEL)
         path = self.package_dir / f"step-{shape.name.replace('/', '-')}-{digest}.pt2"
         how = "loaded"
         if not path.exists():

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("dot8.cpp")
+SOURCES = (Path(__file__).with_name("dot8.cpp"), Path(__file__).with_name("attend.cpp"))
 TILE = 16
 GROUP = 32
 _loaded: bool | None = None
@@ -62,9 +62,9 @@ def library_path() -> Path:
         version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         raise RuntimeError(f"no C++ compiler ({_compiler()}): {e}") from e
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), version, torch.__version__, sys.version,
+    key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES), version, torch.__version__, sys.version,
                                     " ".join(_flags())]).encode()).hexdigest()[:16]
-    return _cache_dir() / f"dot8-{key}.so"
+    return _cache_dir() / f"dualserve-kernels-{key}.so"
 
 
 def build() -> Path:
@@ -77,11 +77,11 @@ def build() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not so.exists():
             tmp = so.with_suffix(f".{os.getpid()}.tmp")
-            cmd = [_compiler(), str(SOURCE), "-o", str(tmp), *_flags()]
+            cmd = [_compiler(), *map(str, SOURCES), "-o", str(tmp), *_flags()]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
                 tmp.unlink(missing_ok=True)
-                raise RuntimeError(f"building {SOURCE.name} failed:\n{done.stderr[-4000:]}")
+                raise RuntimeError(f"building the kernels failed:\n{done.stderr[-4000:]}")
             tmp.rename(so)
     return so
 
@@ -89,6 +89,8 @@ def build() -> Path:
 def available() -> bool:
     """Whether ``torch.ops.dualserve.dot8_linear`` can run here (built and loaded on first call)."""
     global _loaded, _error
+    if _loaded is None and os.environ.get("DUALSERVE_NO_KERNELS"):
+        _loaded, _error = False, "DUALSERVE_NO_KERNELS is set"
     if _loaded is None:
         try:
             if not hasattr(torch.ops.dualserve, "dot8_linear"):
@@ -116,6 +118,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("dualserve::dot8_linear")
     def _(x, q, d, m, n, bits, force_scalar=0):
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+    @torch.library.register_fake("dualserve::attend_rows")
+    def _(q, k, v, kc, vc, rows, context, mask, scale, force_scalar=0):
+        return q.new_empty(q.shape)
 
 
 # ---- the packed layout (dot8.cpp's header) ----------------------------------------
