@@ -23,6 +23,10 @@ meanwhile are recorded (``models.host``); a table measured while they used more
 than ``QUIET_CORES`` serves the start that measured it but is not cached, and its
 choice keeps the checkpoint's own format.
 
+``w4a8`` (int4 weight groups times int8 activation groups, ``models.kernels``) is a candidate
+where the project's kernel builds; its integer sums keep one token's cost near memory speed
+and let eight tokens share each weight group's unpacking.
+
 One format serves every token count: the lossless decoders (``ar`` and EAGLE's
 verify) must run the same numerics, so the multi-token column is reported, not
 used to pick a second copy of the weights.

@@ -14,6 +14,10 @@ decoding streams 4 to 8 times fewer bytes than fp32:
     so a row's result is the same bits for any row count, blocking or thread count,
     on any CPU; float GEMMs are not (MKL picks kernels by row count and splits long
     reductions across threads). The twin's adapter uses it for that reason.
+  * ``Dot8Linear``: int4 groups (``w = q * scale + min``, GGUF's Q4_1) or int8 groups
+    (``w = q * scale``, Q8_0) of 32 inputs, times activations quantized per row to int8
+    groups of 32 at run time, as llama.cpp multiplies: the project's ``dot8`` kernel
+    (``models.kernels``). The ``w4a8`` format: int4 layers, and a Q8_0 head as it is.
   * ``QuantEmbedding``: int8 rows with one scale per group of 32 columns (GGUF's
     Q8_0 exactly); a lookup dequantizes only the rows it gathers.
 

@@ -131,7 +131,7 @@ class PaddedPagedAttention:
         self.new_v.append(v.to(vc.dtype))
         k, v = as_stored(k, kc), as_stored(v, vc)
         if (ATTEND_KERNEL and not self.chunks and q.device.type == "cpu" and q.dtype == torch.float32
-                and kernels.available()):
+                and q.shape[-1] % 16 == 0 and kernels.available()):
             # the same sums as ``_rows`` (each row over its visible keys alone), vectorised in C++
             return torch.ops.dualserve.attend_rows(q, k, v, kc, vc, self.rows, self.context, self.mask,
                                                    q.shape[-1] ** -0.5)

@@ -35,6 +35,7 @@ from typing import Callable, Literal, Sequence, Union
 
 import torch
 
+from dualserve.models import kernels
 from dualserve.models.attention import sdpa
 
 from .blocks import slot_of
@@ -182,12 +183,21 @@ def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == cache.dtype else x.to(cache.dtype).to(x.dtype)
 
 
+# Sequences bringing at most this many new tokens take the rows kernel where it is built (the
+# compiled rows graph's bound, ``compiled.ROWS_MAX``).
+ROWS_KERNEL_MAX = 24
+
+
 class SdpaPagedAttention:
     """Gather cached keys/values and run attention (the CPU path).
 
-    Sequences with one new token (decode steps) run together as one padded,
-    batched grouped-query attention; the rest (prefill chunks, draft trees,
-    diffusion canvases) run one SDPA call each.
+    Where the project's kernels are built (``models.kernels``) and the model computes in fp32,
+    sequences with at most ``ROWS_KERNEL_MAX`` new tokens (decodes, draft trees, diffusion
+    canvases) take ``attend_rows``, the compiled rows graph's own attention: a row's output is
+    then the same bits alone, in a tree or in a batch, eager or compiled. Otherwise sequences
+    with one new token (decode steps) run together as one padded, batched grouped-query
+    attention; the rest (prefill chunks, and trees and canvases without the kernel) run one
+    SDPA call each.
     """
 
     def __init__(self, cache: KVCache, meta: AttentionMetadata):
@@ -195,15 +205,45 @@ class SdpaPagedAttention:
         self.meta = meta
         self._masks: list[torch.Tensor | None] | None = None
         self._decode: DecodeBatch | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._rest: list[int] = []
         self._starts: list[int] = []
 
-    def _plan(self, device) -> None:
+    def _plan_rows(self, short: list[int], device) -> None:
+        """The padded (rows, context, mask) of the short sequences, as ``compiled.PaddedPagedAttention.build``."""
         seqs = self.meta.seqs
+        total = sum(s.query_len for s in seqs)
+        Q = max(seqs[i].query_len for i in short)
+        W = max(2, max(seqs[i].context_len for i in short))
+        rows = torch.full((len(short), Q), total, dtype=torch.long)
+        context = torch.zeros(len(short), W, dtype=torch.long)
+        mask = torch.zeros(len(short), Q, W + Q, dtype=torch.bool)
+        for r, i in enumerate(short):
+            s = seqs[i]
+            rows[r, : s.query_len] = torch.arange(self._starts[i], self._starts[i] + s.query_len)
+            idx = self.meta.context_index(i, "cpu")
+            if idx is not None:
+                context[r, : idx.numel()] = idx.cpu()
+                mask[r, : s.query_len, : idx.numel()] = True
+            new = mask_tensor(s, "cpu")
+            own = torch.ones(s.query_len, s.query_len, dtype=torch.bool) if new is None else new[:, -s.query_len:]
+            mask[r, : s.query_len, W: W + s.query_len] = own
+        self._rows = (rows.to(device), context.to(device), mask.to(device))
+
+    def _plan(self, q: torch.Tensor) -> None:
+        seqs, device = self.meta.seqs, q.device
+        self._starts = query_starts(self.meta)
+        if q.dtype == torch.float32 and device.type == "cpu" and q.shape[-1] % 16 == 0 and kernels.available():
+            short = [i for i, s in enumerate(seqs) if s.query_len <= ROWS_KERNEL_MAX]
+            if short:
+                self._plan_rows(short, device)
+            short_set = set(short)
+            self._rest = [i for i in range(len(seqs)) if i not in short_set]
+            self._masks = [mask_tensor(s, device) if i not in short_set else None for i, s in enumerate(seqs)]
+            return
         singles = [i for i, s in enumerate(seqs) if s.query_len == 1]
         if len(singles) < 2:
             singles = []
-        self._starts = query_starts(self.meta)
         self._decode = DecodeBatch.build(self.meta, singles, self._starts, device) if singles else None
         single_set = set(singles)
         self._rest = [i for i in range(len(seqs)) if i not in single_set]
@@ -217,10 +257,15 @@ class SdpaPagedAttention:
             v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
         k, v = as_stored(k, k_flat), as_stored(v, v_flat)
         if self._masks is None:
-            self._plan(q.device)
-        if self._decode is not None and not self._rest:
+            self._plan(q)
+        if self._rows is not None:
+            out = torch.ops.dualserve.attend_rows(q, k, v, k_flat, v_flat, *self._rows, q.shape[-1] ** -0.5)
+            if not self._rest:
+                return out
+        elif self._decode is not None and not self._rest:
             return self._decode(q, k, v, k_flat, v_flat)
-        out = q.new_empty(q.shape) if len(meta.seqs) > 1 else None
+        else:
+            out = q.new_empty(q.shape) if len(meta.seqs) > 1 else None
         if self._decode is not None:
             out[self._decode.rows] = self._decode(q, k, v, k_flat, v_flat)
         for i in self._rest:

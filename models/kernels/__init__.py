@@ -1,4 +1,6 @@
-"""The project's own CPU kernel: ``dualserve::dot8_linear`` (``dot8.cpp``).
+"""The project's own CPU kernels: ``dualserve::dot8_linear`` (``dot8.cpp``) and
+``dualserve::attend_rows`` (``attend.cpp``, the compiled rows step's paged attention: each query
+row over its visible keys alone, so decode and verify agree bit for bit).
 
 PyTorch's weight-only kernels widen every weight to a float and multiply in
 floats: at one token they stream the weights as fast as memory allows, but each
@@ -11,10 +13,11 @@ is unpacked once for up to eight rows. Integer sums are exact, so a row's result
 does not depend on how many rows came with it, on the thread count, or on which
 code path (AVX512-VNNI, AVX2, plain C) the host runs.
 
-The source is compiled at first use with the host's C++ compiler (about 40 s) into
-``<cache>/kernels/`` under a name that hashes the source, the compiler and the
-torch build, and loaded with ``torch.ops.load_library``. Without a compiler the
-kernel is reported unavailable and the formats that need it are not offered.
+The sources are compiled at first use with the host's C++ compiler (about 30 s) into
+``<cache>/kernels/`` under a name that hashes the sources, the compiler and the
+torch build, and loaded with ``torch.ops.load_library``. Without a compiler (or with
+``DUALSERVE_NO_KERNELS=1``) the kernels are reported unavailable: the formats that need
+them are not offered and attention keeps inductor's loops.
 The code path is chosen at run time from the CPU's flags, never at compile time,
 so one build serves every CPU.
 """

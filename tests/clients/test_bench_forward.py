@@ -33,7 +33,7 @@ def tiny() -> Transformer:
 
 def test_bench_forward_arguments() -> None:
     args = bench_forward.parse_args([])
-    assert args.formats == ["fp32", "bf16", "int8", "int4"]
+    assert args.formats == ["fp32", "bf16", "int8", "int4", "w4a8"]
     assert args.tokens == [1, 2, 4, 8, 16, 32, 64]
     assert (args.context, args.threads, args.no_compile, args.json) == (128, 2, False, None)
     args = bench_forward.parse_args(["--formats", "int4", "--no-compile", "--tokens", "8", "1", "8"])
@@ -129,4 +129,4 @@ def test_format_summary_scores_against_fp32() -> None:
 def test_fp32_is_always_the_reference() -> None:
     assert eval_formats.formats_in_order(["int4", "int8"]) == ["none", "int4", "int8"]
     assert eval_formats.formats_in_order(["fp32", "none", "bf16"]) == ["none", "bf16"]
-    assert eval_formats.parse_args([]).formats == ["none", "int8", "int4"]
+    assert eval_formats.parse_args([]).formats == ["none", "int8", "int4", "w4a8"]

@@ -94,7 +94,9 @@ def test_completion(client: openai.OpenAI, model: str) -> None:
 
 
 def test_chat_mentions_paris(client: openai.OpenAI, model: str) -> None:
-    out = chat(client, model, "What is the capital of France?", max_tokens=24)
+    # (asked bare, the default model answers in French about the Étoile in w4a8, as llama.cpp's
+    # server does on the same file; in one sentence it answers in every format)
+    out = chat(client, model, "What is the capital of France? Answer in one sentence.", max_tokens=24)
     (choice,) = out.choices
     assert out.object == "chat.completion"
     assert choice.message.role == "assistant"
