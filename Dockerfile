@@ -20,6 +20,10 @@ ENV PIP_NO_CACHE_DIR=1 DUALSERVE_CACHE=/cache PYTHONUNBUFFERED=1
 RUN if ! command -v python3 >/dev/null; then \
       apt-get update && apt-get install -y --no-install-recommends python3 python3-pip python3-venv && \
       rm -rf /var/lib/apt/lists/*; fi
+# A C++ compiler: the CPU step packages (AOTInductor) and the project's kernels (models/kernels)
+# compile on the host; without one the server runs eagerly with PyTorch's kernels.
+RUN if ! command -v g++ >/dev/null; then \
+      apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*; fi
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
@@ -29,11 +33,11 @@ COPY server ./server
 COPY decoders ./decoders
 COPY models ./models
 COPY clients ./clients
-RUN pip install --extra-index-url ${TORCH_INDEX} "torch>=2.4" && \
+RUN pip install --extra-index-url ${TORCH_INDEX} "torch==2.13.0" && \
     if [ -n "${EXTRAS}" ]; then pip install ".[${EXTRAS}]"; else pip install .; fi
 
 # Fetch the embedded default model at build time so the container starts offline.
-RUN dualserve pull
+RUN dualserve pull && python -c "from dualserve.models import kernels; kernels.build()"
 
 EXPOSE 8000
 # Inside a container, bind all interfaces; the port mapping decides exposure.
