@@ -24,7 +24,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -249,10 +251,16 @@ struct Path {
   int rows;
 };
 
+// DUALSERVE_DOT8_PATH=avx2 or scalar forces a narrower path than the CPU allows (tests run
+// every path a CI host may take).
 Path pick_path() {
+  const char* want = std::getenv("DUALSERVE_DOT8_PATH");
+  const std::string forced = want ? want : "";
+  if (forced == "scalar") return {"scalar", tile_scalar, tile_scalar, MAX_ROWS};
 #ifdef DOT8_X86
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (avx2 && forced == "avx2") return {"avx2", tile_avx2<4>, tile_avx2<8>, 4};
   if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vnni"))
     return {"avx512_vnni", tile_avx512<4>, tile_avx512<8>, MAX_ROWS};

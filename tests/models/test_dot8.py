@@ -94,3 +94,30 @@ def test_the_kernel_library_is_cached_by_source() -> None:
     so = kernels.library_path()
     assert so.exists() and so.parent.name == "kernels"
     assert kernels.build() == so  # built once per machine: a second call finds it
+
+
+@pytest.mark.parametrize("path", ["avx2", "scalar"])
+def test_the_narrower_paths_a_host_may_take_give_the_same_bits(tmp_path, path: str) -> None:
+    """Run in a child with DUALSERVE_DOT8_PATH forcing the path an AVX2-only host takes."""
+    import os
+    import subprocess
+    import sys
+
+    torch.manual_seed(4)
+    layers = {bits: Dot8Linear.from_float(torch.randn(72, 96) * 0.05, bits=bits) for bits in (4, 8)}
+    x = torch.randn(11, 96)
+    torch.save({"layers": layers, "x": x}, tmp_path / "job.pt")
+    code = ("import sys, torch; from dualserve.models import kernels; kernels.available(); "
+            "job = torch.load(sys.argv[1], weights_only=False); "
+            "torch.save({b: l(job['x']) for b, l in job['layers'].items()}, sys.argv[2]); "
+            "print(kernels.code_path())")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "job.pt"), str(tmp_path / "out.pt")],
+                          env={**os.environ, "DUALSERVE_DOT8_PATH": path}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    took = done.stdout.split()[-1]
+    if path == "avx2" and took != "avx2":
+        pytest.skip(f"this CPU has no AVX2 (took {took})")
+    assert took == path
+    got = torch.load(tmp_path / "out.pt")
+    for bits, layer in layers.items():
+        assert torch.equal(got[bits], layer(x)), bits
