@@ -262,6 +262,11 @@ def test_a_source_its_prior_rules_out_is_probed_and_its_rate_learned() -> None:
     target = tiny_target(1)  # a bigram target: the oracle head's drafts are all accepted
     engine = make_engine(target, oracle_head(target), TreeConfig(3, 2, 4), cost=CostCurve(1.0, 2.5))
     decoder = engine.decoders[("m", "eagle")]
+    # The costs stay the stated curve: the tiny model's measured step times (microseconds, mostly
+    # Python) would otherwise decide, and vary from run to run, whether drafting pays.
+    decoder.cost.observe = lambda n, seconds: None
+    for d in decoder.drafters.values():
+        d.observe = lambda *args: None
     decoder.learned["head"] = SourceRate(0.0, weight=LEARNED_EMA)  # rules the head out
     params = SamplingParams(max_tokens=3 * EXPLORE_AFTER + 8, temperature=0.0, ignore_eos=True, draft="head")
     first = same_as_ar(engine, [PROMPTS[0]], params)[0][-1].stats
