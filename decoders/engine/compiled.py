@@ -57,7 +57,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir as default_cache_d
 from dualserve.models import kernels
 from . import aoti
 from .heap import trim_heap
-from .paged_attention import AttentionMetadata, KVCache, SeqAttention, as_stored, mask_tensor
+from .paged_attention import AttentionMetadata, KVCache, SeqAttention, as_stored, padded_rows
 
 if TYPE_CHECKING:
     from .cuda_graphs import CudaGraphs
@@ -99,28 +99,8 @@ class PaddedPagedAttention:
         """The padded form of ``meta``; ``chunks``: which attention form (default: the one
         ``StepShape.of`` picks for these sequences); ``sizes``: pad to these (S, Q, W, T), at
         least the step's own (a CUDA graph's bucket; the step's tokens then come first in T)."""
-        seqs = meta.seqs
-        total = sum(s.query_len for s in seqs)
-        S, Q = len(seqs), max(s.query_len for s in seqs)
-        W = max(2, max(s.context_len for s in seqs))
-        if sizes is not None:
-            S, Q, W, total = sizes.sequences, sizes.queries, sizes.context, sizes.tokens
-        rows = torch.full((S, Q), total, dtype=torch.long)
-        context = torch.zeros(S, W, dtype=torch.long)
-        mask = torch.zeros(S, Q, W + Q, dtype=torch.bool)
-        start = 0
-        for i, s in enumerate(seqs):
-            rows[i, : s.query_len] = torch.arange(start, start + s.query_len)
-            start += s.query_len
-            idx = meta.context_index(i, "cpu")
-            if idx is not None:
-                context[i, : idx.numel()] = idx.cpu()
-                mask[i, : s.query_len, : idx.numel()] = True
-            new = mask_tensor(s, "cpu")
-            own = torch.ones(s.query_len, s.query_len, dtype=torch.bool) if new is None else new[:, -s.query_len:]
-            mask[i, : s.query_len, W: W + s.query_len] = own
-            mask[i, s.query_len:, W + s.query_len - 1] = True  # padded queries see one slot: no empty softmax
-        mask[len(seqs):, :, W - 1] = True  # so do padded sequences' (a bucket's)
+        padded = None if sizes is None else (sizes.sequences, sizes.queries, sizes.context, sizes.tokens)
+        rows, context, mask = padded_rows(meta, range(len(meta.seqs)), padded)
         slots = meta.slot_mapping
         chunks = StepShape.of(meta).chunks if chunks is None else chunks
         return cls(cache.stacked, slots.to(device), rows.to(device), context.to(device), mask.to(device), chunks)

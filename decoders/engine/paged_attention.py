@@ -217,34 +217,14 @@ class SdpaPagedAttention:
         self._rest: list[int] = []
         self._starts: list[int] = []
 
-    def _plan_rows(self, short: list[int], device) -> None:
-        """The padded (rows, context, mask) of the short sequences, as ``compiled.PaddedPagedAttention.build``."""
-        seqs = self.meta.seqs
-        total = sum(s.query_len for s in seqs)
-        Q = max(seqs[i].query_len for i in short)
-        W = max(2, max(seqs[i].context_len for i in short))
-        rows = torch.full((len(short), Q), total, dtype=torch.long)
-        context = torch.zeros(len(short), W, dtype=torch.long)
-        mask = torch.zeros(len(short), Q, W + Q, dtype=torch.bool)
-        for r, i in enumerate(short):
-            s = seqs[i]
-            rows[r, : s.query_len] = torch.arange(self._starts[i], self._starts[i] + s.query_len)
-            idx = self.meta.context_index(i, "cpu")
-            if idx is not None:
-                context[r, : idx.numel()] = idx.cpu()
-                mask[r, : s.query_len, : idx.numel()] = True
-            new = mask_tensor(s, "cpu")
-            own = torch.ones(s.query_len, s.query_len, dtype=torch.bool) if new is None else new[:, -s.query_len:]
-            mask[r, : s.query_len, W: W + s.query_len] = own
-        self._rows = (rows.to(device), context.to(device), mask.to(device))
-
     def _plan(self, q: torch.Tensor) -> None:
         seqs, device = self.meta.seqs, q.device
         self._starts = query_starts(self.meta)
         if q.dtype == torch.float32 and device.type == "cpu" and q.shape[-1] % 16 == 0 and kernels.available():
             short = [i for i, s in enumerate(seqs) if takes_rows_kernel(s)]
             if short:
-                self._plan_rows(short, device)
+                rows, context, mask = padded_rows(self.meta, short)
+                self._rows = (rows.to(device), context.to(device), mask.to(device))
             short_set = set(short)
             self._rest = [i for i in range(len(seqs)) if i not in short_set]
             self._masks = [mask_tensor(s, device) if i not in short_set else None for i, s in enumerate(seqs)]
@@ -292,6 +272,35 @@ class SdpaPagedAttention:
                 return res
             out[sl] = res
         return out
+
+
+def padded_rows(meta: AttentionMetadata, seq_ids: Sequence[int], sizes: tuple[int, int, int, int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows form of some of a step's sequences, on the CPU: rows (S, Q) of each one's new
+    tokens in the flattened step (T, the step's token count, where padded), context (S, W) its
+    cached slots, mask (S, Q, W + Q) what each new token sees. ``sizes``: pad to (S, Q, W, T)
+    instead of the sequences' own. A padded query sees one slot, so no softmax is empty."""
+    seqs, starts = meta.seqs, query_starts(meta)
+    S, Q = len(seq_ids), max(seqs[i].query_len for i in seq_ids)
+    W, total = max(2, max(seqs[i].context_len for i in seq_ids)), sum(s.query_len for s in seqs)
+    if sizes is not None:
+        S, Q, W, total = sizes
+    rows = torch.full((S, Q), total, dtype=torch.long)
+    context = torch.zeros(S, W, dtype=torch.long)
+    mask = torch.zeros(S, Q, W + Q, dtype=torch.bool)
+    for r, i in enumerate(seq_ids):
+        s = seqs[i]
+        rows[r, : s.query_len] = torch.arange(starts[i], starts[i] + s.query_len)
+        idx = meta.context_index(i, "cpu")
+        if idx is not None:
+            context[r, : idx.numel()] = idx.cpu()
+            mask[r, : s.query_len, : idx.numel()] = True
+        new = mask_tensor(s, "cpu")
+        own = torch.ones(s.query_len, s.query_len, dtype=torch.bool) if new is None else new[:, -s.query_len:]
+        mask[r, : s.query_len, W: W + s.query_len] = own
+        mask[r, s.query_len:, W + s.query_len - 1] = True
+    mask[len(seq_ids):, :, W - 1] = True  # padded sequences (a bucket's) too
+    return rows, context, mask
 
 
 def query_starts(meta: AttentionMetadata) -> list[int]:
