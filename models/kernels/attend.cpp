@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 
@@ -58,18 +59,6 @@ inline float exp_scalar(float x) {
 
 
 #ifdef ATTEND_X86
-// the same halving as dot_scalar: 16 -> 8 -> 4 -> 2 -> 1 lanes
-__attribute__((target("avx512f")))
-inline float hsum_avx512(__m512 v) {
-  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-  return _mm_cvtss_f32(q);
-}
-
-
 __attribute__((target("avx512f")))
 inline void exp_avx512(float* x, int64_t n) {  // in place, x <= 0
   for (int64_t i = 0; i < n; i += LANES) {
@@ -93,92 +82,165 @@ inline void exp_avx512(float* x, int64_t n) {  // in place, x <= 0
 
 #endif
 
-// A key or value row: fp32 (the step's new ones) or the cache's dtype; read as fp32 either way.
-struct RowRef {
-  const void* p;
-  bool cached;
-};
+// Every key and value a task reads is first widened to fp32 into a buffer of its own (bf16 to
+// fp32 is exact), once per (sequence, kv head, row chunk) rather than once per query head and
+// row: the group's heads and the chunk's rows all read the same converted keys.
 
 template <typename C>
-inline float load_scalar(const RowRef& r, int64_t x) {
-  return r.cached ? static_cast<float>(static_cast<const C*>(r.p)[x]) : static_cast<const float*>(r.p)[x];
+inline void widen_scalar(const C* src, int64_t d, float* dst) {
+  for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<float>(src[x]);
 }
 
-template <typename C>
-inline float dot_scalar(const float* q, const RowRef& k, int64_t d) {
+inline float dot_scalar(const float* q, const float* k, int64_t d) {
   float acc[LANES] = {0};
   for (int64_t i = 0; i < d; i += LANES)
-    for (int l = 0; l < LANES; ++l) acc[l] = std::fma(q[i + l], load_scalar<C>(k, i + l), acc[l]);
+    for (int l = 0; l < LANES; ++l) acc[l] = std::fma(q[i + l], k[i + l], acc[l]);
   for (int w = LANES / 2; w >= 1; w /= 2)
     for (int l = 0; l < w; ++l) acc[l] = acc[l] + acc[l + w];
   return acc[0];
 }
 
-template <typename C>
-inline void axpy_scalar(float* acc, float p, const RowRef& v, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) acc[i] = std::fma(p, load_scalar<C>(v, i), acc[i]);
-}
-
 #ifdef ATTEND_X86
 template <typename C>
 __attribute__((target("avx512f")))
-inline __m512 load16(const RowRef& r, int64_t i) {
-  if (r.cached) {
+inline void widen_avx512(const C* src, int64_t d, float* dst) {
+  for (int64_t i = 0; i < d; i += LANES) {
     if constexpr (std::is_same_v<C, c10::BFloat16>) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const C*>(r.p) + i));
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+      _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
     } else {
-      return _mm512_loadu_ps(static_cast<const float*>(r.p) + i);
+      _mm512_storeu_ps(dst + i, _mm512_loadu_ps(reinterpret_cast<const float*>(src) + i));
     }
   }
-  return _mm512_loadu_ps(static_cast<const float*>(r.p) + i);
 }
 
-template <typename C>
+// Sixteen keys' scores at once. acc[j] is key j's 16 lane sums, exactly as dot_scalar forms them;
+// the network below then halves all sixteen together (lanes l + 8, l + 4, l + 2, l + 1, the same
+// additions as dot_scalar's tree and hsum_avx512), a few shuffles per key instead of a horizontal
+// sum each. Lane 4k + m of the result holds key 4m + k; the final permute puts key j in lane j.
+template <int DC>
 __attribute__((target("avx512f")))
-inline float dot_avx512(const float* q, const RowRef& k, int64_t d) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16<C>(k, i), acc);
-  return hsum_avx512(acc);
-}
-
-template <typename C>
-__attribute__((target("avx512f")))
-inline void axpy_avx512(float* acc, float p, const RowRef& v, int64_t d) {
-  const __m512 s = _mm512_set1_ps(p);
-  for (int64_t i = 0; i < d; i += LANES)
-    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(s, load16<C>(v, i), _mm512_loadu_ps(acc + i)));
-}
-
-// One head of one query row over its n visible keys, q and the output held in registers
-// (DC = head_dim / 16); the same operations, in the same order, as the generic path.
-template <typename C, int DC>
-__attribute__((target("avx512f")))
-void head_avx512(const float* qrow, const RowRef* keys, const RowRef* vals, int64_t n, float* scores, float sc,
-                 float* o) {
-  __m512 qv[DC];
-  for (int c = 0; c < DC; ++c) qv[c] = _mm512_loadu_ps(qrow + c * LANES);
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < DC; ++c) acc = _mm512_fmadd_ps(qv[c], load16<C>(keys[j], c * LANES), acc);
-    scores[j] = hsum_avx512(acc) * sc;
-    mx = std::fmax(mx, scores[j]);
+inline __m512 scores16_avx512(const __m512* qv, const float* keys, int64_t d) {
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) {
+    a[j] = _mm512_setzero_ps();
+    for (int c = 0; c < DC; ++c) a[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(keys + j * d + c * LANES), a[j]);
   }
-  for (int64_t j = 0; j < n; ++j) scores[j] = scores[j] - mx;
-  exp_avx512(scores, n);
-  float denom = 0.f;
-  for (int64_t j = 0; j < n; ++j) denom += scores[j];
-  __m512 out[DC];
-  for (int c = 0; c < DC; ++c) out[c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 p = _mm512_set1_ps(scores[j]);
-    for (int c = 0; c < DC; ++c) out[c] = _mm512_fmadd_ps(p, load16<C>(vals[j], c * LANES), out[c]);
+  __m512 p[8];  // lanes 0-7: key 2i's l + (l + 8); lanes 8-15: key 2i + 1's
+  for (int i = 0; i < 8; ++i)
+    p[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  __m512 r[4];  // 128-bit chunk k: key 4i + k's l + (l + 4)
+  for (int i = 0; i < 4; ++i)
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xDD));
+  __m512 s[2];  // chunk k: key 8i + k's lanes 0 + 2, 1 + 3, then key 8i + 4 + k's
+  for (int i = 0; i < 2; ++i) {
+    const __m512d x = _mm512_castps_pd(r[2 * i]), y = _mm512_castps_pd(r[2 * i + 1]);
+    s[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
   }
-  const __m512 dv = _mm512_set1_ps(denom);
-  for (int c = 0; c < DC; ++c) _mm512_storeu_ps(o + c * LANES, _mm512_div_ps(out[c], dv));
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, f);
+}
+
+// G query heads of one row (heads of one kv group, so the same visible keys) over the task's
+// n keys: scores of all n (16 at a time; the buffers are padded to a multiple of 16 with zeros),
+// then softmax and the weighted values over the visible ones alone (vis, in position order),
+// each head with the operations and order of the plain C path. The heads only share work: one
+// load of each value row feeds every head's accumulators, and their sequential softmax sums run
+// side by side.
+template <int DC, int G>
+__attribute__((target("avx512f")))
+void heads_avx512(const float* const* qrows, const float* keys, const float* vals, int64_t n, int64_t d,
+                  const int32_t* vis, int64_t nv, bool every, float* all, float* scores, int64_t stride, float sc,
+                  float* const* outs) {
+  const __m512 vsc = _mm512_set1_ps(sc);
+  float* s[G];
+  for (int g = 0; g < G; ++g) {
+    __m512 qv[DC];
+    for (int c = 0; c < DC; ++c) qv[c] = _mm512_loadu_ps(qrows[g] + c * LANES);
+    float* a = all + g * stride;
+    for (int64_t j = 0; j < n; j += 16)
+      _mm512_storeu_ps(a + j, _mm512_mul_ps(scores16_avx512<DC>(qv, keys + j * d, d), vsc));
+    s[g] = every ? a : scores + g * stride;
+    if (!every)
+      for (int64_t j = 0; j < nv; ++j) s[g][j] = a[vis[j]];
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < nv; j += LANES) {
+      const __mmask16 k = nv - j >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << (nv - j)) - 1);
+      m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, s[g] + j));
+    }
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    for (int64_t j = 0; j < nv; j += LANES) {
+      const __mmask16 k = nv - j >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << (nv - j)) - 1);
+      _mm512_mask_storeu_ps(s[g] + j, k, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, s[g] + j), mx));
+    }
+    exp_avx512(s[g], nv);
+  }
+  float denom[G];
+  for (int g = 0; g < G; ++g) denom[g] = 0.f;
+  for (int64_t j = 0; j < nv; ++j)
+    for (int g = 0; g < G; ++g) denom[g] += s[g][j];
+  __m512 out[G][DC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DC; ++c) out[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < nv; ++j) {
+    const float* v = vals + (every ? j : int64_t(vis[j])) * d;
+    __m512 vv[DC];
+    for (int c = 0; c < DC; ++c) vv[c] = _mm512_loadu_ps(v + c * LANES);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(s[g][j]);
+      for (int c = 0; c < DC; ++c) out[g][c] = _mm512_fmadd_ps(p, vv[c], out[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 dv = _mm512_set1_ps(denom[g]);
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(outs[g] + c * LANES, _mm512_div_ps(out[g][c], dv));
+  }
+}
+
+// A row's group of heads, in blocks the registers hold (up to 4 heads of 64 dims, 2 of 128).
+template <int DC>
+__attribute__((target("avx512f")))
+void group_avx512(const float* const* qrows, int64_t group, const float* keys, const float* vals, int64_t n,
+                  int64_t d, const int32_t* vis, int64_t nv, bool every, float* all, float* scores, int64_t stride,
+                  float sc, float* const* outs) {
+  constexpr int B = DC <= 4 ? 4 : 2;
+  for (int64_t g = 0; g < group;) {
+    const int64_t left = group - g;
+    const int64_t b = left >= B ? B : left;
+    switch (b) {
+      case 4: heads_avx512<DC, (B >= 4 ? 4 : 1)>(qrows + g, keys, vals, n, d, vis, nv, every, all, scores, stride,
+                                                  sc, outs + g); break;
+      case 3: heads_avx512<DC, (B >= 4 ? 3 : 1)>(qrows + g, keys, vals, n, d, vis, nv, every, all, scores, stride,
+                                                  sc, outs + g); break;
+      case 2: heads_avx512<DC, 2>(qrows + g, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, outs + g);
+        break;
+      default: heads_avx512<DC, 1>(qrows + g, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, outs + g);
+    }
+    g += b;
+  }
 }
 #endif
+
+void head_scalar(const float* qrow, const float* keys, const float* vals, int64_t d, const int32_t* vis, int64_t nv,
+                 float* scores, float sc, float* o) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < nv; ++j) {
+    scores[j] = dot_scalar(qrow, keys + int64_t(vis[j]) * d, d) * sc;
+    mx = std::fmax(mx, scores[j]);
+  }
+  for (int64_t j = 0; j < nv; ++j) scores[j] = exp_scalar(scores[j] - mx);
+  float denom = 0.f;
+  for (int64_t j = 0; j < nv; ++j) denom += scores[j];
+  for (int64_t j = 0; j < nv; ++j) {
+    const float* v = vals + int64_t(vis[j]) * d;
+    for (int64_t x = 0; x < d; ++x) o[x] = std::fma(scores[j], v[x], o[x]);
+  }
+  for (int64_t x = 0; x < d; ++x) o[x] = o[x] / denom;
+}
 
 bool wide_cpu() {
 #ifdef ATTEND_X86
@@ -206,86 +268,90 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const bool* mp = mask.data_ptr<bool>();
   float* op = out.data_ptr<float>();
 #ifdef ATTEND_X86
-  const bool wide = simd && wide_cpu();
+  const bool wide = simd && wide_cpu() && (d == 64 || d == 128);
+#else
+  const bool wide = false;
 #endif
   const float sc = float(scale);
 
-  // One task per (sequence, query row, kv head): the group's heads share the visible-key list.
-  // A step with little work (a decode step: about 5 us a task) runs on the calling thread; a
-  // parallel region's wake-up would cost more than it saves.
+  // One task per (sequence, kv head, chunk of query rows): its keys are widened once and shared
+  // by the group's heads and the chunk's rows. A step with little work (a decode step) runs on the
+  // calling thread, where a parallel region's wake-up would cost more than it saves; a step of few
+  // sequences splits its rows so that every thread has a task.
   const int64_t work = S * Q * H * (W + Q);
-  const int64_t grain = work < (1 << 14) ? S * Q * KV : 1;
-  at::parallel_for(0, S * Q * KV, grain, [&](int64_t begin, int64_t end) {
-    std::vector<RowRef> keys, vals;
-    std::vector<float> scores;
+  const int64_t threads = work < (1 << 14) ? 1 : at::get_num_threads();
+  const int64_t chunks = std::min<int64_t>(Q, std::max<int64_t>(1, (2 * threads + S * KV - 1) / (S * KV)));
+  const int64_t per_chunk = (Q + chunks - 1) / chunks;
+  const int64_t tasks = S * KV * chunks;
+  at::parallel_for(0, tasks, threads == 1 ? tasks : 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> where(W + Q), vis(W + Q);
+    std::vector<float> keys, vals, all, scores(W + Q);
+    std::vector<const float*> qrows(group);
+    std::vector<float*> outs(group);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / (Q * KV), i = (task / KV) % Q, h = task % KV;
-      const int64_t t = rp[s * Q + i];
-      if (t >= T) continue;  // a padded query
-      const bool* row_mask = mp + (s * Q + i) * (W + Q);
-      // the visible keys and values, in order: cached ones by slot, then the step's new ones
-      keys.clear();
-      vals.clear();
+      const int64_t s = task / (KV * chunks), h = (task / chunks) % KV, chunk = task % chunks;
+      const int64_t i0 = chunk * per_chunk, i1 = std::min(Q, i0 + per_chunk);
+      // the keys any of the chunk's rows sees, in position order
+      int64_t n = 0;
       for (int64_t j = 0; j < W + Q; ++j) {
-        if (!row_mask[j]) continue;
+        bool seen = false;
+        for (int64_t i = i0; i < i1 && !seen; ++i) seen = rp[s * Q + i] < T && mp[(s * Q + i) * (W + Q) + j];
+        where[j] = seen ? int32_t(n++) : -1;
+      }
+      if (n == 0) continue;
+      const int64_t padded = (n + 15) / 16 * 16;
+      keys.resize(padded * d);
+      std::fill(keys.begin() + n * d, keys.end(), 0.f);  // the last block's padding keys
+      vals.resize(n * d);
+      for (int64_t j = 0; j < W + Q; ++j) {
+        if (where[j] < 0) continue;
+        float* kd = keys.data() + where[j] * d;
+        float* vd = vals.data() + where[j] * d;
         if (j < W) {
           const int64_t slot = cp[s * W + j];
-          keys.push_back({kcp + (slot * KV + h) * d, true});
-          vals.push_back({vcp + (slot * KV + h) * d, true});
-        } else {
-          const int64_t tj = rp[s * Q + (j - W)];
-          keys.push_back({kp + (tj * KV + h) * d, false});
-          vals.push_back({vp + (tj * KV + h) * d, false});
-        }
-      }
-      const int64_t n = int64_t(keys.size());
-      if (n == 0) continue;
-      scores.resize(n);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = h * group + g;
-        const float* qrow = qp + (t * H + head) * d;
-#ifdef ATTEND_X86
-        if (wide && d == 64) {
-          head_avx512<C, 4>(qrow, keys.data(), vals.data(), n, scores.data(), sc, op + (t * H + head) * d);
-          continue;
-        }
-        if (wide && d == 128) {
-          head_avx512<C, 8>(qrow, keys.data(), vals.data(), n, scores.data(), sc, op + (t * H + head) * d);
-          continue;
-        }
-#endif
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) {
-#ifdef ATTEND_X86
-          const float dot = wide ? dot_avx512<C>(qrow, keys[j], d) : dot_scalar<C>(qrow, keys[j], d);
-#else
-          const float dot = dot_scalar<C>(qrow, keys[j], d);
-#endif
-          scores[j] = dot * sc;
-          mx = std::fmax(mx, scores[j]);
-        }
-        for (int64_t j = 0; j < n; ++j) scores[j] = scores[j] - mx;
-#ifdef ATTEND_X86
-        if (wide) {
-          exp_avx512(scores.data(), n);
-        } else
-#endif
-        {
-          for (int64_t j = 0; j < n; ++j) scores[j] = exp_scalar(scores[j]);
-        }
-        float denom = 0.f;
-        for (int64_t j = 0; j < n; ++j) denom += scores[j];
-        float* o = op + (t * H + head) * d;
-        for (int64_t j = 0; j < n; ++j) {
 #ifdef ATTEND_X86
           if (wide) {
-            axpy_avx512<C>(o, scores[j], vals[j], d);
+            widen_avx512<C>(kcp + (slot * KV + h) * d, d, kd);
+            widen_avx512<C>(vcp + (slot * KV + h) * d, d, vd);
             continue;
           }
 #endif
-          axpy_scalar<C>(o, scores[j], vals[j], d);
+          widen_scalar<C>(kcp + (slot * KV + h) * d, d, kd);
+          widen_scalar<C>(vcp + (slot * KV + h) * d, d, vd);
+        } else {
+          const int64_t tj = rp[s * Q + (j - W)];
+          std::memcpy(kd, kp + (tj * KV + h) * d, d * sizeof(float));
+          std::memcpy(vd, vp + (tj * KV + h) * d, d * sizeof(float));
         }
-        for (int64_t x = 0; x < d; ++x) o[x] = o[x] / denom;
+      }
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t t = rp[s * Q + i];
+        if (t >= T) continue;  // a padded query
+        const bool* row_mask = mp + (s * Q + i) * (W + Q);
+        int64_t nv = 0;
+        for (int64_t j = 0; j < W + Q; ++j)
+          if (row_mask[j]) vis[nv++] = where[j];
+        if (nv == 0) continue;
+        const bool every = nv == n;  // the row sees every key of the task (vis is 0..n-1)
+        for (int64_t g = 0; g < group; ++g) {
+          qrows[g] = qp + (t * H + h * group + g) * d;
+          outs[g] = op + (t * H + h * group + g) * d;
+        }
+#ifdef ATTEND_X86
+        if (wide) {
+          all.resize(group * padded);
+          scores.resize(group * padded);
+          if (d == 64)
+            group_avx512<4>(qrows.data(), group, keys.data(), vals.data(), padded, d, vis.data(), nv, every,
+                            all.data(), scores.data(), padded, sc, outs.data());
+          else
+            group_avx512<8>(qrows.data(), group, keys.data(), vals.data(), padded, d, vis.data(), nv, every,
+                            all.data(), scores.data(), padded, sc, outs.data());
+          continue;
+        }
+#endif
+        for (int64_t g = 0; g < group; ++g)
+          head_scalar(qrows[g], keys.data(), vals.data(), d, vis.data(), nv, scores.data(), sc, outs[g]);
       }
     }
   });

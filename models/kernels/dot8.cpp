@@ -42,9 +42,11 @@ constexpr int GROUP = 32;
 constexpr int MAX_ROWS = 8;  // rows per register block
 
 struct Acts {
-  const int8_t* a;     // (M, K)
-  const float* sx;     // (M, G)
-  const int32_t* sum;  // (M, G)
+  const int8_t* a;        // (M, K)
+  const float* sx;        // (M, G)
+  const int32_t* sum;     // (M, G)
+  const float* fsum;      // (M, G): float(sum), exact; read by broadcast loads, not converted per tile
+  const int32_t* sum128;  // (M, G): 128 * sum (int8 weights are stored as q + 128)
   int64_t K, G;
 };
 
@@ -140,9 +142,9 @@ void tile_avx512_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, fl
     for (int r = 0; r < R; ++r) {
       const int64_t rg = (r0 + r) * x.G + g;
       __m512i dot = acc[r];
-      if (BITS == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x.sum[rg]));
+      if (BITS == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(x.sum128[rg]));
       __m512 v = _mm512_mul_ps(d, _mm512_cvtepi32_ps(dot));
-      if (BITS == 4) v = _mm512_fmadd_ps(m, _mm512_set1_ps(float(x.sum[rg])), v);
+      if (BITS == 4) v = _mm512_fmadd_ps(m, _mm512_set1_ps(x.fsum[rg]), v);
       y[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.sx[rg]), v, y[r]);
     }
   }
@@ -213,7 +215,7 @@ void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, floa
       for (int r = 0; r < R; ++r) {
         const int64_t rg = (r0 + r) * x.G + g;
         __m256 v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(acc[r]));  // int8: acc is already sum q a
-        if (BITS == 4) v = _mm256_fmadd_ps(m, _mm256_set1_ps(float(x.sum[rg])), v);
+        if (BITS == 4) v = _mm256_fmadd_ps(m, _mm256_set1_ps(x.fsum[rg]), v);
         y[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.sx[rg]), v, y[r]);
       }
     }
@@ -358,13 +360,18 @@ at::Tensor dot8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 
   std::vector<int8_t> a(M * K);
   std::vector<float> sx(M * G);
-  std::vector<int32_t> sum(M * G);
+  std::vector<int32_t> sum(M * G), sum128(M * G);
+  std::vector<float> fsum(M * G);
   if (x.scalar_type() == at::kFloat)
     quantize_rows(x.data_ptr<float>(), M, K, a.data(), sx.data(), sum.data(), !force_scalar);
   else
     quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, a.data(), sx.data(), sum.data(), !force_scalar);
+  for (int64_t i = 0; i < M * G; ++i) {
+    fsum[i] = float(sum[i]);
+    sum128[i] = 128 * sum[i];
+  }
 
-  const Acts acts{a.data(), sx.data(), sum.data(), K, G};
+  const Acts acts{a.data(), sx.data(), sum.data(), fsum.data(), sum128.data(), K, G};
   const Weights w{q.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
                   reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()), G, int(bits)};
   const Path& p = path(force_scalar);
