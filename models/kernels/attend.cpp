@@ -7,8 +7,14 @@
 // sees and their order, never on how many rows, sequences or padded positions share the
 // step: scores are dot products with one fixed reduction tree, exp is one fixed polynomial
 // per element, and the softmax sums run over the visible keys one after another. So a token
-// decoded alone and the same token inside a verify tree get the same bits, on the AVX-512
-// path and on the plain C path alike.
+// decoded alone and the same token inside a verify tree get the same bits, on the AVX-512,
+// AVX2 and plain C paths alike (chosen at run time from the CPU's flags; the last argument
+// forces one: 1 plain C, 2 AVX2).
+//
+// Work is split by (sequence, kv head, chunk of rows): the keys and values of a task are
+// widened to fp32 once and shared by all its rows and the group's query heads; on AVX-512 the
+// scores of sixteen keys are reduced together (a transpose network that makes the same
+// additions as one key's horizontal sum) and one load of a value row feeds every head.
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -242,19 +248,89 @@ void head_scalar(const float* qrow, const float* keys, const float* vals, int64_
   for (int64_t x = 0; x < d; ++x) o[x] = o[x] / denom;
 }
 
-bool wide_cpu() {
 #ifdef ATTEND_X86
-  static const bool ok = __builtin_cpu_supports("avx512f");
-  return ok;
+// ---- AVX2 (hosts without AVX-512): the same operations, eight lanes at a time ----
+
+__attribute__((target("avx2,fma")))
+inline void exp_avx2(float* x, int64_t n) {  // in place, x <= 0; exp_scalar's steps
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t left = n - i;
+    alignas(32) float buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(buf, x + i, sizeof(float) * (left >= 8 ? 8 : left));
+    __m256 v = _mm256_max_ps(_mm256_load_ps(buf), _mm256_set1_ps(-87.0f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), k), _mm256_set1_ps(LN2_HI), v);
+    r = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), k), _mm256_set1_ps(LN2_LO), r);
+    __m256 p = _mm256_set1_ps(P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P5));
+    __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    _mm256_store_ps(buf, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+    std::memcpy(x + i, buf, sizeof(float) * (left >= 8 ? 8 : left));
+  }
+}
+
+// dot_scalar's sixteen lane sums as two registers (lanes 0-7, 8-15), then its halving tree.
+__attribute__((target("avx2,fma")))
+inline float dot_avx2(const float* q, const float* k, int64_t d) {
+  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += LANES) {
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
+    b = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), b);
+  }
+  const __m256 h = _mm256_add_ps(a, b);
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+
+__attribute__((target("avx2,fma")))
+void head_avx2(const float* qrow, const float* keys, const float* vals, int64_t d, const int32_t* vis, int64_t nv,
+               float* scores, float sc, float* o) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < nv; ++j) {
+    scores[j] = dot_avx2(qrow, keys + int64_t(vis[j]) * d, d) * sc;
+    mx = std::fmax(mx, scores[j]);
+  }
+  for (int64_t j = 0; j < nv; ++j) scores[j] = scores[j] - mx;
+  exp_avx2(scores, nv);
+  float denom = 0.f;
+  for (int64_t j = 0; j < nv; ++j) denom += scores[j];
+  for (int64_t c = 0; c < d; c += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nv; ++j)
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(vals + int64_t(vis[j]) * d + c), acc);
+    _mm256_storeu_ps(o + c, _mm256_div_ps(acc, _mm256_set1_ps(denom)));
+  }
+}
+#endif
+
+// The code path: 0 = the widest this CPU has, 1 = plain C, 2 = AVX2 (tests run every path a
+// host may take).
+enum class Path { Scalar, Avx2, Avx512 };
+
+Path pick_path(int64_t force) {
+#ifdef ATTEND_X86
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (force == 1) return Path::Scalar;
+  if (force == 2) return avx2 ? Path::Avx2 : Path::Scalar;
+  return avx512 ? Path::Avx512 : avx2 ? Path::Avx2 : Path::Scalar;
 #else
-  return false;
+  return Path::Scalar;
 #endif
 }
 
 template <typename C>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
                   const at::Tensor& vc, const at::Tensor& rows, const at::Tensor& context, const at::Tensor& mask,
-                  double scale, bool simd) {
+                  double scale, Path path) {
   const int64_t T = q.size(0), H = q.size(1), d = q.size(2), KV = k.size(1), group = H / KV;
   const int64_t S = rows.size(0), Q = rows.size(1), W = context.size(1);
   at::Tensor out = at::zeros({T, H, d}, q.options());
@@ -267,11 +343,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t* cp = context.data_ptr<int64_t>();
   const bool* mp = mask.data_ptr<bool>();
   float* op = out.data_ptr<float>();
-#ifdef ATTEND_X86
-  const bool wide = simd && wide_cpu() && (d == 64 || d == 128);
-#else
-  const bool wide = false;
-#endif
+  const bool wide = path == Path::Avx512 && (d == 64 || d == 128);
   const float sc = float(scale);
 
   // One task per (sequence, kv head, chunk of query rows): its keys are widened once and shared
@@ -310,7 +382,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         if (j < W) {
           const int64_t slot = cp[s * W + j];
 #ifdef ATTEND_X86
-          if (wide) {
+          if (path == Path::Avx512) {
             widen_avx512<C>(kcp + (slot * KV + h) * d, d, kd);
             widen_avx512<C>(vcp + (slot * KV + h) * d, d, vd);
             continue;
@@ -349,6 +421,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             all.data(), scores.data(), padded, sc, outs.data());
           continue;
         }
+        if (path == Path::Avx2) {
+          for (int64_t g = 0; g < group; ++g)
+            head_avx2(qrows[g], keys.data(), vals.data(), d, vis.data(), nv, scores.data(), sc, outs[g]);
+          continue;
+        }
 #endif
         for (int64_t g = 0; g < group; ++g)
           head_scalar(qrows[g], keys.data(), vals.data(), d, vis.data(), nv, scores.data(), sc, outs[g]);
@@ -373,9 +450,9 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const auto qc = q.contiguous(), kk = k.contiguous(), vv = v.contiguous(), kcc = kc.contiguous(),
              vcc = vc.contiguous(), rc = rows.contiguous(), cc = context.contiguous(), mc = mask.contiguous();
   if (kc.scalar_type() == at::kBFloat16)
-    return attend<c10::BFloat16>(qc, kk, vv, kcc, vcc, rc, cc, mc, scale, !force_scalar);
+    return attend<c10::BFloat16>(qc, kk, vv, kcc, vcc, rc, cc, mc, scale, pick_path(force_scalar));
   TORCH_CHECK(kc.scalar_type() == at::kFloat, "attend_rows: the cache must be bf16 or fp32");
-  return attend<float>(qc, kk, vv, kcc, vcc, rc, cc, mc, scale, !force_scalar);
+  return attend<float>(qc, kk, vv, kcc, vcc, rc, cc, mc, scale, pick_path(force_scalar));
 }
 
 }  // namespace

@@ -53,6 +53,8 @@ def test_attend_rows_matches_the_traced_rows_form(dtype: torch.dtype, T: int, W:
     torch.testing.assert_close(got, traced_rows_form(q, k, v, kc, vc, rows, context, mask), rtol=1e-5, atol=1e-5)
     scalar = torch.ops.dualserve.attend_rows(q, k, v, kc, vc, rows, context, mask, D ** -0.5, 1)
     assert torch.equal(got, scalar), "the vector and plain C paths differ"
+    avx2 = torch.ops.dualserve.attend_rows(q, k, v, kc, vc, rows, context, mask, D ** -0.5, 2)
+    assert torch.equal(avx2, scalar), "the AVX2 and plain C paths differ"
 
 
 def test_a_token_verified_in_a_tree_gets_the_bits_it_gets_decoded_alone() -> None:
@@ -92,3 +94,26 @@ def test_padded_queries_and_sequences_are_left_zero() -> None:
     assert got.shape == q.shape and got.abs().sum(-1).min() > 0
     ref = traced_rows_form(q, k, v, kc, vc, rows, context, mask)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 64), (5, 1, 64), (8, 1, 128), (4, 4, 32)])
+def test_every_code_path_gives_the_same_bits_for_any_group_width_and_mask(heads: int, kv_heads: int,
+                                                                          dim: int) -> None:
+    """AVX-512, AVX2 and plain C agree bit for bit: groups of heads wider than a register block,
+    head sizes the vector paths do not specialise, rows that see different keys (a tree), a
+    padded query, and more keys than one block of sixteen."""
+    g = torch.Generator().manual_seed(3)
+    S, Q, W, T = 2, 5, 37, 9                     # the second sequence's last query is padding
+    kc = torch.randn(120, kv_heads, dim, generator=g).bfloat16()
+    vc = torch.randn(120, kv_heads, dim, generator=g).bfloat16()
+    q = torch.randn(T, heads, dim, generator=g)
+    k, v = torch.randn(T, kv_heads, dim, generator=g), torch.randn(T, kv_heads, dim, generator=g)
+    rows = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, T]])
+    context = torch.randperm(120, generator=g)[:S * W].view(S, W)
+    mask = torch.rand(S, Q, W + Q, generator=g) < 0.8
+    mask[:, :, W:] &= torch.tril(torch.ones(Q, Q, dtype=torch.bool))
+    mask[0, 2] = False                           # a row that sees nothing stays zero
+    out = [torch.ops.dualserve.attend_rows(q, k, v, kc, vc, rows, context, mask, dim ** -0.5, path)
+           for path in (0, 1, 2)]
+    assert torch.equal(out[0], out[1]) and torch.equal(out[2], out[1])
+    assert out[0][2].abs().sum() == 0 and out[0][3].abs().sum() > 0
