@@ -118,14 +118,21 @@ def deploy(args: argparse.Namespace):
     from dualserve.models.formats import cached_measure
     from dualserve.models.hub import default_cache_dir, resolve_model
     from dualserve.models.loader import load_model
+    from dualserve.server.cli import pick_format
 
     if args.threads:
         torch.set_num_threads(args.threads)
     cache = default_cache_dir(args.cache_dir)
     name, path = resolve_model(args.model, cache)
-    loaded = load_model(path, name=name, cache_dir=cache, quantization=args.quantization)
+    # the format the server serves: with auto, the one the host's format table picks
+    served = argparse.Namespace(quantization=args.quantization, device="cpu", dtype="auto", tensor_parallel_size=1)
+    quantization, dtype, table = pick_format(served, path, cache, torch.float32)
+    loaded = load_model(path, name=name, cache_dir=cache, quantization=quantization, dtype=dtype)
     head = Path(args.head) if args.head else default_eagle_head(name)
-    table = cached_measure(loaded.config, cache / "host") if args.budget == "cost" else None
+    if args.budget == "cost" and table is None:
+        table = cached_measure(loaded.config, cache / "host")
+    elif args.budget != "cost":
+        table = None
     compile_spec = CompileSpec(cache_dir=cache / "compile") if args.compile else None
     dflash = Path(args.dflash) if args.dflash else None
     dep = build_deployment([ServedSpec(name, loaded, eagle_head=head or "suffix", dflash=dflash)],

@@ -418,8 +418,11 @@ class CompiledStep:
         sources = [*sorted({inspect.getmodule(type(m)) for m in self.model.modules()
                             if type(m).__module__.startswith("dualserve.")}, key=lambda m: m.__name__),
                    PaddedPagedAttention, ForwardWithFeatures]
+        # A rows graph calls the attention kernel where it is built, and loading a package that calls
+        # it needs the kernels' library loaded first (a model without dot8 layers has not loaded it).
+        uses_kernel = ATTEND_KERNEL and kernels.available()
         digest = aoti.package_key(self.model, sources, self.cache.dtype, shape, aux, sorted(PACKAGE_INDUCTOR.items()),
-                                  ATTEND_KERNEL)
+                                  uses_kernel)
         path = self.package_dir / f"step-{shape.name.replace('/', '-')}-{digest}.pt2"
         how = "loaded"
         if not path.exists():

@@ -351,7 +351,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   // calling thread, where a parallel region's wake-up would cost more than it saves; a step of few
   // sequences splits its rows so that every thread has a task.
   const int64_t work = S * Q * H * (W + Q);
-  const int64_t threads = work < (1 << 14) ? 1 : at::get_num_threads();
+  const int64_t threads = work < (1 << 12) ? 1 : at::get_num_threads();
   const int64_t chunks = std::min<int64_t>(Q, std::max<int64_t>(1, (2 * threads + S * KV - 1) / (S * KV)));
   const int64_t per_chunk = (Q + chunks - 1) / chunks;
   const int64_t tasks = S * KV * chunks;
