@@ -241,7 +241,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default=None, help="comma-separated, from " + ", ".join(MODES) +
                    " (default: all; block only with --dflash)")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "w4a8"],
-                   help="weight format (auto: as served, int4 for the default model)")
+                   help="weight format (auto: the one the server picks on this host, from its format table)")
     p.add_argument("--compile", action="store_true",
                    help="compiled steps, as the server runs them (waits until every graph is built or loaded)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts of each set only")
