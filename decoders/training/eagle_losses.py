@@ -123,7 +123,10 @@ def eagle3_loss(head: Eagle3Head, batch: Batch, draft_lm_head: torch.Tensor, ste
         mask = row_mask(batch, k)
         if t2d is not None:
             mask = mask & t2d[shifted(batch.ids, 2 + k)]
-        loss, hits = soft_ce(head.logits(h), shifted(target_logits, 1 + k), mask)
+        # logits of the trained rows only: prompt and padding rows are about half a batch, and the
+        # draft-vocabulary head (forward and backward) is a third of a step's work
+        rows = mask.nonzero(as_tuple=True)
+        loss, hits = soft_ce(head.logits(h[rows]), shifted(target_logits, 1 + k)[rows], mask[rows])
         total = total + decay ** k * loss
         stats.append((hits, int(mask.sum())))
         hidden = h

@@ -148,3 +148,32 @@ def test_excluded_prompts_never_reach_training(tmp_path: Path) -> None:
     kept = ShardStream(data, 4, block=8, exclude=lambda ids: ids == banned)
     kept.refresh()
     assert len(kept.seqs) == 15 and all(s.ids[:s.prompt_len].tolist() != banned for s in kept.seqs)
+
+
+def test_ttt_loss_over_trained_rows_equals_the_masked_loss_over_every_row(target: LoadedModel,
+                                                                          tmp_path: Path) -> None:
+    """The loss computes draft logits for the trained rows only; it is the masked mean over all rows."""
+    from dualserve.decoders.training.eagle_losses import UnrolledAttention, row_mask, shifted, soft_ce
+
+    data = tmp_path / "data"
+    write_shard(data, 8, model=target.model)
+    stream = ShardStream(data, 8, block=8)
+    stream.refresh()
+    batch = target_batch(target.model, stream.seqs, (1, 3, 4))
+    t2d = torch.rand(VOCAB, generator=torch.Generator().manual_seed(1)) < 0.8
+    head = eagle_train.new_head(target, args_for(tmp_path, data, steps=1), torch.zeros(VOCAB, dtype=torch.long), t2d)
+    rows = target.model.lm_head_weight.float()
+    with torch.no_grad():
+        total, stats = eagle3_loss(head, batch, rows, 3, t2d=t2d)
+        b, t = batch.ids.shape
+        target_logits = batch.final.float() @ rows.T
+        hidden, attn, want, want_stats = head.fc(batch.aux), UnrolledAttention(b, t), 0.0, []
+        for k in range(3):
+            h = head(shifted(batch.ids, 1 + k).reshape(-1), hidden.reshape(b * t, -1),
+                     (torch.arange(t) + k).repeat(b), attn).view(b, t, -1)
+            mask = row_mask(batch, k) & t2d[shifted(batch.ids, 2 + k)]
+            loss, hits = soft_ce(head.logits(h), shifted(target_logits, 1 + k), mask)
+            want, hidden = want + 0.8 ** k * loss, h
+            want_stats.append((hits, int(mask.sum())))
+    assert stats == want_stats and all(n > 0 for _, n in stats)
+    torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-6)
