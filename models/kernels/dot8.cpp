@@ -40,6 +40,7 @@ namespace {
 constexpr int TILE = 16;
 constexpr int GROUP = 32;
 constexpr int MAX_ROWS = 8;  // rows per register block
+constexpr int PREFETCH = 4096;  // bytes ahead in the weight stream
 
 struct Acts {
   const int8_t* a;        // (M, K)
@@ -120,6 +121,10 @@ void tile_avx512_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, fl
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
     const uint8_t* qg = q + g * CH * 64;
     const int64_t k0 = g * GROUP;
+    // Several rows make a group's work long enough that the hardware prefetcher falls behind the
+    // weight stream; one row is memory-bound, and there it streams best unaided.
+    if (R >= 4)
+      for (int j = 0; j < CH; ++j) _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
     for (int j = 0; j < CH; ++j) {
       const __m512i v = _mm512_loadu_si512(qg + j * 64);
       if (BITS == 4) {
@@ -189,6 +194,8 @@ void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, floa
       for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
       const uint8_t* qg = q + g * CH * 64 + half * 32;
       const int64_t k0 = g * GROUP;
+      if (R >= 4 && half == 0)  // as in tile_avx512_rows
+        for (int j = 0; j < CH; ++j) _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
       for (int j = 0; j < CH; ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + j * 64));
         if (BITS == 4) {
