@@ -215,17 +215,15 @@ void group_avx512(const float* const* qrows, int64_t group, const float* keys, c
                   float sc, float* const* outs) {
   constexpr int B = DC <= 4 ? 4 : 2;
   for (int64_t g = 0; g < group;) {
-    const int64_t left = group - g;
-    const int64_t b = left >= B ? B : left;
-    switch (b) {
-      case 4: heads_avx512<DC, (B >= 4 ? 4 : 1)>(qrows + g, keys, vals, n, d, vis, nv, every, all, scores, stride,
-                                                  sc, outs + g); break;
-      case 3: heads_avx512<DC, (B >= 4 ? 3 : 1)>(qrows + g, keys, vals, n, d, vis, nv, every, all, scores, stride,
-                                                  sc, outs + g); break;
-      case 2: heads_avx512<DC, 2>(qrows + g, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, outs + g);
-        break;
-      default: heads_avx512<DC, 1>(qrows + g, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, outs + g);
+    const int64_t b = std::min<int64_t>(B, group - g);
+    const float* const* q = qrows + g;
+    float* const* o = outs + g;
+    if constexpr (B == 4) {
+      if (b == 4) heads_avx512<DC, 4>(q, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, o);
+      if (b == 3) heads_avx512<DC, 3>(q, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, o);
     }
+    if (b == 2) heads_avx512<DC, 2>(q, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, o);
+    if (b == 1) heads_avx512<DC, 1>(q, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, o);
     g += b;
   }
 }
