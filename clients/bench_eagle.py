@@ -129,10 +129,7 @@ def deploy(args: argparse.Namespace):
     quantization, dtype, table = pick_format(served, path, cache, torch.float32)
     loaded = load_model(path, name=name, cache_dir=cache, quantization=quantization, dtype=dtype)
     head = Path(args.head) if args.head else default_eagle_head(name)
-    if args.budget == "cost" and table is None:
-        table = cached_measure(loaded.config, cache / "host")
-    elif args.budget != "cost":
-        table = None
+    table = (table or cached_measure(loaded.config, cache / "host")) if args.budget == "cost" else None
     compile_spec = CompileSpec(cache_dir=cache / "compile") if args.compile else None
     dflash = Path(args.dflash) if args.dflash else None
     dep = build_deployment([ServedSpec(name, loaded, eagle_head=head or "suffix", dflash=dflash)],
