@@ -41,18 +41,38 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from safetensors.torch import load_file, save_file
 
-from dualserve.models.adapter import TwinSpec, apply_twin, save_twin
+from dualserve.models.adapter import ADAPTER_FILE, TwinSpec, apply_twin, save_twin
 from dualserve.models.loader import LoadedModel, hf_config_dict
 
 from .diffusion_data import generate_dataset, twin_prompts
-from .diffusion_twin import Example, LoRALinear, adapter_tensors, add_lora, make_example, pack, twin_loss
+from .diffusion_twin import (Example, LoRALinear, Objective, adapter_tensors, add_lora, make_example, pack,
+                             twin_loss)
+from .distil import ANSWERED, read_records
 
 console = Console(stderr=True)
 DEFAULT_MASK_TOKEN = "<reponame>"
 
 
-def is_holdout(prompt: str, every: int) -> bool:
-    return every > 0 and int(hashlib.sha1(prompt.encode()).hexdigest(), 16) % every == 0
+def is_holdout(record: dict, every: int) -> bool:
+    """One record in ``every``, by a stable hash of its prompt (its prompt ids in a distilled set)."""
+    key = record["prompt"] if "prompt" in record else json.dumps(record["prompt_ids"])
+    return every > 0 and int(hashlib.sha1(key.encode()).hexdigest(), 16) % every == 0
+
+
+def distilled_records(data_dir: Path, max_len: int) -> list[dict]:
+    """The answered records of a self-distilled set (``python -m dualserve.decoders.training.distil``),
+    the one the EAGLE head and the DFlash drafter train on; an answer is cut (and so counts as
+    unfinished) where prompt + answer pass ``max_len``; a prompt that leaves fewer than 8 answer
+    tokens is dropped."""
+    out = []
+    for rec in read_records(data_dir):
+        prompt, answer = rec["prompt_ids"], rec["answer_ids"]
+        if rec["finish"] not in ANSWERED or not answer or len(prompt) + 8 > max_len:
+            continue
+        cut = len(prompt) + len(answer) > max_len
+        out.append({"prompt_ids": prompt, "answer_ids": answer[: max_len - len(prompt)],
+                    "finish": "length" if cut else rec["finish"]})
+    return out
 
 
 def pick_mask_token(loaded: LoadedModel, name: str | None) -> int:
@@ -123,6 +143,16 @@ def save_checkpoint(work: Path, params: dict[str, torch.nn.Parameter], opt: torc
     (work / "checkpoint.json").write_text(json.dumps(progress))
 
 
+def start_from(params: dict[str, torch.nn.Parameter], twin_dir: Path) -> None:
+    """Start training from an existing twin's adapter (the same rank and targets) instead of B = 0."""
+    adapter = load_file(str(twin_dir / ADAPTER_FILE))
+    if adapter.keys() != params.keys() or any(adapter[k].shape != p.shape for k, p in params.items()):
+        raise SystemExit(f"--init {twin_dir}: its adapter does not match this twin's rank and targets")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(adapter[name])
+
+
 def load_checkpoint(work: Path, params: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer) -> dict:
     if not (work / "checkpoint.safetensors").exists() or not (work / "checkpoint.json").exists():
         return {"step": 0}
@@ -156,12 +186,16 @@ def write_twin(loaded: LoadedModel, args: argparse.Namespace, spec: TwinSpec, lo
 def train(loaded: LoadedModel, args: argparse.Namespace, examples: list[Example], spec: TwinSpec) -> None:
     """Train LoRA + [MASK] row on ``examples`` for ``args.steps`` optimizer steps (resumable).
 
-    Works on a copy of the model, so ``loaded`` stays the plain AR model."""
+    Works on a copy of the model, so ``loaded`` stays the plain AR model (the parent whose
+    distribution the soft targets are)."""
+    objective = Objective(distil=args.distil, certainty=args.certainty, temperature=args.certainty_temperature)
     model = copy.deepcopy(loaded.model)
     loras = add_lora(model, args.rank, args.alpha, args.seed)
     emb = model.embed_tokens.weight
     mask_embedding = torch.nn.Parameter(emb.detach().float().mean(0).to(emb))
     params = trainable(loras, mask_embedding)
+    if args.init:
+        start_from(params, Path(args.init))
     opt = torch.optim.AdamW(params.values(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -185,7 +219,8 @@ def train(loaded: LoadedModel, args: argparse.Namespace, examples: list[Example]
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, args.steps, args)
             with autocast:
-                loss, n, correct = twin_loss(model, mask_embedding, spec.mask_token_id, batch)
+                loss, n, correct = twin_loss(model, mask_embedding, spec.mask_token_id, batch, objective,
+                                             parent=loaded.model)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
@@ -257,13 +292,16 @@ def run(loaded: LoadedModel, args: argparse.Namespace, base_model: str) -> Path:
     console.log(f"twin of {loaded.name}: block {spec.block_size}, mask id {spec.mask_token_id} "
                 f"({loaded.tokenizer.convert_ids_to_tokens([spec.mask_token_id])[0]}), LoRA rank {spec.rank}, "
                 f"bf16 autocast {'on' if use_bf16(args.bf16, args.device) else 'off'}")
-    prompts = twin_prompts(args.num_prompts, args.seed, args.prompts)
-    records = generate_dataset(loaded, prompts, Path(args.data), max_new_tokens=args.max_new_tokens,
-                               max_prompt_len=args.max_prompt_len, concurrency=args.gen_concurrency,
-                               log=console.log)
+    if Path(args.data).is_dir():
+        records = distilled_records(Path(args.data), args.max_len)
+    else:
+        prompts = twin_prompts(args.num_prompts, args.seed, args.prompts)
+        records = generate_dataset(loaded, prompts, Path(args.data), max_new_tokens=args.max_new_tokens,
+                                   max_prompt_len=args.max_prompt_len, concurrency=args.gen_concurrency,
+                                   log=console.log)
     pad = loaded.tokenizer.eos_token_id if loaded.tokenizer.eos_token_id is not None else loaded.config.eos_token_ids[0]
-    train_recs = [r for r in records if not is_holdout(r["prompt"], args.holdout)]
-    held = examples_from([r for r in records if is_holdout(r["prompt"], args.holdout)], spec.block_size, pad)
+    train_recs = [r for r in records if not is_holdout(r, args.holdout)]
+    held = examples_from([r for r in records if is_holdout(r, args.holdout)], spec.block_size, pad)
     examples = examples_from(train_recs, spec.block_size, pad)
     console.log(f"data: {len(examples)} training answers ({sum(len(e.ids) - e.prompt_len for e in examples)} "
                 f"answer tokens), {len(held)} held out")
@@ -289,7 +327,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--output", required=True, help="twin directory to write (config.json + adapter.safetensors)")
     p.add_argument("--work-dir", required=True, help="checkpoints, training history and eval results")
-    p.add_argument("--data", default=None, help="self-distilled JSONL cache (default: WORK_DIR/data.jsonl)")
+    p.add_argument("--data", default=None,
+                   help="self-distilled JSONL cache (default: WORK_DIR/data.jsonl), or the directory of a set "
+                        "made by `python -m dualserve.decoders.training.distil` (used as it is)")
+    p.add_argument("--max-len", type=int, default=768,
+                   help="prompt + answer tokens kept per record of a distilled directory")
     p.add_argument("--prompts", nargs="*", help="extra JSONL prompt files ({\"prompt\": ...} per line)")
     p.add_argument("--num-prompts", type=int, default=640, help="generated prompts")
     p.add_argument("--max-prompt-len", type=int, default=192)
@@ -304,6 +346,13 @@ def parser() -> argparse.ArgumentParser:
                    help="stop training after this long, checkpointed (run again to resume; 0: no limit)")
     p.add_argument("--tokens-per-step", type=int, default=2048, help="packed tokens per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--init", default=None,
+                   help="start from this twin's adapter (same --rank) instead of a zero one")
+    p.add_argument("--distil", type=float, default=0.0,
+                   help="weight of the AR parent's soft targets (the hard targets get 1 - this)")
+    p.add_argument("--certainty", type=float, default=0.0,
+                   help="weight of certainty forcing: the entropy of correctly predicted masked tokens (dParallel)")
+    p.add_argument("--certainty-temperature", type=float, default=0.5)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--log-every", type=int, default=5)

@@ -37,7 +37,17 @@ stream between both views costs L + 2 * L_answer tokens instead of 4 * L.
 Noisy copies start at the block that holds the first answer token; earlier
 blocks (all prompt) have nothing to predict. Prompt tokens are never masked.
 The loss is the mean cross-entropy over masked tokens (no 1/t weighting:
-complementary views already balance high and low mask ratios).
+complementary views already balance high and low mask ratios). Two optional
+terms (``Objective``) push the twin towards committing several tokens per forward
+at its parent's quality:
+
+  - **soft targets** (knowledge distillation, Hinton et al. 2015): the cross-entropy
+    to the AR parent's whole next-token distribution at each target, taken from the
+    parent's causal forward over the clean tokens, mixed with the hard target;
+  - **certainty forcing** (dParallel, Chen et al. 2025, arXiv 2509.26488, section 3.2):
+    the entropy (at a softmax temperature) of the masked tokens the twin already
+    predicts right is minimised, so they pass the unmasking threshold in the same
+    forward instead of one after another.
 """
 
 from __future__ import annotations
@@ -138,6 +148,8 @@ class Packed:
     attn_mask: torch.Tensor    # (T, T) bool, True = may attend
     source_rows: torch.Tensor  # (targets,) rows whose logits predict ...
     targets: torch.Tensor      # (targets,) ... these tokens
+    target_pos: torch.Tensor   # (targets,) their absolute positions j in the clean tokens
+    clean_len: int             # the clean tokens x0 come first: input_ids[:clean_len]
 
     @property
     def length(self) -> int:
@@ -170,7 +182,7 @@ def pack(ex: Example, block_size: int, mask_id: int, gen: torch.Generator) -> Pa
     answer = torch.arange(n0, length) >= p                                # (Ln,)
     mask_a = (torch.rand(ln, generator=gen) < ratio[blocks]) & answer
     mask_b = answer & ~mask_a
-    views, rows, targets = [], [], []
+    views, rows, targets, where = [], [], [], []
     for v, m in enumerate((mask_a, mask_b)):
         views.append(torch.where(m, torch.full_like(x0[n0:], mask_id), x0[n0:]))
         pos = torch.nonzero(m).squeeze(1) + n0                            # absolute positions j
@@ -178,10 +190,12 @@ def pack(ex: Example, block_size: int, mask_id: int, gen: torch.Generator) -> Pa
         # j predicted from row j-1: clean stream at a block start, else this view's own row.
         rows.append(torch.where(first, pos - 1, length + v * ln + (pos - 1 - n0)))
         targets.append(x0[pos])
+        where.append(pos)
     return Packed(input_ids=torch.cat([x0, *views]),
                   positions=torch.cat([torch.arange(length), torch.arange(n0, length), torch.arange(n0, length)]),
                   attn_mask=stream_mask(length, n0, block_size),
-                  source_rows=torch.cat(rows), targets=torch.cat(targets))
+                  source_rows=torch.cat(rows), targets=torch.cat(targets), target_pos=torch.cat(where),
+                  clean_len=length)
 
 
 def embedding_with_mask(model: Transformer, mask_embedding: torch.Tensor, mask_id: int) -> torch.Tensor:
@@ -190,9 +204,33 @@ def embedding_with_mask(model: Transformer, mask_embedding: torch.Tensor, mask_i
     return weight.index_put((torch.tensor([mask_id], device=weight.device),), mask_embedding[None].to(weight))
 
 
-def twin_loss(model: Transformer, mask_embedding: torch.Tensor, mask_id: int,
-              batch: list[Packed]) -> tuple[torch.Tensor, int, int]:
-    """Mean masked-token cross-entropy over a batch of packed examples; also (targets, correct)."""
+@dataclass(frozen=True)
+class Objective:
+    """The terms added to the hard-target cross-entropy (see the module docstring)."""
+
+    distil: float = 0.0       # weight of the parent's soft targets; the hard targets get 1 - distil
+    certainty: float = 0.0    # weight of the entropy of correctly predicted masked tokens
+    temperature: float = 0.5  # the softmax temperature of that entropy (dParallel uses 0.5)
+
+
+def parent_logprobs(parent: Transformer, batch: list[Packed]) -> torch.Tensor:
+    """(targets, vocab) log-probabilities of the AR parent for each target j, from row j-1 of its
+    causal forward over the clean tokens: what the parent itself would say at that position."""
+    device = parent.embed_tokens.weight.device
+    lens = [p.clean_len for p in batch]
+    ids = torch.cat([p.input_ids[:p.clean_len] for p in batch]).to(device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    hidden, _ = parent(ids, positions, DenseAttention(lens, "causal"))
+    offsets = torch.tensor([0] + lens[:-1]).cumsum(0).tolist()
+    rows = torch.cat([p.target_pos - 1 + o for p, o in zip(batch, offsets)]).to(device)
+    return F.log_softmax(parent.logits(hidden[rows]).float(), -1)
+
+
+def twin_loss(model: Transformer, mask_embedding: torch.Tensor, mask_id: int, batch: list[Packed],
+              objective: Objective = Objective(), parent: Transformer | None = None,
+              ) -> tuple[torch.Tensor, int, int]:
+    """The twin's loss over a batch of packed examples (the mean masked-token cross-entropy, plus
+    ``objective``'s terms; ``parent`` is needed for soft targets); also (targets, correct)."""
     device = model.embed_tokens.weight.device
     ids = torch.cat([p.input_ids for p in batch]).to(device)
     positions = torch.cat([p.positions for p in batch]).to(device)
@@ -205,6 +243,17 @@ def twin_loss(model: Transformer, mask_embedding: torch.Tensor, mask_id: int,
     # With tied embeddings the output row of [MASK] is the trained row too; training pushes it down.
     head = emb if model.config.tie_word_embeddings else model.lm_head.weight
     logits = F.linear(hidden[rows], head).float()  # (targets, vocab)
+    predicted = logits.argmax(-1) == targets
     loss = F.cross_entropy(logits, targets)
-    correct = int((logits.argmax(-1) == targets).sum())
-    return loss, int(targets.numel()), correct
+    if objective.distil:
+        if parent is None:
+            raise ValueError("soft targets need the AR parent")
+        with torch.no_grad():
+            soft = parent_logprobs(parent, batch).exp()
+        soft_ce = -(soft * F.log_softmax(logits, -1)).sum(-1).mean()
+        loss = (1 - objective.distil) * loss + objective.distil * soft_ce
+    if objective.certainty and bool(predicted.any()):
+        logp = F.log_softmax(logits[predicted] / objective.temperature, -1)
+        entropy = -(logp.exp() * logp).sum(-1).mean()
+        loss = loss + objective.certainty * entropy
+    return loss, int(targets.numel()), int(predicted.sum())

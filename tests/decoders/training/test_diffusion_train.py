@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from dualserve.decoders.training import diffusion_train
 from dualserve.decoders.training.diffusion_eval import denoise_eval, fill_block
-from dualserve.decoders.training.diffusion_twin import LoRALinear, add_lora, make_example, pack, stream_mask, twin_loss
+from dualserve.decoders.training.diffusion_twin import (LoRALinear, Objective, add_lora, make_example, pack,
+                                                        parent_logprobs, stream_mask, twin_loss)
 from dualserve.models.adapter import ADAPTER_FILE, lora_names
 from dualserve.models.loader import load_twin
 from dualserve.models.attention import DenseAttention
@@ -122,6 +123,58 @@ def test_lora_starts_as_the_base_and_trains() -> None:
     loss.backward()
     assert all(m.lora_B.grad is not None and m.lora_B.grad.abs().sum() > 0 for m in loras.values())
     assert mask_row.grad.abs().sum() > 0 and n == len(batch[0].targets)
+
+
+def test_parent_soft_targets_are_the_causal_forward_at_j_minus_one() -> None:
+    parent, ex = tiny_model(seed=1), example()
+    batch = [pack(ex, B, MASK, torch.Generator().manual_seed(s)) for s in (0, 1)]
+    with torch.no_grad():
+        got = parent_logprobs(parent, batch)
+        want = []
+        for p in batch:
+            for j in p.target_pos.tolist():
+                hidden, _ = parent(torch.tensor(ex.ids[:j]), torch.arange(j), DenseAttention([j], "causal"))
+                want.append(torch.log_softmax(parent.logits(hidden[-1:]), -1)[0])
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-5, atol=1e-5)
+
+
+def test_objective_terms() -> None:
+    """Soft targets at weight 1 are the cross-entropy to the parent's distribution; certainty forcing
+    adds the tempered entropy of the correctly predicted targets only; both train the adapters."""
+    model, parent, ex = tiny_model(), tiny_model(seed=1), example(answer_len=40)
+    mask_row = torch.nn.Parameter(model.embed_tokens.weight.mean(0).clone())
+    batch = [pack(ex, B, MASK, torch.Generator().manual_seed(0))]
+    emb = model.embed_tokens.weight.detach().clone()
+    emb[MASK] = mask_row.detach()
+    with torch.no_grad():
+        ids = batch[0].input_ids
+        hidden, _ = model(None, batch[0].positions, DenseAttention([batch[0].length], masks=[batch[0].attn_mask]),
+                          inputs_embeds=emb[ids])
+        logits = hidden[batch[0].source_rows] @ emb.t()
+        batch[0].targets[::2] = logits.argmax(-1)[::2]  # a random model predicts some targets right
+        hard = torch.nn.functional.cross_entropy(logits, batch[0].targets)
+        soft = -(parent_logprobs(parent, batch).exp() * torch.log_softmax(logits, -1)).sum(-1).mean()
+        right = logits.argmax(-1) == batch[0].targets
+        logp = torch.log_softmax(logits[right] / 0.5, -1)
+        entropy = -(logp.exp() * logp).sum(-1).mean()
+    assert 0 < int(right.sum()) < len(right)
+    with torch.no_grad():
+        plain, n, correct = twin_loss(model, mask_row, MASK, batch)
+        distilled, _, _ = twin_loss(model, mask_row, MASK, batch, Objective(distil=1.0), parent=parent)
+        half, _, _ = twin_loss(model, mask_row, MASK, batch, Objective(distil=0.5), parent=parent)
+        certain, _, _ = twin_loss(model, mask_row, MASK, batch, Objective(certainty=2.0))
+    assert correct == int(right.sum()) and n == len(right)
+    torch.testing.assert_close(plain, hard, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(distilled, soft, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(half, (hard + soft) / 2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(certain, hard + 2.0 * entropy, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        twin_loss(model, mask_row, MASK, batch, Objective(distil=0.5))
+    loras = add_lora(model, rank=4, alpha=8, seed=0)
+    loss, _, _ = twin_loss(model, mask_row, MASK, batch, Objective(distil=0.5, certainty=2.0), parent=parent)
+    loss.backward()
+    assert all(m.lora_B.grad.abs().sum() > 0 for m in loras.values()) and mask_row.grad.abs().sum() > 0
+    assert all(p.grad is None for p in parent.parameters()), "the parent is a fixed teacher"
 
 
 def reference_fill(model: Transformer, prefix: list[int], length: int, tau: float | None) -> list[int]:
@@ -247,3 +300,34 @@ def test_qwen2_layout_trains_and_serves(tmp_path: Path, bf16: str) -> None:
                       lambda _i, d: out.extend(d.token_ids))
     dep.engine.run_until_idle()
     assert len(out) == 8 and MASK not in out
+
+
+def test_trains_on_a_distilled_directory(base_dir: Path, tmp_path: Path) -> None:
+    """``--data`` naming a self-distilled set's directory (the EAGLE head's data) trains on it as it is,
+    with answers cut at ``--max-len``, soft targets and certainty forcing on."""
+    data = tmp_path / "distilled"
+    data.mkdir()
+    gen = torch.Generator().manual_seed(5)
+    records = []
+    for i in range(8):
+        prompt = [1] + torch.randint(5, 60, (5 + i,), generator=gen).tolist()
+        answer = torch.randint(5, 60, (9 + 3 * i,), generator=gen).tolist() + [2]
+        records.append({"index": i, "turn": 1, "prompt_ids": prompt, "answer_ids": answer,
+                        "finish": "stop" if i != 3 else "error"})
+    (data / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    kept = diffusion_train.distilled_records(data, max_len=30)
+    assert len(kept) == 7 and all(len(r["prompt_ids"]) + len(r["answer_ids"]) <= 30 for r in kept)
+    assert [r["finish"] for r in kept] == ["stop", "stop", "stop", "length", "length", "length", "length"]
+    work = tmp_path / "run"
+    args = train_args(base_dir, work, data, steps=2) + ["--max-len", "30", "--distil", "0.5", "--certainty", "1"]
+    assert diffusion_train.main(args) == 0
+    assert json.loads((work / "checkpoint.json").read_text()) == {"step": 2}
+    assert not (work / "data.jsonl").exists(), "a distilled directory is read, never regenerated"
+    assert load_twin(work / "twin").config.family == "block_diffusion"
+    # A run started from that twin's adapter, with no step, writes the same adapter back.
+    again = tmp_path / "again"
+    args = train_args(base_dir, again, data, steps=0) + ["--max-len", "30", "--init", str(work / "twin"),
+                                                         "--eval-samples", "0"]
+    assert diffusion_train.main(args) == 0
+    a, b = load_file(str(work / "twin" / ADAPTER_FILE)), load_file(str(again / "twin" / ADAPTER_FILE))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
