@@ -168,6 +168,7 @@ def register_eagle(engine: Engine, spec: ServedSpec, runner: ModelRunner, device
                    parallel: ParallelGroup | None, format_table: FormatTable | None) -> None:
     from dualserve.models.dflash import is_dflash, load_dflash
     from dualserve.models.eagle import load_eagle_head
+    from dualserve.models.quant import quantize_linears
 
     from .eagle.budget import CostCurve
     from .eagle.decoder import EagleDecoder
@@ -180,6 +181,11 @@ def register_eagle(engine: Engine, spec: ServedSpec, runner: ModelRunner, device
         head = load(spec.eagle_head, target, device=device)
     if spec.dflash is not None:
         block = load_dflash(spec.dflash, target, device=device)
+    # Draft models beside a quantized target run in its format, with 8-bit weights where it is w4a8:
+    # drafting then streams a quarter of the float bytes, and the bundled head's acceptance is unchanged.
+    for model in (head, block):
+        if model is not None:
+            quantize_linears(model, base.quantization, bits=8)
     decoder = EagleDecoder(runner, engine.pool, head, cost=verify_cost(base, device, format_table), block=block)
     if compile is not None and compile.background and runner.compiled is not None and decoder.aux_layers:
         runner.compiled.prewarm(decoder.aux_layers)

@@ -111,10 +111,7 @@ class DFlashAttention(nn.Module):
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (RoPE'd) and values of ``x`` (tokens, hidden): each (tokens, kv_heads, head_dim)."""
-        q_size, kv_size, _ = self.split
-        w = self.qkv_proj.weight[q_size:]
-        b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[q_size:]
-        k, v = nn.functional.linear(x, w, b).split((kv_size, kv_size), dim=-1)
+        _, k, v = self.qkv_proj(x).split(self.split, dim=-1)  # the one projection, in whatever weight format
         k = apply_rope(self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)), cos, sin)
         return k, v.view(-1, self.num_kv_heads, self.head_dim)
 
@@ -165,7 +162,11 @@ class DFlashDrafter(nn.Module):
 
     def features(self, final: torch.Tensor, aux: Sequence[torch.Tensor]) -> torch.Tensor:
         """What one target position contributes: c_j (tokens, hidden), the fused context feature."""
-        return self.hidden_norm(self.fc(torch.cat(list(aux), dim=-1)))
+        return self.project(torch.cat(list(aux), dim=-1))
+
+    def project(self, raw: torch.Tensor) -> torch.Tensor:
+        """c_j from the target's auxiliary layers side by side (tokens, layers * target_hidden)."""
+        return self.hidden_norm(self.fc(raw))
 
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each layer's keys and values of context features: (layers, tokens, kv_heads, head_dim) twice."""

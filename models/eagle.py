@@ -127,6 +127,14 @@ class _Head(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.target[0].embed_tokens(ids)  # (tokens, hidden)
 
+    def features(self, final: torch.Tensor, aux: Sequence[torch.Tensor]) -> torch.Tensor:
+        """What target positions contribute: ``project`` of their raw features, the target's final
+        hidden states (EAGLE-1/2) or its auxiliary layers' side by side (EAGLE-3)."""
+        return self.project(torch.cat(list(aux), dim=-1) if aux else final)
+
+    def project(self, raw: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
 
 class Eagle1Head(_Head):
     def __init__(self, config: EagleConfig):
@@ -139,8 +147,8 @@ class Eagle1Head(_Head):
     def lm_head_weight(self) -> torch.Tensor:
         return self.target[0].lm_head_weight
 
-    def features(self, final: torch.Tensor, aux: Sequence[torch.Tensor]) -> torch.Tensor:
-        return final  # the target's post-norm last hidden state (cnets1.py / ge_data: hidden_states[-1])
+    def project(self, raw: torch.Tensor) -> torch.Tensor:
+        return raw  # the target's post-norm last hidden state (cnets1.py / ge_data: hidden_states[-1])
 
     def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
@@ -189,8 +197,8 @@ class Eagle3Head(_Head):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(config.layer.vocab_size, dtype=torch.bool))
 
-    def features(self, final: torch.Tensor, aux: Sequence[torch.Tensor]) -> torch.Tensor:
-        return self.fc(torch.cat(list(aux), dim=-1))  # (tokens, 3 * target_hidden) -> (tokens, hidden)
+    def project(self, raw: torch.Tensor) -> torch.Tensor:
+        return self.fc(raw)  # (tokens, 3 * target_hidden) -> (tokens, hidden)
 
     def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:

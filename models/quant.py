@@ -54,6 +54,7 @@ from torch import nn
 
 Quantization = Literal["none", "int8", "int4", "w4a8"]
 GROUP = 32  # GGUF's block size, and the int4 group size
+INT8_K = 16  # aten._weight_int8pack_mm on CPU needs an input width that is a multiple of this (else it crashes)
 PORTABLE_KEYS = ("qweight", "scales", "zeros")
 
 
@@ -119,6 +120,9 @@ class Int8Linear(nn.Module):
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = q.shape
+        if self.in_features % INT8_K:
+            raise ValueError(f"int8 weights need an input width that is a multiple of {INT8_K}, "
+                             f"not {self.in_features}")
         self.register_buffer("qweight", q.to(torch.int8).contiguous())
         self.register_buffer("scales", scales.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
@@ -390,13 +394,30 @@ def float_to_linear(w: torch.Tensor, bias: torch.Tensor | None, fmt: Quantizatio
         fmt = "int8"
     if fmt == "int4" and w.shape[1] % GROUP == 0:
         return Int4Linear.from_float(w, bias)
-    if fmt in ("int4", "int8"):
+    if fmt in ("int4", "int8") and w.shape[1] % INT8_K == 0:
         return Int8Linear.from_float(w, bias)
     layer = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
     layer.weight = nn.Parameter(w.to(dtype), requires_grad=False)
     if bias is not None:
         layer.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
     return layer
+
+
+def quantize_linears(module: nn.Module, fmt: Quantization, bits: int = 4) -> nn.Module:
+    """Swap every float ``nn.Linear`` under ``module`` for ``fmt``'s layer, in place: a draft model
+    beside a quantized target then streams a fraction of its float bytes per forward. ``bits``: the
+    weights of a ``w4a8`` swap (8: the same integer kernel with Q8_0-like weights)."""
+    if fmt == "none":
+        return module
+    for name, child in list(module.named_modules()):
+        if isinstance(child, nn.Linear):
+            w, bias = child.weight.detach(), None if child.bias is None else child.bias.detach()
+            if fmt == "w4a8" and w.shape[1] % GROUP == 0:
+                layer = Dot8Linear.from_float(w, bias, bits=bits)
+            else:
+                layer = float_to_linear(w, bias, fmt, w.dtype)
+            module.set_submodule(name, layer)
+    return module
 
 
 def linear_weight(module: nn.Module) -> torch.Tensor:

@@ -97,7 +97,7 @@ class EagleState(DecoderState):
     head_start: int              # first position with draft KV (earlier ones came from the prefix cache)
     head_len: int                # draft KV covers positions head_start <= j < head_len (the head: pairs
                                  # (feature j, token j+1); a DFlash drafter: feature j)
-    pending: torch.Tensor        # (n, hidden) features of positions head_len .. head_len + n - 1
+    pending: torch.Tensor        # (n, raw width) raw features of positions head_len .. head_len + n - 1
     model: Source | None = None  # the model source this request drafts from: "head", "block" or none
     model_idle: int = 0          # steps since the model source last drafted
     last_hidden: torch.Tensor | None = None  # head output at the newest pair: predicts the root's child
@@ -359,7 +359,7 @@ class EagleDecoder:
         st.head_start, st.pending, st.last_hidden = st.head_len, st.pending[:0], None
 
     def _no_features(self, model: Source | None) -> torch.Tensor:
-        width = self.drafters[model].model.config.layer.hidden_size if model is not None else 0
+        width = self.drafters[model].raw_width if model is not None else 0
         return torch.zeros(0, width, device=self.runner.device)
 
     def _features(self, st: EagleState, final: torch.Tensor, aux: list[torch.Tensor]) -> None:

@@ -54,8 +54,17 @@ class _Drafter:
                             device=self.runner.device)
 
     def features(self, final: torch.Tensor, aux: list[torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor:
-        """What target positions contribute, from the verify's features of ``layers`` (a superset)."""
-        return self.model.features(final, [aux[layers.index(i)] for i in self.aux_layers])
+        """What target positions contribute, raw: the verify's features of this model's layers side by
+        side (from ``layers``, a superset), or the final hidden states. The model's projection of
+        them (``project``) runs at catch-up, once over every pending position, and never for
+        positions whose features are dropped: a step the source does not draft costs nothing."""
+        picked = [aux[layers.index(i)] for i in self.aux_layers]
+        return torch.cat(picked, dim=-1) if picked else final
+
+    @property
+    def raw_width(self) -> int:
+        """The width of ``features``' rows."""
+        return (len(self.aux_layers) or 1) * self.runner.config.hidden_size
 
     def ready(self, req: Request, st) -> bool:
         """Whether the source has seen, or can catch up to, every feature before the root."""
@@ -116,7 +125,7 @@ class HeadDrafter(_Drafter):
             slots.append(torch.tensor(self.pool.slot_mapping(r.table, st.head_len, st.head_len + n)))
         dev = self.runner.device
         meta = AttentionMetadata(seqs, torch.cat(slots).to(dev), self.runner.block_size)
-        out = self.model(torch.cat(ids).to(dev), torch.cat(hidden), torch.cat(pos).to(dev),
+        out = self.model(torch.cat(ids).to(dev), self.model.project(torch.cat(hidden)), torch.cat(pos).to(dev),
                          self.runner.attention(self.kv, meta))
         offset = 0
         for r in reqs:
@@ -165,7 +174,7 @@ class BlockDrafter(_Drafter):
             pos.append(torch.arange(st.head_len, st.head_len + n))
             feats.append(st.pending)
             slots.append(torch.tensor(self.pool.slot_mapping(r.table, st.head_len, st.head_len + n)))
-        k, v = self.model.context_kv(torch.cat(feats), torch.cat(pos).to(dev))
+        k, v = self.model.context_kv(self.model.project(torch.cat(feats)), torch.cat(pos).to(dev))
         self.runner.store_head_kv(self.kv, torch.cat(slots).to(dev), k, v)
         for r in reqs:
             st = r.decoder_state

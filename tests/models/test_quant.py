@@ -200,3 +200,27 @@ def test_neighbour_load_counts_another_process_not_this_one() -> None:
     with NeighbourLoad() as beside:
         subprocess.run([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass"])
     assert alone.cores < 0.4 < beside.cores
+
+
+def test_quantize_linears_swaps_every_float_linear() -> None:
+    """A draft model beside a quantized target: each nn.Linear becomes the target format's layer (8-bit
+    dot8 weights for w4a8; int8 where the input width is not a whole number of groups; float where
+    torch's int8 kernel cannot take the width), in place."""
+    from dualserve.models import kernels
+    from dualserve.models.quant import Dot8Linear, Int8Linear, quantize_linears
+
+    if not kernels.available():
+        pytest.skip(f"the dot8 kernel is not available: {kernels.unavailable_reason()}")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.SiLU(), torch.nn.Linear(96, 48, bias=True),
+                                torch.nn.Linear(48, 40), torch.nn.Linear(40, 8))
+    x = torch.randn(5, 64)
+    want = model(x).detach()
+    assert quantize_linears(model, "none") is model and isinstance(model[0], torch.nn.Linear)
+    quantize_linears(model, "w4a8", bits=8)
+    assert [type(m) for m in model] == [Dot8Linear, torch.nn.SiLU, Dot8Linear, Int8Linear, torch.nn.Linear]
+    assert model[0].bits == 8 and model[2].bias is not None
+    cos = torch.nn.functional.cosine_similarity(model(x).flatten(), want.flatten(), dim=0)
+    assert cos > 0.999
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Int8Linear.from_float(torch.randn(8, 40))

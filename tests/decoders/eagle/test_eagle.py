@@ -338,16 +338,22 @@ def test_default_model_greedy_identical(default_gguf: Path, cache_dir: Path, qua
     """The bundled SmolLM2 head: the greedy tokens of plain AR on a few benchmark prompts, in fp32 and in the
     default model's own int4 (one of these prompts has a near-tie in int4 that a verify computed with other
     kernels than decode would flip)."""
-    from dualserve.decoders.deployment import PoolSpec, build_deployment
-    from dualserve.decoders.eagle.decoder import eagle_decoder
+    from dualserve.decoders.deployment import PoolSpec, ServedSpec, build_deployment
+    from dualserve.models.assets import default_eagle_head
     from dualserve.models.loader import load_model
 
     loaded = load_model(default_gguf, name="SmolLM2-135M-Instruct", cache_dir=cache_dir, quantization=quantization)
-    dep = build_deployment([loaded], pool=PoolSpec(num_blocks=256))
-    decoder = eagle_decoder(loaded, dep.runners[loaded.name], dep.engine.pool)
-    assert decoder is not None, "the bundled head for the default model is missing"
-    if "eagle" not in dep.engine.decoders_for(loaded.name):
-        dep.engine.add_decoder(loaded.name, decoder, loaded.tokenizer)
+    head_dir = default_eagle_head(loaded.name)
+    assert head_dir is not None, "the bundled head for the default model is missing"
+    dep = build_deployment([ServedSpec(loaded.name, loaded, eagle_head=head_dir)], pool=PoolSpec(num_blocks=256))
+    # The head runs in the target's format: 8-bit weights beside a w4a8 target.
+    decoder = dep.engine.decoders[(loaded.name, "eagle")]
+    decoder.cost = None  # the whole tree every step, so acceptance is measured below
+    head = decoder.drafters["head"].model
+    layers = [m for m in head.modules() if type(m).__name__ in ("Linear", "Int4Linear", "Dot8Linear")]
+    assert {type(m).__name__ for m in layers} == {"none": {"Linear"}, "int4": {"Int4Linear"},
+                                                  "w4a8": {"Dot8Linear"}}[quantization]
+    assert all(getattr(m, "bits", 8) == 8 for m in layers)
     bench = Path(__file__).parents[3] / "clients" / "prompts" / "bench.jsonl"
     prompts = [json.loads(line)["prompt"] for line in bench.read_text().splitlines()[::17][:3]]
     tok = loaded.tokenizer
