@@ -80,9 +80,11 @@ def load_cases(path: Path | str) -> list[Case]:
 
 
 def generate(engine, model: str, mode: str, ids: list[int], max_tokens: int) -> tuple[list[int], float, dict]:
+    """One greedy request through ``engine``: (tokens, seconds, stats). ``mode``: one of ``MODES``, or a
+    decoder's name (its default drafts, for eagle)."""
     from dualserve.decoders.engine.sampling import SamplingParams
 
-    decoder, draft = MODES[mode]
+    decoder, draft = MODES.get(mode, (mode, "auto"))
     deltas = []
     start = time.perf_counter()
     engine.submit(model, decoder, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, draft=draft),
