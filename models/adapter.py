@@ -38,7 +38,7 @@ from torch import nn
 
 from .checkpoint import LoadedModel, build
 from .config import ModelConfig
-from .quant import W8A8Linear
+from .quant import GROUP, Dot8Linear, W8A8Linear
 from .transformer import Transformer
 
 ADAPTER_FILE = "adapter.safetensors"
@@ -122,12 +122,19 @@ def merged_weights(model: Transformer, adapter: dict[str, torch.Tensor], spec: T
 class LoRA(nn.Module):
     """y = base(x) + up(down(x)): the adapter beside ``base``, shared with the AR model (any weight format).
 
-    ``down`` (A) and ``up`` (scale * B) multiply in int8, with activations as two int8 digits
-    per value (``W8A8Linear``, digits=2): their sums are exact integers, so a row's correction
-    does not depend on the other rows of its batch or the thread count, and batching never
-    changes the twin's greedy output on any CPU. Float GEMMs gave different bits by row count
-    and thread count (MKL on an AMX host). The logits stay within a cosine of 0.998 of the
-    merged fp32 twin's; one int8 digit per activation fell to 0.967.
+    ``down`` (A) and ``up`` (scale * B) multiply in exact integer sums, so a row's correction does
+    not depend on the other rows of its batch or the thread count, and batching never changes the
+    twin's greedy output on any CPU (float GEMMs gave different bits by row count and thread count:
+    MKL on an AMX host):
+
+    - beside dot8 layers (``w4a8``), in the same kernel (``Dot8Linear``, 8-bit weights, activations
+      in int8 groups of 32): one call per factor, with no per-call set-up. On the default model's
+      w4a8 base its logits are closer to the merged fp32 twin's than the two-digit form's (lowest
+      cosine over a block 0.997 against 0.995);
+    - otherwise in int8 with activations as two int8 digits per value (``W8A8Linear``, digits=2):
+      within a cosine of 0.998; one digit per token-wide scale fell to 0.967. Each factor is a
+      oneDNN int8 GEMM there, whose fixed cost per call (about 20 us, 240 calls per forward of the
+      default model) is why dot8 is used where it can be.
     """
 
     def __init__(self, base: nn.Module, down: nn.Module, up: nn.Module):
@@ -137,7 +144,10 @@ class LoRA(nn.Module):
     @classmethod
     def from_factors(cls, base: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float) -> "LoRA":
         """a: (rank, in), b: (out, rank), as trained: delta W = scale * b @ a."""
-        return cls(base, W8A8Linear.from_float(a, digits=2), W8A8Linear.from_float(b.float() * scale, digits=2))
+        up = b.float() * scale
+        if isinstance(base, Dot8Linear) and a.shape[1] % GROUP == 0 and a.shape[0] % GROUP == 0:
+            return cls(base, Dot8Linear.from_float(a, bits=8), Dot8Linear.from_float(up, bits=8))
+        return cls(base, W8A8Linear.from_float(a, digits=2), W8A8Linear.from_float(up, digits=2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base(x) + self.up(self.down(x))

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from dualserve.models.adapter import (ADAPTER_FILE, DEFAULT_TWIN_DIR, TwinSpec, apply_twin, is_twin_dir, lora_names,
                                       save_twin)
+from dualserve.models import kernels
 from dualserve.models.attention import DenseAttention
 from dualserve.models.config import ModelConfig
 from dualserve.models.loader import hf_config_dict, load_model, load_twin
@@ -153,15 +154,22 @@ def test_recorded_threshold_is_the_decoders_default() -> None:
     assert default_config(ModelConfig.from_hf(base | plain.config_keys())).policy.tau == 0.9
 
 
-def test_twin_shares_a_quantized_base(default_gguf, cache_dir) -> None:
-    """On int4 weights the twin adds only its adapter: every base projection, norm and the head are the AR
-    model's own objects, and its block-causal logits follow the merged fp32 twin's."""
+@pytest.mark.parametrize("fmt", ["int4", "w4a8"])
+def test_twin_shares_a_quantized_base(default_gguf, cache_dir, fmt: str) -> None:
+    """On quantized weights the twin adds only its adapter: every base projection, norm and the head are the
+    AR model's own objects, and its block-causal logits follow the merged fp32 twin's. Beside dot8 layers
+    the adapter runs in dot8 too."""
     from dualserve.models.adapter import LoRA, MaskedEmbedding
+    from dualserve.models.quant import Dot8Linear, W8A8Linear
 
-    base = load_model(default_gguf, cache_dir=cache_dir, quantization="int4")
+    if fmt == "w4a8" and not kernels.available():
+        pytest.skip(f"the dot8 kernel is not available: {kernels.unavailable_reason()}")
+    base = load_model(default_gguf, cache_dir=cache_dir, quantization=fmt)
     twin = load_twin(DEFAULT_TWIN_DIR, base=base).model
     layer, own = twin.layers[2], base.model.layers[2]
     assert isinstance(layer.mlp.down_proj, LoRA) and layer.mlp.down_proj.base is own.mlp.down_proj
+    kind = Dot8Linear if fmt == "w4a8" else W8A8Linear
+    assert isinstance(layer.mlp.down_proj.down, kind) and isinstance(layer.mlp.down_proj.up, kind)
     assert layer.input_layernorm is own.input_layernorm and twin.lm_head is base.model.lm_head
     assert isinstance(twin.embed_tokens, MaskedEmbedding) and twin.embed_tokens.base is base.model.embed_tokens
     merged = load_twin(DEFAULT_TWIN_DIR, base=load_model(default_gguf, cache_dir=cache_dir)).model
@@ -173,12 +181,15 @@ def test_twin_shares_a_quantized_base(default_gguf, cache_dir) -> None:
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.99
 
 
-def test_the_adapter_gives_a_row_the_same_bits_in_any_batch(default_gguf, cache_dir) -> None:
+@pytest.mark.parametrize("fmt", ["int4", "w4a8"])
+def test_the_adapter_gives_a_row_the_same_bits_in_any_batch(default_gguf, cache_dir, fmt: str) -> None:
     """Batching never changes the twin's output: each adapted projection maps a row to the same bits
     whatever rows share its batch, and the thread count does not matter either."""
     from dualserve.models.adapter import LoRA
 
-    base = load_model(default_gguf, cache_dir=cache_dir, quantization="int4")
+    if fmt == "w4a8" and not kernels.available():
+        pytest.skip(f"the dot8 kernel is not available: {kernels.unavailable_reason()}")
+    base = load_model(default_gguf, cache_dir=cache_dir, quantization=fmt)
     twin = load_twin(DEFAULT_TWIN_DIR, base=base).model
     torch.manual_seed(0)
     threads = torch.get_num_threads()
