@@ -131,8 +131,8 @@ class LoRA(nn.Module):
       in int8 groups of 32). On the default model's w4a8 base its logits are closer to the merged
       fp32 twin's than the two-digit form's (lowest cosine over a block 0.997 against 0.995), and
       a compiled twin forward of 5 tokens costs about what the base's does (9.3-10.2 ms against
-      9.0-10.3 on a 2-core AVX-512 host; 11.5-12.4 ms with the two-digit form, whose two oneDNN
-      GEMMs per factor are 240 calls a forward);
+      9.0-10.3 on a 2-core AVX-512 host; 11.5-12.4 ms with the two-digit form, one oneDNN GEMM
+      per factor, 240 a forward);
     - otherwise in int8 with activations as two int8 digits per value (``W8A8Linear``, digits=2):
       within a cosine of 0.998 of the merged fp32 twin's; one digit per token-wide scale fell to
       0.967.
