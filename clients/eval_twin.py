@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import re
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,7 +109,7 @@ class Run:
 
 
 def evaluate(args: argparse.Namespace) -> dict:
-    from dualserve.decoders.deployment import PoolSpec, ServedSpec, build_deployment
+    from dualserve.decoders.deployment import CompileSpec, PoolSpec, ServedSpec, build_deployment
     from dualserve.decoders.training.diffusion_data import chat_prompt_ids
     from dualserve.decoders.diffusion.policies import Threshold
     from dualserve.decoders.engine.engine import EngineConfig
@@ -121,11 +122,22 @@ def evaluate(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     cache = default_cache_dir(None)
     name, path = resolve_model(None, cache)
-    base = load_model(path, name=name, cache_dir=cache, quantization=args.quantization)
+    quantization, dtype = args.quantization, torch.float32
+    if quantization == "auto":  # the format the server serves: the one the host's format table picks
+        from dualserve.server.cli import pick_format
+
+        served = argparse.Namespace(quantization="auto", device="cpu", dtype="auto", tensor_parallel_size=1)
+        quantization, dtype, _ = pick_format(served, path, cache, torch.float32)
+    base = load_model(path, name=name, cache_dir=cache, quantization=quantization, dtype=dtype)
     twin = load_twin(args.twin or BUNDLED_TWIN[name], base=base, name=f"{name}-twin")
     head = Path(args.eagle or BUNDLED_EAGLE[name])
     spec = ServedSpec(name, base, eagle_head=head if head.exists() else None, twin=twin)
-    dep = build_deployment([spec], EngineConfig(enable_prefix_caching=False), PoolSpec(num_blocks=256))
+    compile_spec = CompileSpec(cache_dir=cache / "compile") if args.compile else None
+    dep = build_deployment([spec], EngineConfig(enable_prefix_caching=False), PoolSpec(num_blocks=256),
+                           compile=compile_spec)
+    if compile_spec is not None:  # time compiled steps only, as the server runs them
+        while compile_spec.worker.busy:
+            time.sleep(0.5)
     engine = dep.engine
     diffusion = engine.decoders[(name, "diffusion")]
     default_cfg = diffusion.config
@@ -217,7 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--eagle", default=None, help="EAGLE head directory (default: the bundled one)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--quantization", default="none", choices=["auto", "none", "int8", "int4", "w4a8"],
-                   help="the base model's weights (auto: as served, int4 for the default model)")
+                   help="the base model's weights (auto: the format the server serves on this host)")
+    p.add_argument("--compile", action="store_true",
+                   help="compiled steps, as the server runs them (waits until the graphs are built or loaded); "
+                        "without it every decoder runs eager, which is slower and favours none")
     p.add_argument("--json", default=None, help="write the summary (with every output) here")
     args = p.parse_args(argv)
     summary = evaluate(args)
