@@ -111,6 +111,15 @@ def llama_cpp_runner(gguf: Path, threads: int):
     return run
 
 
+def served_format(quantization: str, path: Path, cache: Path):
+    """(quantization, dtype, format table) as ``dualserve serve --quantization ...`` picks them on this
+    host: with auto, the format the host's measured table picks."""
+    from dualserve.server.cli import pick_format
+
+    served = argparse.Namespace(quantization=quantization, device="cpu", dtype="auto", tensor_parallel_size=1)
+    return pick_format(served, path, cache, torch.float32)
+
+
 def deploy(args: argparse.Namespace):
     """(engine, model name, tokenizer, model path, the eagle decoder) as ``serve`` builds them."""
     from dualserve.decoders.deployment import CompileSpec, PoolSpec, ServedSpec, build_deployment
@@ -120,15 +129,11 @@ def deploy(args: argparse.Namespace):
     from dualserve.models.formats import cached_measure
     from dualserve.models.hub import default_cache_dir, resolve_model
     from dualserve.models.loader import load_model
-    from dualserve.server.cli import pick_format
-
     if args.threads:
         torch.set_num_threads(args.threads)
     cache = default_cache_dir(args.cache_dir)
     name, path = resolve_model(args.model, cache)
-    # the format the server serves: with auto, the one the host's format table picks
-    served = argparse.Namespace(quantization=args.quantization, device="cpu", dtype="auto", tensor_parallel_size=1)
-    quantization, dtype, table = pick_format(served, path, cache, torch.float32)
+    quantization, dtype, table = served_format(args.quantization, path, cache)
     loaded = load_model(path, name=name, cache_dir=cache, quantization=quantization, dtype=dtype)
     head = Path(args.head) if args.head else default_eagle_head(name)
     table = (table or cached_measure(loaded.config, cache / "host")) if args.budget == "cost" else None

@@ -40,7 +40,7 @@ from typing import Sequence
 
 import torch
 
-from .bench_eagle import generate
+from .bench_eagle import generate, served_format
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "exact.jsonl"
 FREE_FORM = Path(__file__).resolve().parent / "prompts" / "bench.jsonl"
@@ -122,12 +122,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     cache = default_cache_dir(None)
     name, path = resolve_model(None, cache)
-    quantization, dtype = args.quantization, torch.float32
-    if quantization == "auto":  # the format the server serves: the one the host's format table picks
-        from dualserve.server.cli import pick_format
-
-        served = argparse.Namespace(quantization="auto", device="cpu", dtype="auto", tensor_parallel_size=1)
-        quantization, dtype, _ = pick_format(served, path, cache, torch.float32)
+    quantization, dtype, _ = served_format(args.quantization, path, cache)
     base = load_model(path, name=name, cache_dir=cache, quantization=quantization, dtype=dtype)
     twin = load_twin(args.twin or BUNDLED_TWIN[name], base=base, name=f"{name}-twin")
     head = Path(args.eagle or BUNDLED_EAGLE[name])

@@ -47,7 +47,7 @@ from dualserve.models.loader import LoadedModel, hf_config_dict
 from .diffusion_data import generate_dataset, twin_prompts
 from .diffusion_twin import (Example, LoRALinear, Objective, adapter_tensors, add_lora, make_example, pack,
                              twin_loss)
-from .distil import ANSWERED, read_records
+from .distil import answered_records
 
 console = Console(stderr=True)
 DEFAULT_MASK_TOKEN = "<reponame>"
@@ -57,22 +57,6 @@ def is_holdout(record: dict, every: int) -> bool:
     """One record in ``every``, by a stable hash of its prompt (its prompt ids in a distilled set)."""
     key = record["prompt"] if "prompt" in record else json.dumps(record["prompt_ids"])
     return every > 0 and int(hashlib.sha1(key.encode()).hexdigest(), 16) % every == 0
-
-
-def distilled_records(data_dir: Path, max_len: int) -> list[dict]:
-    """The answered records of a self-distilled set (``python -m dualserve.decoders.training.distil``),
-    the one the EAGLE head and the DFlash drafter train on; an answer is cut (and so counts as
-    unfinished) where prompt + answer pass ``max_len``; a prompt that leaves fewer than 8 answer
-    tokens is dropped."""
-    out = []
-    for rec in read_records(data_dir):
-        prompt, answer = rec["prompt_ids"], rec["answer_ids"]
-        if rec["finish"] not in ANSWERED or not answer or len(prompt) + 8 > max_len:
-            continue
-        cut = len(prompt) + len(answer) > max_len
-        out.append({"prompt_ids": prompt, "answer_ids": answer[: max_len - len(prompt)],
-                    "finish": "length" if cut else rec["finish"]})
-    return out
 
 
 def pick_mask_token(loaded: LoadedModel, name: str | None) -> int:
@@ -293,7 +277,7 @@ def run(loaded: LoadedModel, args: argparse.Namespace, base_model: str) -> Path:
                 f"({loaded.tokenizer.convert_ids_to_tokens([spec.mask_token_id])[0]}), LoRA rank {spec.rank}, "
                 f"bf16 autocast {'on' if use_bf16(args.bf16, args.device) else 'off'}")
     if Path(args.data).is_dir():
-        records = distilled_records(Path(args.data), args.max_len)
+        records = list(answered_records(Path(args.data), args.max_len))
     else:
         prompts = twin_prompts(args.num_prompts, args.seed, args.prompts)
         records = generate_dataset(loaded, prompts, Path(args.data), max_new_tokens=args.max_new_tokens,

@@ -128,6 +128,19 @@ def read_records(out: Path) -> Iterator[dict]:
                     break
 
 
+def answered_records(out: Path, max_len: int) -> Iterator[dict]:
+    """The records a trainer learns from: answered ones (``ANSWERED``) whose prompt leaves at least
+    8 of ``max_len`` tokens for the answer; an answer that runs past ``max_len`` is cut, and its
+    finish becomes "length"."""
+    for rec in read_records(out):
+        prompt, answer = rec["prompt_ids"], rec["answer_ids"]
+        if rec["finish"] not in ANSWERED or not answer or len(prompt) + 8 > max_len:
+            continue
+        if len(prompt) + len(answer) > max_len:
+            rec = rec | {"answer_ids": answer[: max_len - len(prompt)], "finish": "length"}
+        yield rec
+
+
 class ShardWriter:
     """Appends records to numbered shards; a new run always starts a new shard."""
 

@@ -28,7 +28,7 @@ import torch
 from dualserve.models.attention import DenseAttention
 from dualserve.models.transformer import Transformer
 
-from .distil import ANSWERED, read_records
+from .distil import answered_records
 from .eagle_losses import Batch
 
 
@@ -51,18 +51,10 @@ class Sequence:
 
 def load_distilled(data_dir: Path, max_len: int,
                    exclude: Callable[[list[int]], bool] | None = None) -> list[Sequence]:
-    """Answered records, cut to ``max_len`` tokens; a prompt too long to leave 8 answer tokens is dropped,
-    and so is one that ``exclude`` names (a prompt that holds an evaluation prompt)."""
-    out = []
-    for rec in read_records(data_dir):
-        prompt, answer = rec["prompt_ids"], rec["answer_ids"]
-        if rec["finish"] not in ANSWERED or not answer or len(prompt) + 8 > max_len:
-            continue
-        if exclude is not None and exclude(prompt):
-            continue
-        ids = (prompt + answer)[:max_len]
-        out.append(Sequence(torch.tensor(ids, dtype=torch.long), len(prompt)))
-    return out
+    """Answered records, cut to ``max_len`` tokens (``distil.answered_records``), but for those whose
+    prompt ``exclude`` names (a prompt that holds an evaluation prompt)."""
+    return [Sequence(torch.tensor(rec["prompt_ids"] + rec["answer_ids"], dtype=torch.long), len(rec["prompt_ids"]))
+            for rec in answered_records(data_dir, max_len) if exclude is None or not exclude(rec["prompt_ids"])]
 
 
 class ShardStream:

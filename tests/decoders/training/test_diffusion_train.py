@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from dualserve.decoders.training import diffusion_train
+from dualserve.decoders.training.distil import answered_records
 from dualserve.decoders.training.diffusion_eval import denoise_eval, fill_block
 from dualserve.decoders.training.diffusion_twin import (LoRALinear, Objective, add_lora, make_example, pack,
                                                         parent_logprobs, stream_mask, twin_loss)
@@ -302,9 +303,11 @@ def test_qwen2_layout_trains_and_serves(tmp_path: Path, bf16: str) -> None:
     assert len(out) == 8 and MASK not in out
 
 
-def test_trains_on_a_distilled_directory(base_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("bf16", ["off", "on"])
+def test_trains_on_a_distilled_directory(base_dir: Path, tmp_path: Path, bf16: str) -> None:
     """``--data`` naming a self-distilled set's directory (the EAGLE head's data) trains on it as it is,
-    with answers cut at ``--max-len``, soft targets and certainty forcing on."""
+    with answers cut at ``--max-len``, soft targets and certainty forcing on (both branches of the
+    host-dependent ``--bf16 auto``)."""
     data = tmp_path / "distilled"
     data.mkdir()
     gen = torch.Generator().manual_seed(5)
@@ -315,11 +318,12 @@ def test_trains_on_a_distilled_directory(base_dir: Path, tmp_path: Path) -> None
         records.append({"index": i, "turn": 1, "prompt_ids": prompt, "answer_ids": answer,
                         "finish": "stop" if i != 3 else "error"})
     (data / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    kept = diffusion_train.distilled_records(data, max_len=30)
+    kept = list(answered_records(data, max_len=30))
     assert len(kept) == 7 and all(len(r["prompt_ids"]) + len(r["answer_ids"]) <= 30 for r in kept)
     assert [r["finish"] for r in kept] == ["stop", "stop", "stop", "length", "length", "length", "length"]
     work = tmp_path / "run"
-    args = train_args(base_dir, work, data, steps=2) + ["--max-len", "30", "--distil", "0.5", "--certainty", "1"]
+    args = train_args(base_dir, work, data, steps=2, bf16=bf16) + ["--max-len", "30", "--distil", "0.5",
+                                                                    "--certainty", "1"]
     assert diffusion_train.main(args) == 0
     assert json.loads((work / "checkpoint.json").read_text()) == {"step": 2}
     assert not (work / "data.jsonl").exists(), "a distilled directory is read, never regenerated"
