@@ -322,11 +322,15 @@ class Experts(nn.Module):
         expert_of, order = torch.sort(ids.reshape(-1))             # (tokens * k,) pairs grouped by expert
         ends = torch.cumsum(torch.bincount(expert_of, minlength=self.num_experts), 0, dtype=torch.int32)
         gate, up = grouped_linear(x[order // k], self.gate_up_proj, ends).chunk(2, dim=-1)
-        y = grouped_linear(F.gelu(gate, approximate="tanh") * up, self.down_proj, ends)
+        y = self.down(F.gelu(gate, approximate="tanh") * up, ends)
         y = y * weights.reshape(-1)[order, None]
         out = torch.empty_like(y)
         out[order] = y                                              # back to (token, slot) order
         return out.view(tokens, k, -1).sum(1).to(x.dtype)
+
+    def down(self, act: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """The experts' down projection of rows grouped by expert (tensor parallelism replaces it)."""
+        return grouped_linear(act, self.down_proj, ends)
 
 
 class Layer(nn.Module):

@@ -313,8 +313,13 @@ class Sharder:
 
     def __call__(self, model: Transformer) -> Transformer:
         """Shard ``model`` in place (its layers, embedding and head) and return it."""
+        from .diffusion_gemma import DiffusionGemma
+        if isinstance(model, DiffusionGemma):  # its own layer: sharding_gemma.py
+            from .sharding_gemma import GemmaSharder
+            return GemmaSharder(self.shard)(model)
         if not isinstance(model, Transformer):
-            raise TypeError(f"tensor parallelism shards the transformer core, not {type(model).__name__}")
+            raise TypeError(f"tensor parallelism shards the transformer core and DiffusionGemma, "
+                            f"not {type(model).__name__}")
         cfg = model.config
         for layer in model.layers:
             layer: DecoderLayer
@@ -329,12 +334,18 @@ class Sharder:
 
 
 def sharded_bytes(model: Transformer) -> int:
-    """Bytes of the tensors tensor parallelism splits: layer projections, embedding, output head."""
+    """Bytes of the tensors tensor parallelism splits: layer projections, embedding, output head
+    (DiffusionGemma: ``sharding_gemma.sharded_modules``)."""
+    from .diffusion_gemma import DiffusionGemma
     seen: set[int] = set()
     total = 0
-    mods = [model.embed_tokens] + ([model.lm_head] if model.lm_head is not None else [])
-    for layer in model.layers:
-        mods += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    if isinstance(model, DiffusionGemma):
+        from .sharding_gemma import sharded_modules
+        mods = sharded_modules(model)
+    else:
+        mods = [model.embed_tokens] + ([model.lm_head] if model.lm_head is not None else [])
+        for layer in model.layers:
+            mods += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
     for m in mods:
         for t in list(m.parameters()) + list(m.buffers()):
             if t.data_ptr() not in seen:

@@ -330,7 +330,7 @@ class DiffusionGemmaDecoder:
             end = start + s.num_new_tokens
             items.append(ForwardItem(req.all_ids[start:end], range(start, end), start, list(req.table.blocks),
                                      self.pool.slot_mapping(req.table, start, end), mask="causal"))
-        self.model.encode(*self.runner.inputs(items))
+        self.runner.encode(items)
         for s in batch:
             req = s.request
             done = req.num_computed + s.num_new_tokens
@@ -346,7 +346,7 @@ class DiffusionGemmaDecoder:
         items = [ForwardItem(st.tokens[0], range(r.num_tokens, r.num_tokens + size), r.num_tokens,
                              list(r.table.blocks), None, mask="bidirectional") for r, st in zip(reqs, states)]
         sc, rows = self._self_conditioning(states)
-        logits = self.model.denoise(*self.runner.inputs(items), sc, rows)
+        logits = self.runner.denoise(items, sc, rows)
         for i, (req, st) in enumerate(zip(reqs, states)):
             denoise_update(st, logits[i * size:(i + 1) * size][None], self.denoising, req.params,
                            self._generator(req), keep_logits=req.params.logprobs is not None)

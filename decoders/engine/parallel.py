@@ -2,17 +2,22 @@
 
 Rank 0 runs everything a single-process server runs (HTTP, router, scheduler, block pool,
 decoders). Its runners are ``TensorParallelRunner``s: before each call that touches the model or
-the KV tensors (``forward``, ``logits``, ``move_slots``) the runner broadcasts a step description,
+the KV tensors (``forward``, ``logits``, ``move_slots``; DiffusionGemma's ``encode`` and
+``denoise``) the runner broadcasts a step description,
 and every other rank (``serve_steps``) runs the same call on its shard of the weights and of the
 KV (its own KV heads of every block). The description is plain integer tensors over
 torch.distributed (gloo on the CPU, NCCL on CUDA):
 
-  header   (6,) int64      op, runner index, then op-specific sizes
+  header   (7,) int64      op, runner index, then op-specific sizes
   forward  (n,) int64      token ids, positions, slot mapping, aux layers, then per sequence its
                            context length, query length, mask kind, block table, context slots
                            and explicit mask: ``AttentionMetadata`` rebuilt exactly on each rank
   logits   (rows, hidden)  the hidden rows rank 0 asks logits for (the head is vocab-split)
   move     (2n,) int64     EAGLE's slot moves
+  encode   as forward      DiffusionGemma's encoder over a prefix
+  denoise  as forward      DiffusionGemma's denoiser over canvases, then, when the step has them,
+                           the self-conditioning logits (tokens, vocab) fp32 and the rows that
+                           have them (tokens,) int64 (``SC_NONE`` / ``SC_ALL`` / ``SC_ROWS``)
 
 Block ids, slots and scratch space are rank 0's decisions; the other ranks only index their own
 KV tensors with them, so the block pool's bookkeeping exists once and abort or preemption frees
@@ -57,10 +62,13 @@ class Op(IntEnum):
     MOVE = 3
     PING = 4
     STOP = 5
+    ENCODE = 6
+    DENOISE = 7
 
 
 MASK_CAUSAL, MASK_BIDIRECTIONAL, MASK_EXPLICIT = 0, 1, 2
-HEADER = 6
+SC_NONE, SC_ALL, SC_ROWS = 0, 1, 2  # a denoise step's self-conditioning: none, every row, some rows
+HEADER = 7
 
 
 class RankFailure(RuntimeError):
@@ -303,8 +311,28 @@ class TensorParallelRunner(ModelRunner):
             self.group.send(Op.MOVE, self.index, [len(src)], torch.tensor(list(src) + list(dst), dtype=torch.long))
             self.kv.move_slots(src, dst)
 
-    def inputs(self, items: Sequence[ForwardItem]):
-        raise NotImplementedError("a model that is called through its own entry points is not sharded")
+    @torch.inference_mode()
+    def encode(self, items: Sequence[ForwardItem]) -> None:
+        ids, pos, meta = self.describe(items)
+        sizes, payload = encode_forward(ids, pos, meta, ())
+        with self.group.step("encode"):
+            self.group.send(Op.ENCODE, self.index, sizes, payload)
+            self.model.encode(ids, pos, self.attention(self.kv, meta))
+
+    @torch.inference_mode()
+    def denoise(self, items: Sequence[ForwardItem], sc_logits: torch.Tensor | None = None,
+                sc_rows: torch.Tensor | None = None) -> torch.Tensor:
+        ids, pos, meta = self.describe(items)
+        sizes, payload = encode_forward(ids, pos, meta, ())
+        kind = SC_NONE if sc_logits is None else SC_ALL if sc_rows is None else SC_ROWS
+        with self.group.step("denoise"):
+            self.group.send(Op.DENOISE, self.index, [*sizes, kind], payload)
+            if sc_logits is not None:
+                sc_logits = sc_logits.float().contiguous()  # what the other ranks receive
+                dist.broadcast(sc_logits.to(self.group.device), 0, group=self.group.shard.group)
+            if sc_rows is not None:
+                dist.broadcast(sc_rows.long().to(self.group.device), 0, group=self.group.shard.group)
+            return self.model.denoise(ids, pos, self.attention(self.kv, meta), sc_logits, sc_rows)
 
 
 # ---- the other ranks ------------------------------------------------------------------------
@@ -327,11 +355,19 @@ def serve_steps(runners: Sequence[ModelRunner], shard: Shard) -> None:
             dist.all_reduce(alive, group=shard.group)
             continue
         runner = runners[index]
-        if op == Op.FORWARD:
+        if op in (Op.FORWARD, Op.ENCODE, Op.DENOISE):
             payload = torch.zeros(sizes[0], dtype=torch.long, device=device)
             dist.broadcast(payload, 0, group=shard.group)
-            ids, pos, meta, aux = decode_forward(sizes, payload, runner.block_size, device)
-            runner.model(ids, pos, runner.attention(runner.kv, meta), aux_layers=aux)
+            ids, pos, meta, aux = decode_forward(sizes[:4], payload, runner.block_size, device)
+            attn = runner.attention(runner.kv, meta)
+            if op == Op.FORWARD:
+                runner.model(ids, pos, attn, aux_layers=aux)
+            elif op == Op.ENCODE:
+                runner.model.encode(ids, pos, attn)
+            else:
+                sc, rows = receive_self_conditioning(sizes[4], ids.numel(), runner.config.vocab_size, shard,
+                                                     device)
+                runner.model.denoise(ids, pos, attn, sc, rows)
         elif op == Op.LOGITS:
             hidden = torch.zeros(sizes[0], sizes[1], dtype=runner.dtype, device=device)
             dist.broadcast(hidden, 0, group=shard.group)
@@ -343,3 +379,17 @@ def serve_steps(runners: Sequence[ModelRunner], shard: Shard) -> None:
             runner.kv.move_slots(moves[:n].tolist(), moves[n:].tolist())
         else:
             raise RankFailure(f"unknown step op {op}")
+
+
+def receive_self_conditioning(kind: int, tokens: int, vocab: int, shard: Shard,
+                              device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A denoise step's self-conditioning logits and rows, as ``TensorParallelRunner.denoise`` sends them."""
+    sc = rows = None
+    if kind != SC_NONE:
+        sc = torch.zeros(tokens, vocab, dtype=torch.float32, device=device)
+        dist.broadcast(sc, 0, group=shard.group)
+    if kind == SC_ROWS:
+        rows = torch.zeros(tokens, dtype=torch.long, device=device)
+        dist.broadcast(rows, 0, group=shard.group)
+        rows = rows.bool()
+    return sc, rows

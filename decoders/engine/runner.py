@@ -19,8 +19,8 @@ and unstored sequences without a second kernel path.
 DiffusionGemma runs through the same runner: its KV cache has one shape per
 layer (``KVCache.of_layers``) and its backend is ``WindowedPagedAttention``
 (sliding layers, the model's own attention kernel). Its encoder and denoiser
-are two entry points rather than one ``forward``, so its decoder takes a
-step's inputs from ``inputs`` and calls the model itself; it is never compiled.
+are two entry points rather than one ``forward``: the runner's ``encode`` and
+``denoise``. It is never compiled.
 """
 
 from __future__ import annotations
@@ -134,9 +134,7 @@ class ModelRunner:
     def forward(self, items: Sequence[ForwardItem], aux_layers: Sequence[int] = (),
                 inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run one forward over all items; returns (hidden (tokens, hidden), aux hidden states)."""
-        ids = torch.cat([self._as_tensor(it.token_ids) for it in items])
-        pos = torch.cat([self._as_tensor(it.positions) for it in items])
-        meta = self.metadata(items)
+        ids, pos, meta = self.describe(items)
         if self.compiled is not None and inputs_embeds is None:
             out = self.compiled(ids, pos, meta, aux_layers)
             if out is not None:
@@ -144,12 +142,24 @@ class ModelRunner:
         attn = self.attention(self.kv, meta)
         return self.model(ids, pos, attn, inputs_embeds=inputs_embeds, aux_layers=aux_layers)
 
-    def inputs(self, items: Sequence[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor, AttentionBackend]:
-        """(token ids, positions, attention backend over the model's KV) of one forward over
-        ``items``, for a decoder that calls its model's entry points itself (DiffusionGemma)."""
+    def describe(self, items: Sequence[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(token ids, positions, attention metadata) of one forward over ``items``."""
         ids = torch.cat([self._as_tensor(it.token_ids) for it in items])
         pos = torch.cat([self._as_tensor(it.positions) for it in items])
-        return ids, pos, self.attention(self.kv, self.metadata(items))
+        return ids, pos, self.metadata(items)
+
+    @torch.inference_mode()
+    def encode(self, items: Sequence[ForwardItem]) -> None:
+        """DiffusionGemma's encoder over ``items``: it writes their keys and values."""
+        ids, pos, meta = self.describe(items)
+        self.model.encode(ids, pos, self.attention(self.kv, meta))
+
+    @torch.inference_mode()
+    def denoise(self, items: Sequence[ForwardItem], sc_logits: torch.Tensor | None = None,
+                sc_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """DiffusionGemma's denoiser logits (tokens, vocab) over ``items`` (``DiffusionGemma.denoise``)."""
+        ids, pos, meta = self.describe(items)
+        return self.model.denoise(ids, pos, self.attention(self.kv, meta), sc_logits, sc_rows)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -119,10 +119,10 @@ def test_paged_cache_holds_the_dense_cache_keys(ours) -> None:
     slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(13)])
     with torch.inference_mode():
         ours.model.encode(prompt, torch.arange(13), dense.writer())
-        ours.model.encode(*runner.inputs([ForwardItem(prompt, torch.arange(13), 0, table, slots)]))
+        runner.encode([ForwardItem(prompt, torch.arange(13), 0, table, slots)])
         want = ours.model.denoise(canvas, torch.arange(13, 21), dense.reader())
         item = ForwardItem(canvas, torch.arange(13, 21), 13, table, None, mask="bidirectional")
-        got = ours.model.denoise(*runner.inputs([item]))
+        got = runner.denoise([item])
     for layer in range(cfg.num_layers):
         keys = runner.kv.flat(layer)[0][slots]
         assert keys.shape[1:] == (cfg.kv_heads[layer], cfg.head_dims[layer])  # per-layer KV shapes

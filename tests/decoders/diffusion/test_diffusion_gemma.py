@@ -272,11 +272,11 @@ def test_batched_canvases_see_only_their_own_prefix(loaded) -> None:
     with torch.inference_mode():
         for table, n in zip(tables, lens):
             slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(n)])
-            model.encode(*runner.inputs([ForwardItem(torch.arange(3, 3 + n), torch.arange(n), 0, table, slots)]))
+            runner.encode([ForwardItem(torch.arange(3, 3 + n), torch.arange(n), 0, table, slots)])
         sc = torch.randn(CANVAS, VOCAB, generator=torch.Generator().manual_seed(1)) * 5
-        alone = [model.denoise(*runner.inputs([canvas(0)])), model.denoise(*runner.inputs([canvas(1)]), sc)]
-        both = model.denoise(*runner.inputs([canvas(0), canvas(1)]),
-                             torch.cat([torch.zeros(CANVAS, VOCAB), sc]), torch.tensor([False] * 8 + [True] * 8))
+        alone = [runner.denoise([canvas(0)]), runner.denoise([canvas(1)], sc)]
+        both = runner.denoise([canvas(0), canvas(1)],
+                              torch.cat([torch.zeros(CANVAS, VOCAB), sc]), torch.tensor([False] * 8 + [True] * 8))
     assert torch.allclose(both[:8], alone[0], atol=1e-4) and torch.allclose(both[8:], alone[1], atol=1e-4)
 
 

@@ -263,18 +263,55 @@ def test_default_model_greedy_identical_for_every_decoder():
             assert generate(dep, CHATS, 24, decoder, chat=True) == want[decoder], decoder
 
 
-def test_diffusion_gemma_is_refused_clearly():
-    """DiffusionGemma (its own layers, experts and entry points) is not sharded: a start-up with
-    it under tensor parallelism stops with a message that names it, before any rank serves."""
-    from dualserve.models.diffusion_gemma import DiffusionGemma, DiffusionGemmaConfig
-    from dualserve.models.sharding import Shard, Sharder
-    from tiny_checkpoints import _tiny_diffusion_gemma_config
+@pytest.fixture(scope="module")
+def diffusion_gemma(tmp_path_factory) -> Path:
+    """The tiny DiffusionGemma (2 query heads over 1 KV head in both layers: each rank takes one
+    query head and replicates the KV head), with a tokenizer beside it."""
+    from tiny_checkpoints import write_tiny_diffusion_gemma
 
-    config = DiffusionGemmaConfig.from_hf(_tiny_diffusion_gemma_config(16, 64).to_dict())
-    with torch.device("meta"):
-        model = DiffusionGemma(config)
-    with pytest.raises(TypeError, match="DiffusionGemma"):
-        Sharder(Shard(0, 2))(model)
+    path = write_tiny_diffusion_gemma(tmp_path_factory.mktemp("diffusion_gemma"), vocab_size=512)
+    generation = (path / "generation_config.json").read_text()
+    write_chat_tokenizer(path)
+    (path / "generation_config.json").write_text(generation)  # keep the checkpoint's own
+    return path
+
+
+@pytest.mark.parametrize("reduction", ["exact", "sum"])
+def test_tiny_diffusion_gemma_greedy_identical(reduction, diffusion_gemma):
+    """Encoder, denoiser with self-conditioning, experts: the one-rank canvases, at temperature 0
+    (deterministic noise), with prompts batched into one step."""
+    argv = ("--model", str(diffusion_gemma), "--num-blocks", "64", "--tp-reduction", reduction)
+    want = generate(load_deployment(model_args(*argv)), PROMPTS, max_tokens=16)
+    assert all(len(w) == 16 for w in want)
+    with ranks(*argv) as dep:
+        assert dep.engine.decoders_for(next(iter(dep.models))) == ["diffusion"]
+        assert generate(dep, PROMPTS, max_tokens=16) == want
+
+
+def test_diffusion_gemma_ranks_hold_their_share(diffusion_gemma):
+    """Each rank holds half of the split tensors (projections, experts, self-conditioning) but the
+    replicated single KV head's projections, and a KV cache of that one head per layer."""
+    from dualserve.models.diffusion_gemma import load_diffusion_gemma
+    from dualserve.models.sharding import Shard, Sharder
+
+    whole_model = load_diffusion_gemma(diffusion_gemma).model
+    whole = sharded_bytes(whole_model)
+    kv_proj = sum(p.numel() * 4 for layer in whole_model.layers for m in (layer.self_attn.k_proj,
+              layer.self_attn.v_proj) if m is not None for p in m.parameters())
+    shares = [sharded_bytes(Sharder(Shard(rank, 2, reduction="exact"))(load_diffusion_gemma(diffusion_gemma).model))
+              for rank in range(2)]
+    assert shares == [(whole - kv_proj) // 2 + kv_proj] * 2
+    model = Sharder(Shard(0, 2))(load_diffusion_gemma(diffusion_gemma).model)
+    assert model.config.kv_heads == (1, 1) and [layer.self_attn.num_heads for layer in model.layers] == [1, 1]
+
+
+def test_head_split_replicates_kv_heads_only_when_there_are_fewer_than_ranks():
+    from dualserve.models.sharding_gemma import head_split
+
+    assert [head_split(8, 4, 2, r) for r in range(2)] == [(0, 4, 0, 2), (4, 8, 2, 4)]
+    assert [head_split(8, 2, 4, r) for r in range(4)] == [(0, 2, 0, 1), (2, 4, 0, 1), (4, 6, 1, 2), (6, 8, 1, 2)]
+    with pytest.raises(ValueError):
+        head_split(6, 2, 4, 0)
 
 
 @pytest.mark.slow
