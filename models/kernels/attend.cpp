@@ -11,8 +11,9 @@
 // AVX2 and plain C paths alike (chosen at run time from the CPU's flags; the last argument
 // forces one: 1 plain C, 2 AVX2).
 //
-// Work is split by (sequence, kv head, chunk of rows): the keys and values of a task are
-// widened to fp32 once and shared by all its rows and the group's query heads; on AVX-512 the
+// Work is split by (sequence, kv head, chunk of rows): the keys and values of a task are read
+// in place (an fp32 cache) or widened to fp32 once (bf16), and shared by all its rows and the
+// group's query heads; on AVX-512 the
 // scores of sixteen keys are reduced together (a transpose network that makes the same
 // additions as one key's horizontal sum) and one load of a value row feeds every head.
 
@@ -88,15 +89,6 @@ inline void exp_avx512(float* x, int64_t n) {  // in place, x <= 0
 
 #endif
 
-// Every key and value a task reads is first widened to fp32 into a buffer of its own (bf16 to
-// fp32 is exact), once per (sequence, kv head, row chunk) rather than once per query head and
-// row: the group's heads and the chunk's rows all read the same converted keys.
-
-template <typename C>
-inline void widen_scalar(const C* src, int64_t d, float* dst) {
-  for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<float>(src[x]);
-}
-
 inline float dot_scalar(const float* q, const float* k, int64_t d) {
   float acc[LANES] = {0};
   for (int64_t i = 0; i < d; i += LANES)
@@ -107,30 +99,35 @@ inline float dot_scalar(const float* q, const float* k, int64_t d) {
 }
 
 #ifdef ATTEND_X86
+__attribute__((target("avx512f")))
+inline void widen_avx512(const c10::BFloat16* src, int64_t d, float* dst) {  // d a multiple of 16
+  for (int64_t i = 0; i < d; i += LANES)
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16)));
+}
+
+// Sixteen fp32 lanes of a key or value row held as the cache holds it (bf16 widens exactly).
 template <typename C>
 __attribute__((target("avx512f")))
-inline void widen_avx512(const C* src, int64_t d, float* dst) {
-  for (int64_t i = 0; i < d; i += LANES) {
-    if constexpr (std::is_same_v<C, c10::BFloat16>) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-      _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-    } else {
-      _mm512_storeu_ps(dst + i, _mm512_loadu_ps(reinterpret_cast<const float*>(src) + i));
-    }
-  }
+inline __m512 load16(const C* p) {
+  if constexpr (std::is_same_v<C, c10::BFloat16>)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  else
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
 }
 
 // Sixteen keys' scores at once. acc[j] is key j's 16 lane sums, exactly as dot_scalar forms them;
 // the network below then halves all sixteen together (lanes l + 8, l + 4, l + 2, l + 1, the same
 // additions as dot_scalar's tree and hsum_avx512), a few shuffles per key instead of a horizontal
 // sum each. Lane 4k + m of the result holds key 4m + k; the final permute puts key j in lane j.
-template <int DC>
+template <int DC, typename C>
 __attribute__((target("avx512f")))
-inline __m512 scores16_avx512(const __m512* qv, const float* keys, int64_t d) {
+inline __m512 scores16_avx512(const __m512* qv, const C* const* keys) {
   __m512 a[16];
   for (int j = 0; j < 16; ++j) {
     a[j] = _mm512_setzero_ps();
-    for (int c = 0; c < DC; ++c) a[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(keys + j * d + c * LANES), a[j]);
+    for (int c = 0; c < DC; ++c) a[j] = _mm512_fmadd_ps(qv[c], load16<C>(keys[j] + c * LANES), a[j]);
   }
   __m512 p[8];  // lanes 0-7: key 2i's l + (l + 8); lanes 8-15: key 2i + 1's
   for (int i = 0; i < 8; ++i)
@@ -157,9 +154,10 @@ inline __m512 scores16_avx512(const __m512* qv, const float* keys, int64_t d) {
 // each head with the operations and order of the plain C path. The heads only share work: one
 // load of each value row feeds every head's accumulators, and their sequential softmax sums run
 // side by side.
-template <int DC, int G>
+template <int DC, int G, typename C>
 __attribute__((target("avx512f")))
-void heads_avx512(const float* const* qrows, const float* keys, const float* vals, int64_t n, int64_t d,
+void heads_avx512(const float* const* qrows, const C* const* keys, const C* const* vals, int64_t n,
+                  int64_t d,
                   const int32_t* vis, int64_t nv, bool every, float* all, float* scores, int64_t stride, float sc,
                   float* const* outs) {
   const __m512 vsc = _mm512_set1_ps(sc);
@@ -169,7 +167,7 @@ void heads_avx512(const float* const* qrows, const float* keys, const float* val
     for (int c = 0; c < DC; ++c) qv[c] = _mm512_loadu_ps(qrows[g] + c * LANES);
     float* a = all + g * stride;
     for (int64_t j = 0; j < n; j += 16)
-      _mm512_storeu_ps(a + j, _mm512_mul_ps(scores16_avx512<DC>(qv, keys + j * d, d), vsc));
+      _mm512_storeu_ps(a + j, _mm512_mul_ps(scores16_avx512<DC, C>(qv, keys + j), vsc));
     s[g] = every ? a : scores + g * stride;
     if (!every)
       for (int64_t j = 0; j < nv; ++j) s[g][j] = a[vis[j]];
@@ -193,9 +191,9 @@ void heads_avx512(const float* const* qrows, const float* keys, const float* val
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < DC; ++c) out[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < nv; ++j) {
-    const float* v = vals + (every ? j : int64_t(vis[j])) * d;
+    const C* v = vals[every ? j : int64_t(vis[j])];
     __m512 vv[DC];
-    for (int c = 0; c < DC; ++c) vv[c] = _mm512_loadu_ps(v + c * LANES);
+    for (int c = 0; c < DC; ++c) vv[c] = load16<C>(v + c * LANES);
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(s[g][j]);
       for (int c = 0; c < DC; ++c) out[g][c] = _mm512_fmadd_ps(p, vv[c], out[g][c]);
@@ -208,9 +206,10 @@ void heads_avx512(const float* const* qrows, const float* keys, const float* val
 }
 
 // A row's group of heads, in blocks the registers hold (up to 4 heads of 64 dims, 2 of 128).
-template <int DC>
+template <int DC, typename C>
 __attribute__((target("avx512f")))
-void group_avx512(const float* const* qrows, int64_t group, const float* keys, const float* vals, int64_t n,
+void group_avx512(const float* const* qrows, int64_t group, const C* const* keys, const C* const* vals,
+                  int64_t n,
                   int64_t d, const int32_t* vis, int64_t nv, bool every, float* all, float* scores, int64_t stride,
                   float sc, float* const* outs) {
   constexpr int B = DC <= 4 ? 4 : 2;
@@ -219,28 +218,29 @@ void group_avx512(const float* const* qrows, int64_t group, const float* keys, c
     const float* const* q = qrows + g;
     float* const* o = outs + g;
     if constexpr (B == 4) {
-      if (b == 4) heads_avx512<DC, 4>(q, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, o);
-      if (b == 3) heads_avx512<DC, 3>(q, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, o);
+      if (b == 4) heads_avx512<DC, 4, C>(q, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, o);
+      if (b == 3) heads_avx512<DC, 3, C>(q, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, o);
     }
-    if (b == 2) heads_avx512<DC, 2>(q, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, o);
-    if (b == 1) heads_avx512<DC, 1>(q, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, o);
+    if (b == 2) heads_avx512<DC, 2, C>(q, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, o);
+    if (b == 1) heads_avx512<DC, 1, C>(q, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, o);
     g += b;
   }
 }
 #endif
 
-void head_scalar(const float* qrow, const float* keys, const float* vals, int64_t d, const int32_t* vis, int64_t nv,
+void head_scalar(const float* qrow, const float* const* keys, const float* const* vals, int64_t d, const int32_t* vis,
+                 int64_t nv,
                  float* scores, float sc, float* o) {
   float mx = -INFINITY;
   for (int64_t j = 0; j < nv; ++j) {
-    scores[j] = dot_scalar(qrow, keys + int64_t(vis[j]) * d, d) * sc;
+    scores[j] = dot_scalar(qrow, keys[vis[j]], d) * sc;
     mx = std::fmax(mx, scores[j]);
   }
   for (int64_t j = 0; j < nv; ++j) scores[j] = exp_scalar(scores[j] - mx);
   float denom = 0.f;
   for (int64_t j = 0; j < nv; ++j) denom += scores[j];
   for (int64_t j = 0; j < nv; ++j) {
-    const float* v = vals + int64_t(vis[j]) * d;
+    const float* v = vals[vis[j]];
     for (int64_t x = 0; x < d; ++x) o[x] = std::fma(scores[j], v[x], o[x]);
   }
   for (int64_t x = 0; x < d; ++x) o[x] = o[x] / denom;
@@ -289,11 +289,12 @@ inline float dot_avx2(const float* q, const float* k, int64_t d) {
 }
 
 __attribute__((target("avx2,fma")))
-void head_avx2(const float* qrow, const float* keys, const float* vals, int64_t d, const int32_t* vis, int64_t nv,
+void head_avx2(const float* qrow, const float* const* keys, const float* const* vals, int64_t d, const int32_t* vis,
+               int64_t nv,
                float* scores, float sc, float* o) {
   float mx = -INFINITY;
   for (int64_t j = 0; j < nv; ++j) {
-    scores[j] = dot_avx2(qrow, keys + int64_t(vis[j]) * d, d) * sc;
+    scores[j] = dot_avx2(qrow, keys[vis[j]], d) * sc;
     mx = std::fmax(mx, scores[j]);
   }
   for (int64_t j = 0; j < nv; ++j) scores[j] = scores[j] - mx;
@@ -303,11 +304,79 @@ void head_avx2(const float* qrow, const float* keys, const float* vals, int64_t 
   for (int64_t c = 0; c < d; c += 8) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t j = 0; j < nv; ++j)
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(vals + int64_t(vis[j]) * d + c), acc);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(vals[vis[j]] + c), acc);
     _mm256_storeu_ps(o + c, _mm256_div_ps(acc, _mm256_set1_ps(denom)));
   }
 }
 #endif
+
+// Where a task's keys and values come from: cached rows of type C (by slot) and this step's new
+// rows (fp32, already rounded as the cache holds them: the callers pass ``as_stored`` values).
+template <typename C>
+struct Source {
+  const C *kc, *vc;
+  const float *k, *v;
+  const int64_t* context;  // this sequence's cached slots (W)
+  const int64_t* rows;     // this sequence's query rows (Q); row j - W holds new key j
+  int64_t W, Q, KV, h, d;
+};
+
+// A task's key and value rows, one pointer each in position order (``where``: a key's index or
+// -1), held as type R. Keys are padded to a multiple of 16 with a zero row. Rows already of type
+// R are read in place; the others are converted once into the task's own buffer (bf16 to fp32
+// and fp32 to bf16 are both exact here: new rows are bf16 values when the cache is bf16).
+template <typename R>
+struct Rows {
+  std::vector<const R*> keys, vals;
+  std::vector<R> buffer, zero;
+
+  template <typename C>
+  void gather(const Source<C>& s, const int32_t* where, int64_t n, int64_t padded) {
+    const int64_t d = s.d;
+    zero.assign(d, R(0.f));
+    keys.assign(padded, zero.data());
+    vals.assign(n, nullptr);
+    buffer.resize(2 * n * d);
+    for (int64_t j = 0; j < s.W + s.Q; ++j) {
+      const int64_t at = where[j];
+      if (at < 0) continue;
+      if (j < s.W) {
+        const int64_t row = (s.context[j] * s.KV + s.h) * d;
+        place(s.kc + row, s.vc + row, at, d);
+      } else {
+        const int64_t row = (s.rows[j - s.W] * s.KV + s.h) * d;
+        place(s.k + row, s.v + row, at, d);
+      }
+    }
+  }
+
+  template <typename X>
+  void place(const X* k, const X* v, int64_t at, int64_t d) {
+    if constexpr (std::is_same_v<X, R>) {
+      keys[at] = k;
+      vals[at] = v;
+    } else {
+      R* kd = buffer.data() + 2 * at * d;
+      R* vd = kd + d;
+      keys[at] = kd;
+      vals[at] = vd;
+#ifdef ATTEND_X86
+      if constexpr (std::is_same_v<X, c10::BFloat16> && std::is_same_v<R, float>) {
+        static const bool avx512 = __builtin_cpu_supports("avx512f");
+        if (avx512) {
+          widen_avx512(k, d, kd);
+          widen_avx512(v, d, vd);
+          return;
+        }
+      }
+#endif
+      for (int64_t x = 0; x < d; ++x) {
+        kd[x] = static_cast<R>(static_cast<float>(k[x]));
+        vd[x] = static_cast<R>(static_cast<float>(v[x]));
+      }
+    }
+  }
+};
 
 // The code path: 0 = the widest this CPU has, 1 = plain C, 2 = AVX2 (tests run every path a
 // host may take).
@@ -355,7 +424,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t tasks = S * KV * chunks;
   at::parallel_for(0, tasks, threads == 1 ? tasks : 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> where(W + Q), vis(W + Q);
-    std::vector<float> keys, vals, all, scores(W + Q);
+    std::vector<float> all, scores(W + Q);
+    Rows<C> rows_in_place;    // AVX-512: the task's rows as the cache holds them
+    Rows<float> rows_widened;  // rows sharing a task, and the AVX2 and C paths: in fp32
     std::vector<const float*> qrows(group);
     std::vector<float*> outs(group);
     for (int64_t task = begin; task < end; ++task) {
@@ -370,30 +441,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
       if (n == 0) continue;
       const int64_t padded = (n + 15) / 16 * 16;
-      keys.resize(padded * d);
-      std::fill(keys.begin() + n * d, keys.end(), 0.f);  // the last block's padding keys
-      vals.resize(n * d);
-      for (int64_t j = 0; j < W + Q; ++j) {
-        if (where[j] < 0) continue;
-        float* kd = keys.data() + where[j] * d;
-        float* vd = vals.data() + where[j] * d;
-        if (j < W) {
-          const int64_t slot = cp[s * W + j];
-#ifdef ATTEND_X86
-          if (path == Path::Avx512) {
-            widen_avx512<C>(kcp + (slot * KV + h) * d, d, kd);
-            widen_avx512<C>(vcp + (slot * KV + h) * d, d, vd);
-            continue;
-          }
-#endif
-          widen_scalar<C>(kcp + (slot * KV + h) * d, d, kd);
-          widen_scalar<C>(vcp + (slot * KV + h) * d, d, vd);
-        } else {
-          const int64_t tj = rp[s * Q + (j - W)];
-          std::memcpy(kd, kp + (tj * KV + h) * d, d * sizeof(float));
-          std::memcpy(vd, vp + (tj * KV + h) * d, d * sizeof(float));
-        }
-      }
+      // A decode's row reads its keys and values in place, widening each load; rows that share a
+      // task (a tree, a canvas) read them widened once (an fp32 cache is in place either way).
+      const Source<C> src{kcp, vcp, kp, vp, cp + s * W, rp + s * Q, W, Q, KV, h, d};
+      const bool in_place = wide && i1 - i0 == 1;
+      if (in_place)
+        rows_in_place.gather(src, where.data(), n, padded);
+      else
+        rows_widened.gather(src, where.data(), n, padded);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t t = rp[s * Q + i];
         if (t >= T) continue;  // a padded query
@@ -412,21 +467,29 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           all.resize(group * padded);
           scores.resize(group * padded);
           if (d == 64)
-            group_avx512<4>(qrows.data(), group, keys.data(), vals.data(), padded, d, vis.data(), nv, every,
-                            all.data(), scores.data(), padded, sc, outs.data());
+            in_place ? group_avx512<4, C>(qrows.data(), group, rows_in_place.keys.data(), rows_in_place.vals.data(),
+                                          padded, d, vis.data(), nv, every, all.data(), scores.data(), padded, sc,
+                                          outs.data())
+                     : group_avx512<4, float>(qrows.data(), group, rows_widened.keys.data(),
+                                              rows_widened.vals.data(), padded, d, vis.data(), nv, every, all.data(),
+                                              scores.data(), padded, sc, outs.data());
           else
-            group_avx512<8>(qrows.data(), group, keys.data(), vals.data(), padded, d, vis.data(), nv, every,
-                            all.data(), scores.data(), padded, sc, outs.data());
+            in_place ? group_avx512<8, C>(qrows.data(), group, rows_in_place.keys.data(), rows_in_place.vals.data(),
+                                          padded, d, vis.data(), nv, every, all.data(), scores.data(), padded, sc,
+                                          outs.data())
+                     : group_avx512<8, float>(qrows.data(), group, rows_widened.keys.data(),
+                                              rows_widened.vals.data(), padded, d, vis.data(), nv, every, all.data(),
+                                              scores.data(), padded, sc, outs.data());
           continue;
         }
         if (path == Path::Avx2) {
           for (int64_t g = 0; g < group; ++g)
-            head_avx2(qrows[g], keys.data(), vals.data(), d, vis.data(), nv, scores.data(), sc, outs[g]);
+            head_avx2(qrows[g], rows_widened.keys.data(), rows_widened.vals.data(), d, vis.data(), nv, scores.data(), sc, outs[g]);
           continue;
         }
 #endif
         for (int64_t g = 0; g < group; ++g)
-          head_scalar(qrows[g], keys.data(), vals.data(), d, vis.data(), nv, scores.data(), sc, outs[g]);
+          head_scalar(qrows[g], rows_widened.keys.data(), rows_widened.vals.data(), d, vis.data(), nv, scores.data(), sc, outs[g]);
       }
     }
   });
