@@ -4,7 +4,8 @@ Run as ``python -m dualserve.clients.bench_forward`` (on a quiet machine: it tim
 test). For each format of ``--formats`` (``fp32 bf16 int8 int4 w4a8``) the default model (or
 ``--model``) is loaded in that format, and ONE sequence with ``--context`` cached tokens (128)
 runs forwards of T = 1, 2, 4, 8, 16, 32, 64 new tokens through ``ModelRunner.forward`` with real
-``ForwardItem``s (a block table over the KV pool, slots to store the new keys/values), followed by
+``ForwardItem``s (a block table over the KV pool, slots to store the new keys/values; the pool in
+the dtype the server gives that format: bf16 for quantized formats), followed by
 the output head for the last row (``runner.logits``), as one AR step, EAGLE verify or diffusion
 block would. Eager and compiled forwards alternate repeat by repeat, so slow drift on a shared
 machine hits both alike; each cell is the median of ``--repeats`` timed forwards after
@@ -84,6 +85,12 @@ def load_format(fmt: str, path: Path, name: str, cache_dir: Path) -> torch.nn.Mo
     return load_model(path, name=name, dtype=dtype, cache_dir=cache_dir, quantization=quantization).model
 
 
+def served_kv_dtype(fmt: str) -> torch.dtype:
+    """The KV pool's dtype the server gives a model in ``fmt`` (``deployment.kv_dtype_of``)."""
+    quantization, dtype = FORMAT_LOAD[fmt]
+    return torch.bfloat16 if quantization != "none" else dtype
+
+
 def span_item(context: int, t: int, token_ids: torch.Tensor, block_table: list[int], block_size: int):
     """The ForwardItem of T new tokens after ``context`` cached ones, storing them in their slots."""
     from dualserve.decoders.engine.runner import ForwardItem
@@ -96,8 +103,10 @@ def span_item(context: int, t: int, token_ids: torch.Tensor, block_table: list[i
 
 def measure(model: torch.nn.Module, *, context: int = 128, tokens: Sequence[int] = TOKENS, compiled: bool = True,
             repeats: int = 20, warmup: int = 3, block_size: int = 16, cache_dir: Path | None = None,
-            seed: int = 0, log: Callable[[str], None] = print) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
-    """Median ms per forward (+ head for the last row) by mode ("eager", "compiled") and T.
+            kv_dtype: torch.dtype | None = None, seed: int = 0,
+            log: Callable[[str], None] = print) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
+    """Median ms per forward (+ head for the last row) by mode ("eager", "compiled") and T, with
+    the KV pool in ``kv_dtype`` (default: the model's dtype).
 
     Returns (ms by mode and T, compile seconds by graph). Compiled rows are absent if compiling failed."""
     from dualserve.decoders.engine.compiled import StepShape
@@ -105,7 +114,7 @@ def measure(model: torch.nn.Module, *, context: int = 128, tokens: Sequence[int]
 
     total = context + max(tokens)
     blocks = (total + block_size - 1) // block_size
-    runner = ModelRunner(model, blocks, block_size, use_flash=False)
+    runner = ModelRunner(model, blocks, block_size, kv_dtype=kv_dtype, use_flash=False)
     block_table = list(range(blocks))
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (total,), generator=gen)
@@ -226,7 +235,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> Report:
         model = load_format(fmt, path, name, cache)
         by_mode, secs = measure(model, context=args.context, tokens=args.tokens, compiled=not args.no_compile,
                                 repeats=args.repeats, warmup=args.warmup, block_size=args.block_size,
-                                cache_dir=compile_dir, log=log)
+                                cache_dir=compile_dir, kv_dtype=served_kv_dtype(fmt), log=log)
         if secs:
             report.compile_seconds[fmt] = {k: round(v, 1) for k, v in secs.items()}
         if not args.no_compile and "compiled" not in by_mode:
