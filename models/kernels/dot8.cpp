@@ -384,7 +384,10 @@ at::Tensor dot8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const Path& p = path(force_scalar);
   const TileFn fn = bits == 4 ? p.four : p.eight;
   float* y = out.data_ptr<float>();
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+  // A small product (a LoRA factor, a draft head's layer) runs on the calling thread: waking the
+  // other threads costs more than its work. Rows never depend on the thread that computes them.
+  const int64_t grain = M * n * K < (int64_t(1) << 18) ? tiles : 4;
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int valid = int(std::min<int64_t>(TILE, n - t * TILE));
       for (int64_t r0 = 0; r0 < M; r0 += p.rows) {
