@@ -158,7 +158,7 @@ template <int DC, int G, typename C>
 __attribute__((target("avx512f")))
 void heads_avx512(const float* const* qrows, const C* const* keys, const C* const* vals, int64_t n,
                   int64_t d,
-                  const int32_t* vis, int64_t nv, bool every, float* all, float* scores, int64_t stride, float sc,
+                  const int32_t* vis, int64_t nv, bool prefix, float* all, float* scores, int64_t stride, float sc,
                   float* const* outs) {
   const __m512 vsc = _mm512_set1_ps(sc);
   float* s[G];
@@ -168,8 +168,8 @@ void heads_avx512(const float* const* qrows, const C* const* keys, const C* cons
     float* a = all + g * stride;
     for (int64_t j = 0; j < n; j += 16)
       _mm512_storeu_ps(a + j, _mm512_mul_ps(scores16_avx512<DC, C>(qv, keys + j), vsc));
-    s[g] = every ? a : scores + g * stride;
-    if (!every)
+    s[g] = prefix ? a : scores + g * stride;
+    if (!prefix)
       for (int64_t j = 0; j < nv; ++j) s[g][j] = a[vis[j]];
     __m512 m = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < nv; j += LANES) {
@@ -191,7 +191,7 @@ void heads_avx512(const float* const* qrows, const C* const* keys, const C* cons
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < DC; ++c) out[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < nv; ++j) {
-    const C* v = vals[every ? j : int64_t(vis[j])];
+    const C* v = vals[prefix ? j : int64_t(vis[j])];
     __m512 vv[DC];
     for (int c = 0; c < DC; ++c) vv[c] = load16<C>(v + c * LANES);
     for (int g = 0; g < G; ++g) {
@@ -210,7 +210,7 @@ template <int DC, typename C>
 __attribute__((target("avx512f")))
 void group_avx512(const float* const* qrows, int64_t group, const C* const* keys, const C* const* vals,
                   int64_t n,
-                  int64_t d, const int32_t* vis, int64_t nv, bool every, float* all, float* scores, int64_t stride,
+                  int64_t d, const int32_t* vis, int64_t nv, bool prefix, float* all, float* scores, int64_t stride,
                   float sc, float* const* outs) {
   constexpr int B = DC <= 4 ? 4 : 2;
   for (int64_t g = 0; g < group;) {
@@ -218,11 +218,11 @@ void group_avx512(const float* const* qrows, int64_t group, const C* const* keys
     const float* const* q = qrows + g;
     float* const* o = outs + g;
     if constexpr (B == 4) {
-      if (b == 4) heads_avx512<DC, 4, C>(q, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, o);
-      if (b == 3) heads_avx512<DC, 3, C>(q, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, o);
+      if (b == 4) heads_avx512<DC, 4, C>(q, keys, vals, n, d, vis, nv, prefix, all, scores, stride, sc, o);
+      if (b == 3) heads_avx512<DC, 3, C>(q, keys, vals, n, d, vis, nv, prefix, all, scores, stride, sc, o);
     }
-    if (b == 2) heads_avx512<DC, 2, C>(q, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, o);
-    if (b == 1) heads_avx512<DC, 1, C>(q, keys, vals, n, d, vis, nv, every, all, scores, stride, sc, o);
+    if (b == 2) heads_avx512<DC, 2, C>(q, keys, vals, n, d, vis, nv, prefix, all, scores, stride, sc, o);
+    if (b == 1) heads_avx512<DC, 1, C>(q, keys, vals, n, d, vis, nv, prefix, all, scores, stride, sc, o);
     g += b;
   }
 }
@@ -457,7 +457,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         for (int64_t j = 0; j < W + Q; ++j)
           if (row_mask[j]) vis[nv++] = where[j];
         if (nv == 0) continue;
-        const bool every = nv == n;  // the row sees every key of the task (vis is 0..n-1)
+        // The row sees the task's first nv keys (vis is 0..nv-1: every key, or a causal row's keys up to
+        // itself): its scores are read where they were computed, not gathered.
+        const bool prefix = vis[nv - 1] == nv - 1;
         for (int64_t g = 0; g < group; ++g) {
           qrows[g] = qp + (t * H + h * group + g) * d;
           outs[g] = op + (t * H + h * group + g) * d;
@@ -468,17 +470,17 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           scores.resize(group * padded);
           if (d == 64)
             in_place ? group_avx512<4, C>(qrows.data(), group, rows_in_place.keys.data(), rows_in_place.vals.data(),
-                                          padded, d, vis.data(), nv, every, all.data(), scores.data(), padded, sc,
+                                          padded, d, vis.data(), nv, prefix, all.data(), scores.data(), padded, sc,
                                           outs.data())
                      : group_avx512<4, float>(qrows.data(), group, rows_widened.keys.data(),
-                                              rows_widened.vals.data(), padded, d, vis.data(), nv, every, all.data(),
+                                              rows_widened.vals.data(), padded, d, vis.data(), nv, prefix, all.data(),
                                               scores.data(), padded, sc, outs.data());
           else
             in_place ? group_avx512<8, C>(qrows.data(), group, rows_in_place.keys.data(), rows_in_place.vals.data(),
-                                          padded, d, vis.data(), nv, every, all.data(), scores.data(), padded, sc,
+                                          padded, d, vis.data(), nv, prefix, all.data(), scores.data(), padded, sc,
                                           outs.data())
                      : group_avx512<8, float>(qrows.data(), group, rows_widened.keys.data(),
-                                              rows_widened.vals.data(), padded, d, vis.data(), nv, every, all.data(),
+                                              rows_widened.vals.data(), padded, d, vis.data(), nv, prefix, all.data(),
                                               scores.data(), padded, sc, outs.data());
           continue;
         }
