@@ -289,9 +289,7 @@ class TensorParallelRunner(ModelRunner):
                 inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if inputs_embeds is not None:
             raise NotImplementedError("tensor-parallel forwards take token ids")
-        ids = torch.cat([self._as_tensor(it.token_ids) for it in items])
-        pos = torch.cat([self._as_tensor(it.positions) for it in items])
-        meta = self.metadata(items)
+        ids, pos, meta = self.describe(items)
         sizes, payload = encode_forward(ids, pos, meta, aux_layers)
         with self.group.step("forward"):
             self.group.send(Op.FORWARD, self.index, sizes, payload)
