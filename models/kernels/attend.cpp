@@ -378,6 +378,22 @@ struct Rows {
   }
 };
 
+#ifdef ATTEND_X86
+// A row's group of heads over a task's rows held as type R, for head size 64 or 128.
+template <typename R>
+__attribute__((target("avx512f")))
+void heads_of_row_avx512(const float* const* qrows, int64_t group, const Rows<R>& rows, int64_t n, int64_t d,
+                         const int32_t* vis, int64_t nv, bool prefix, float* all, float* scores, float sc,
+                         float* const* outs) {
+  if (d == 64)
+    group_avx512<4, R>(qrows, group, rows.keys.data(), rows.vals.data(), n, d, vis, nv, prefix, all, scores, n, sc,
+                       outs);
+  else
+    group_avx512<8, R>(qrows, group, rows.keys.data(), rows.vals.data(), n, d, vis, nv, prefix, all, scores, n, sc,
+                       outs);
+}
+#endif
+
 // The code path: 0 = the widest this CPU has, 1 = plain C, 2 = AVX2 (tests run every path a
 // host may take).
 enum class Path { Scalar, Avx2, Avx512 };
@@ -468,20 +484,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         if (wide) {
           all.resize(group * padded);
           scores.resize(group * padded);
-          if (d == 64)
-            in_place ? group_avx512<4, C>(qrows.data(), group, rows_in_place.keys.data(), rows_in_place.vals.data(),
-                                          padded, d, vis.data(), nv, prefix, all.data(), scores.data(), padded, sc,
-                                          outs.data())
-                     : group_avx512<4, float>(qrows.data(), group, rows_widened.keys.data(),
-                                              rows_widened.vals.data(), padded, d, vis.data(), nv, prefix, all.data(),
-                                              scores.data(), padded, sc, outs.data());
+          const auto run = [&](const auto& rows) {
+            heads_of_row_avx512(qrows.data(), group, rows, padded, d, vis.data(), nv, prefix, all.data(),
+                                scores.data(), sc, outs.data());
+          };
+          if (in_place)
+            run(rows_in_place);
           else
-            in_place ? group_avx512<8, C>(qrows.data(), group, rows_in_place.keys.data(), rows_in_place.vals.data(),
-                                          padded, d, vis.data(), nv, prefix, all.data(), scores.data(), padded, sc,
-                                          outs.data())
-                     : group_avx512<8, float>(qrows.data(), group, rows_widened.keys.data(),
-                                              rows_widened.vals.data(), padded, d, vis.data(), nv, prefix, all.data(),
-                                              scores.data(), padded, sc, outs.data());
+            run(rows_widened);
           continue;
         }
         if (path == Path::Avx2) {
