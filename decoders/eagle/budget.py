@@ -170,12 +170,20 @@ def choose_budget(cost: Callable[[int], float], head: Offer | None, suffix: Offe
     """
     head_depths = range(len(head.nodes) + 1) if head is not None else range(1)
     suffix_depths = range(len(suffix.nodes) + 1) if suffix is not None else range(1)
-    best, best_speed = NO_DRAFT, (batch.emitted + 1) / cost(batch.tokens + 1)
+    seen: dict[int, float] = {}  # forward seconds by token count: one curve lookup per count
+
+    def seconds_of(n: int) -> float:
+        if n not in seen:
+            seen[n] = cost(n)
+        return seen[n]
+
+    best, best_speed = NO_DRAFT, (batch.emitted + 1) / seconds_of(batch.tokens + 1)
     for dh in head_depths:
+        nh = head.nodes[dh - 1] if dh else 0
+        drafting = head.cost(dh) if dh else 0.0
         for ds in suffix_depths:
             if not dh and not ds:
                 continue
-            nh = head.nodes[dh - 1] if dh else 0
             ns = suffix.nodes[ds - 1] if ds else 0
             if nh + ns > max_nodes:
                 continue
@@ -183,8 +191,7 @@ def choose_budget(cost: Callable[[int], float], head: Offer | None, suffix: Offe
             for level in range(max(dh, ds)):
                 miss = (1 - head.rate if level < dh else 1.0) * (1 - suffix.rate if level < ds else 1.0)
                 rates.append(1 - miss)
-            seconds = cost(batch.tokens + 1 + nh + ns) + (head.cost(dh) if dh else 0.0)
-            speed = (batch.emitted + 1 + expected_accepted(rates)) / seconds
+            speed = (batch.emitted + 1 + expected_accepted(rates)) / (seconds_of(batch.tokens + 1 + nh + ns) + drafting)
             if speed > best_speed * (1 + 1e-9):
                 best, best_speed = Budget(dh, nh, ds, ns), speed
     return best

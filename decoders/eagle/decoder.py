@@ -309,7 +309,7 @@ class EagleDecoder:
         num_tokens = sum(len(it.token_ids) for it in items)
         if self.cost is not None and all(id(s.request) in trees for s in batch):  # decode steps only
             self.cost.observe(num_tokens, time.perf_counter() - started)
-        roots = self._root_logits(batch, items, trees, final)
+        known = self._path_logits(batch, items, trees, final)
         offset, emitted = 0, 0
         for s, item in zip(batch, items):
             n = len(item.token_ids)
@@ -327,30 +327,42 @@ class EagleDecoder:
                     tree, rows = DraftTree([req.all_ids[-1]], [-1]), slice(rows.stop - 1, rows.stop)
                 counters = req.counters_of(EagleCounters)
                 counters.draft_seconds += draft_time
-                emitted += self._verify(req, tree, final[rows], [a[rows] for a in aux], emit, roots.get(id(req)))
+                emitted += self._verify(req, tree, final[rows], [a[rows] for a in aux], emit, known.get(id(req)))
                 counters.verify_seconds += time.perf_counter() - started
         self._last = (len(batch), num_tokens, emitted)
 
-    def _root_logits(self, batch: Sequence[Scheduled], items: list[ForwardItem], trees: dict,
-                     final: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Every verifying request's root logits, in one head matmul: at a large batch, a matmul per
-        request cost more than the step's forward (the output head at one row is a fifth of a step)."""
-        rows, owners, offset = [], [], 0
+    def _path_logits(self, batch: Sequence[Scheduled], items: list[ForwardItem], trees: dict,
+                     final: torch.Tensor) -> dict[int, dict[int, torch.Tensor]]:
+        """Every verifying request's logits (fp32, by tree node) along the path verification will
+        most likely walk: the root, then each node whose token is its parent's argmax. One head
+        matmul per tree level for the whole batch: at 16 streams, a matmul per request and node
+        cost more than a sixth of the step (the output head at one row is a fifth of a forward).
+        Verification computes any other node it reaches on its own (``_verify``), so this choice
+        of rows changes the cost, never the result."""
+        frontier: dict[int, tuple[int, DraftTree, int]] = {}  # request -> (its first row, tree, node)
+        offset = 0
         for s, item in zip(batch, items):
-            n = len(item.token_ids)
-            if id(s.request) in trees:
-                rows.append(offset)  # the root is a tree's first node
-            elif s.request.num_computed + n >= s.request.num_tokens:
-                rows.append(offset + n - 1)  # the last prefill chunk: its last row is the root
-            else:
-                offset += n
-                continue
-            owners.append(id(s.request))
+            n, req = len(item.token_ids), s.request
+            if id(req) in trees:
+                frontier[id(req)] = (offset, trees[id(req)], 0)  # the root is a tree's first node
+            elif req.num_computed + n >= req.num_tokens:  # the last prefill chunk: its last row is the root
+                frontier[id(req)] = (offset + n - 1, DraftTree([req.all_ids[-1]], [-1]), 0)
             offset += n
-        if not rows:
-            return {}
-        logits = self.runner.logits(final[torch.tensor(rows, device=final.device)])
-        return dict(zip(owners, logits))
+        children = {k: tree.children() for k, (_, tree, _) in frontier.items()}
+        out: dict[int, dict[int, torch.Tensor]] = {k: {} for k in frontier}
+        while frontier:
+            owners = list(frontier)
+            rows = torch.tensor([frontier[k][0] + frontier[k][2] for k in owners], device=final.device)
+            logits = self.runner.logits(final[rows])
+            following = {}
+            for k, row, best in zip(owners, logits, logits.argmax(-1).tolist()):
+                first, tree, node = frontier[k]
+                out[k][node] = row
+                child = next((c for c in children[k][node] if tree.tokens[c] == best), None)
+                if child is not None:
+                    following[k] = (first, tree, child)
+            frontier = following
+        return out
 
     @staticmethod
     def _forget(st: EagleState) -> None:
@@ -412,10 +424,11 @@ class EagleDecoder:
     # ---- verify ----------------------------------------------------------------
 
     def _verify(self, req: Request, tree: DraftTree, final: torch.Tensor, aux: list[torch.Tensor], emit,
-                root_logits: torch.Tensor | None = None) -> int:
-        """Accept, commit and keep the accepted path; returns the tokens committed."""
+                known: dict[int, torch.Tensor] | None = None) -> int:
+        """Accept, commit and keep the accepted path; returns the tokens committed. ``known``: logits
+        of some of the tree's nodes, computed with the batch's (``_path_logits``)."""
         params = req.params
-        cache: dict[int, torch.Tensor] = {} if root_logits is None else {0: root_logits}
+        cache: dict[int, torch.Tensor] = dict(known or {})
 
         def raw(node: int) -> torch.Tensor:
             if node not in cache:
