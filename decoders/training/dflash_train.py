@@ -45,6 +45,7 @@ from dualserve.models.transformer import Transformer
 
 from .dflash_losses import DFlashStats, default_decay, dflash_loss, draft_index
 from .eagle_data import Cursor, ShardStream, target_batch
+from .features import feature_store
 from .eagle_train import distilled_stream, draft_vocab, load_checkpoint, load_target, lr_at, save_checkpoint
 
 console = Console(stderr=True)
@@ -140,10 +141,11 @@ def train_stream(loaded: LoadedModel, args: argparse.Namespace, stream: ShardStr
     decay = args.decay or default_decay(args.block_size)
     aux_layers = drafter.config.target_layer_ids
     started, window = time.perf_counter(), []
+    store = feature_store(loaded, args, aux_layers)
     autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.bf16)
     while step < args.steps:
         seqs, after = stream.next(cursor)
-        batch = target_batch(model, seqs, aux_layers)
+        batch = target_batch(model, seqs, aux_layers, store)
         # One generator per step: a resumed run samples the anchors a straight run does.
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
         with autocast:
@@ -214,6 +216,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--feature-store", default=None,
+                   help="keep the target's features per sequence in this directory and reuse them (the "
+                        "trainers share one)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs, CPUs with bf16 units)")
     p.add_argument("--device", default="cpu")
     return p

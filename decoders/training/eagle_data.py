@@ -1,10 +1,13 @@
-"""EAGLE training batches from the self-distillation shards, with target features computed per batch.
+"""EAGLE training batches from the self-distillation shards, with target features computed per batch
+(or kept in a ``FeatureStore``, ``features.py``, where a trainer names one).
 
 The shards (``distil.py``) hold token ids only: storing three fused layers plus the
 final hidden state for every position would cost about 4.6 KB a token in fp16, some
-gigabytes for 500k answer tokens with their prompts. So each batch runs the target
-once, without gradients, in the weight format it is served in (the head must draft
-from the features the server will hand it), and the head trains on those features.
+gigabytes for 500k answer tokens with their prompts. So by default each batch runs the
+target once, without gradients, in the weight format it is served in (the head must
+draft from the features the server will hand it), and the head trains on those
+features. With disk to spare, ``--feature-store`` keeps them (4.6 GB in bf16 for the
+default model's 1M tokens) and a later pass reads them instead.
 
 Order, resumable while the shards grow: training goes in passes. A pass takes the
 records on disk when it starts, cuts them into blocks of ``block`` records, visits
@@ -30,6 +33,7 @@ from dualserve.models.transformer import Transformer
 
 from .distil import answered_records
 from .eagle_losses import Batch
+from .features import FeatureStore
 
 
 @dataclass(frozen=True)
@@ -114,23 +118,38 @@ class ShardStream:
 
 
 @torch.no_grad()
-def target_batch(target: Transformer, seqs: list[Sequence], aux_layers: tuple[int, ...]) -> Batch:
-    """Run the target over ``seqs`` (no cache, causal) and pad its features into a ``Batch``."""
+def target_batch(target: Transformer, seqs: list[Sequence], aux_layers: tuple[int, ...],
+                 store: FeatureStore | None = None) -> Batch:
+    """The target's features of ``seqs`` (no cache, causal), padded into a ``Batch``: from ``store``
+    where it holds them, else from one forward over the others (then kept in ``store``)."""
+    found = [store.load(s.ids) if store is not None else None for s in seqs]
+    todo = [i for i, f in enumerate(found) if f is None]
+    for i, (final, aux) in zip(todo, _forward(target, [seqs[i] for i in todo], aux_layers) if todo else []):
+        if store is not None:
+            store.save(seqs[i].ids, final, aux)
+            final, aux = final.to(store.dtype), aux.to(store.dtype)  # as a later pass will read them
+        found[i] = (final, aux)
+    device = target.norm.weight.device
+    lens = [len(s.ids) for s in seqs]
+    b, t = len(seqs), max(lens)
+    out_ids = torch.zeros(b, t, dtype=torch.long, device=device)
+    out_final = torch.zeros(b, t, found[0][0].shape[-1], device=device)
+    out_aux = torch.zeros(b, t, found[0][1].shape[-1], device=device)
+    valid = torch.zeros(b, t, dtype=torch.bool, device=device)
+    for i, (s, n, (final, aux)) in enumerate(zip(seqs, lens, found)):
+        out_ids[i, :n] = s.ids
+        out_final[i, :n] = final.float()
+        out_aux[i, :n] = aux.float()
+        valid[i, s.prompt_len:n] = True
+    return Batch(out_ids, out_final, out_aux, valid, torch.tensor(lens, device=device))
+
+
+def _forward(target: Transformer, seqs: list[Sequence], aux_layers: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence (final, aux): the target's post-norm last hidden state and its ``aux_layers``' outputs
+    side by side, each (length, width), from one forward over the sequences packed."""
     lens = [len(s.ids) for s in seqs]
     ids = torch.cat([s.ids for s in seqs]).to(target.norm.weight.device)
     positions = torch.cat([torch.arange(n) for n in lens]).to(ids.device)
     final, aux = target(ids, positions, DenseAttention(lens), aux_layers=aux_layers)
     aux_cat = torch.cat(aux, -1) if aux else final[:, :0]
-    b, t = len(seqs), max(lens)
-    out_ids = torch.zeros(b, t, dtype=torch.long, device=ids.device)
-    out_final = final.new_zeros(b, t, final.shape[-1]).float()
-    out_aux = final.new_zeros(b, t, aux_cat.shape[-1]).float()
-    valid = torch.zeros(b, t, dtype=torch.bool, device=ids.device)
-    start = 0
-    for i, (s, n) in enumerate(zip(seqs, lens)):
-        out_ids[i, :n] = s.ids
-        out_final[i, :n] = final[start:start + n].float()
-        out_aux[i, :n] = aux_cat[start:start + n].float()
-        valid[i, s.prompt_len:n] = True
-        start += n
-    return Batch(out_ids, out_final, out_aux, valid, torch.tensor(lens, device=ids.device))
+    return list(zip(final.split(lens), aux_cat.split(lens)))

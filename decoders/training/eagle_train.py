@@ -47,6 +47,7 @@ from dualserve.models.loader import LoadedModel
 
 from .distil_prompts import default_held_out
 from .eagle_data import Cursor, ShardStream, target_batch
+from .features import feature_store
 from .eagle_losses import Batch, eagle1_loss, eagle3_loss
 from .eagle_prompts import build_prompts
 from ..engine.runner import ForwardItem, ModelRunner
@@ -313,10 +314,11 @@ def train_stream(loaded: LoadedModel, args: argparse.Namespace, stream: ShardStr
     draft_rows = model.lm_head_weight[used.to(model.lm_head_weight.device)].float()
     aux_layers = head.config.aux_layers
     started, window = time.perf_counter(), []
+    store = feature_store(loaded, args, aux_layers)
     autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.bf16)
     while step < args.steps:
         seqs, after = stream.next(cursor)
-        batch = target_batch(model, seqs, aux_layers)
+        batch = target_batch(model, seqs, aux_layers, store)
         with autocast:
             loss, stats = eagle3_loss(head, batch, draft_rows, args.ttt_steps, t2d=head.t2d)
         for group in opt.param_groups:
@@ -437,6 +439,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--feature-store", default=None,
+                   help="keep the target's features per sequence in this directory and reuse them (the "
+                        "trainers share one)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs, CPUs with bf16 units; AVX2-only "
                    "CPUs run it slower than fp32)")
     p.add_argument("--device", default="cpu")
