@@ -121,9 +121,9 @@ void tile_avx512_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, fl
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
     const uint8_t* qg = q + g * CH * 64;
     const int64_t k0 = g * GROUP;
-    // Several rows make a group's work long enough that the hardware prefetcher falls behind the
-    // weight stream; one row is memory-bound, and there it streams best unaided.
-    if (R >= 4)
+    // Two rows or more make a group's work long enough that the hardware prefetcher falls behind
+    // the weight stream (without the hint, 3 rows cost more than 4); one row streams best unaided.
+    if (R >= 2)
       for (int j = 0; j < CH; ++j) _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
     for (int j = 0; j < CH; ++j) {
       const __m512i v = _mm512_loadu_si512(qg + j * 64);
@@ -194,7 +194,7 @@ void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, floa
       for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
       const uint8_t* qg = q + g * CH * 64 + half * 32;
       const int64_t k0 = g * GROUP;
-      if (R >= 4 && half == 0)  // as in tile_avx512_rows
+      if (R >= 2 && half == 0)  // as in tile_avx512_rows
         for (int j = 0; j < CH; ++j) _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
       for (int j = 0; j < CH; ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + j * 64));
