@@ -42,6 +42,7 @@ PRIOR_RATE = {"head": 0.35, "block": 0.35, "suffix": 0.6}
 EMA = 0.3            # weight of the newest observation
 DRIFT = 0.02         # per unused step, towards the prior
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+EXACT = 16           # verify forwards up to this many tokens are measured per token count
 
 
 @dataclass
@@ -84,13 +85,17 @@ class CostCurve:
 
     The prior is a line through (1, one) and (8, eight) (``models/formats.py`` measures those
     two points at start-up; the router interpolates the same way). Measured forwards are
-    kept as an EMA per power-of-two bucket of token counts; an estimate at n takes the prior
-    at n scaled by the measured/prior ratio of the nearest measured buckets.
+    kept as an EMA of the measured/prior ratio per token count up to ``EXACT``, and per
+    power-of-two bucket above. An estimate at a measured count (or bucket) is the prior there
+    times its ratio; between measured counts, the line between their estimates; past the
+    ends, the prior times the nearest one's ratio. The prior's shape comes from an uncompiled start-up
+    measurement and can be far steeper than the served forward's, so it must not carry a
+    ratio from one count to another: that made a 2-token verify look dearer than a 3-token one.
     """
 
     one: float = 1.0
     eight: float = 2.0
-    measured: dict[int, float] = field(default_factory=dict)  # bucket -> EMA of measured / prior
+    measured: dict[int, float] = field(default_factory=dict)  # count (or bucket) -> EMA of measured / prior
 
     @classmethod
     def flat(cls) -> "CostCurve":
@@ -104,20 +109,28 @@ class CostCurve:
     def bucket(n: int) -> int:
         return next((b for b in BUCKETS if n <= b), BUCKETS[-1])
 
+    @staticmethod
+    def key(n: int) -> int:
+        return n if n <= EXACT else CostCurve.bucket(n)
+
     def observe(self, n: int, seconds: float) -> None:
-        b = self.bucket(n)
+        k = self.key(n)
         ratio = seconds / self.prior(n)
-        old = self.measured.get(b)
-        self.measured[b] = ratio if old is None else old + EMA * (ratio - old)
+        old = self.measured.get(k)
+        self.measured[k] = ratio if old is None else old + EMA * (ratio - old)
 
     def __call__(self, n: int) -> float:
         if not self.measured:
             return self.prior(n)
-        b = self.bucket(n)
-        if b in self.measured:
-            return self.prior(n) * self.measured[b]
-        nearest = min(self.measured, key=lambda m: (abs(BUCKETS.index(m) - BUCKETS.index(b)), m))
-        return self.prior(n) * self.measured[nearest]
+        k = self.key(n)
+        if k in self.measured:
+            return self.prior(n) * self.measured[k]
+        below = max((m for m in self.measured if m < k), default=None)
+        above = min((m for m in self.measured if m > k), default=None)
+        if below is None or above is None:
+            return self.prior(n) * self.measured[above if below is None else below]
+        low, high = self.prior(below) * self.measured[below], self.prior(above) * self.measured[above]
+        return low + (high - low) * (n - below) / (above - below)
 
 
 @dataclass(frozen=True)

@@ -291,14 +291,19 @@ class EagleDecoder:
                 else:
                     catch_up.append(s.request)
         for name, d in self.drafters.items():
-            d.catch_up([r for r in catch_up if r.decoder_state.model == name])
-        trees = {}
+            mine = [r for r in catch_up if r.decoder_state.model == name]
+            if not mine:
+                continue
+            positions, caught = sum(len(r.decoder_state.pending) for r in mine), time.perf_counter()
+            d.catch_up(mine)
+            d.observe_catch_up((time.perf_counter() - caught) / len(mine), positions / len(mine))  # a share each
+        trees, drafting = {}, time.perf_counter()
         for s in decode:
             with guard(s.request, emit, "drafting"):
                 trees[id(s.request)] = self._draft(s, *planned[id(s.request)])
         for name, d in self.drafters.items():  # at batch 1 the step's drafting is that request's
-            d.observe(time.perf_counter() - started, [planned[id(s.request)][0].head_depth for s in decode
-                                                      if s.request.decoder_state.model == name])
+            d.observe(time.perf_counter() - drafting, [planned[id(s.request)][0].head_depth for s in decode
+                                                       if s.request.decoder_state.model == name])
         batch = [s for s in batch if not s.request.finished]  # a failed draft leaves the step
         if not batch:
             return

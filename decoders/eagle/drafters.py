@@ -18,8 +18,8 @@ the decoder drives them the same way each step:
   argmax of each row is the chain's next token. Any depth up to ``block_size - 1``
   costs about the same.
 
-Each times its own drafting, so the budget (``budget.py``) can weigh it against the
-verify cost: ``seconds(depth)`` is the drafting time expected at that depth.
+Each times its own catch-up and drafting, so the budget (``budget.py``) can weigh them
+against the verify cost: ``seconds(depth)`` is the drafting time expected at that depth.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from ..engine.runner import ModelRunner
 from .tree import DraftTree, DraftTreeAttention, TreeConfig, grow_tree
 
 EMA = 0.3  # weight of the newest drafting-time observation
+STEADY_POSITIONS = 8  # a catch-up over at most this many positions is a drafting request's steady one
 
 
 class _Drafter:
@@ -47,6 +48,7 @@ class _Drafter:
         self.kv = runner.head_kv(model.config.num_layers, c.num_kv_heads, c.head_dim)
         self.aux_layers: tuple[int, ...] = tuple(model.config.aux_layers)
         self.unit_seconds: float | None = None  # EMA: seconds per drafting unit (see ``units``)
+        self.catch_up_seconds: float | None = None  # EMA: seconds of a steady catch-up
 
     def context(self, req: Request, st) -> torch.Tensor:
         """Flat slots of the draft KV this request may read: positions head_start .. head_len - 1."""
@@ -71,18 +73,28 @@ class _Drafter:
         return st.head_len + len(st.pending) == req.num_tokens - 1 and (
             len(st.pending) > 0 or st.last_hidden is not None)
 
+    def observe_catch_up(self, seconds: float, positions: float) -> None:
+        """A catch-up over ``positions`` unseen positions took ``seconds``. Only a drafting request's
+        steady catch-up (the few positions its last step committed) trains the estimate: a backlog
+        left by plain steps is paid once, when drafting resumes, not every step."""
+        if 0 < positions <= STEADY_POSITIONS:
+            self.catch_up_seconds = seconds if self.catch_up_seconds is None else \
+                self.catch_up_seconds + EMA * (seconds - self.catch_up_seconds)
+
     def observe(self, seconds: float, depths: list[int]) -> None:
-        """This step's drafting took ``seconds`` (catch-up included) for drafts of these depths."""
+        """This step's drafts, of these depths, took ``seconds`` (catch-up not included)."""
         units = sum(self.units(d) for d in depths if d)
         if units:
             per = seconds / units
             self.unit_seconds = per if self.unit_seconds is None else self.unit_seconds + EMA * (per - self.unit_seconds)
 
     def seconds(self, depth: int, target_step: float) -> float:
-        """Expected drafting seconds at ``depth``; before any measurement, a guess from the target's
-        one-token step: a unit costs a quarter of it (one layer and the logits)."""
+        """Expected drafting seconds at ``depth``, a steady catch-up included; before any measurement,
+        a guess from the target's one-token step: the catch-up and a unit each cost a quarter of it
+        (one layer and the logits)."""
         unit = self.unit_seconds if self.unit_seconds is not None else 0.25 * target_step
-        return unit * self.units(depth)
+        catch_up = self.catch_up_seconds if self.catch_up_seconds is not None else 0.25 * target_step
+        return catch_up + unit * self.units(depth)
 
     def units(self, depth: int) -> int:
         raise NotImplementedError
@@ -105,7 +117,7 @@ class HeadDrafter(_Drafter):
         return min(t.num_nodes, TreeConfig(depth, t.top_k, 1).pool_size, max(depth, -(-t.num_nodes * depth // t.depth)))
 
     def units(self, depth: int) -> int:
-        return depth + 1  # a head forward per level, plus the catch-up
+        return depth  # the root's logits, then a head forward and its logits per level below
 
     @torch.inference_mode()
     def catch_up(self, reqs: list[Request]) -> None:

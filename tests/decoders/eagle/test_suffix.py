@@ -131,7 +131,21 @@ def test_cost_curve_learns_the_host() -> None:
         curve.observe(1, 0.010)
         curve.observe(8, 0.012)
     assert curve(1) == pytest.approx(0.010, rel=0.01) and curve(8) == pytest.approx(0.012, rel=0.01)
-    assert curve(6) == pytest.approx(0.012 * curve.prior(6) / curve.prior(8), rel=0.01)  # same bucket
+    assert 0.010 < curve(6) < 0.012  # between the measured counts
+    for _ in range(30):
+        curve.observe(100, 0.05)
+    assert curve(120) == pytest.approx(0.05 * curve.prior(120) / curve.prior(100), rel=0.01)  # same bucket
+
+
+def test_cost_curve_interpolates_between_measured_buckets() -> None:
+    curve = CostCurve(0.003, 0.007)  # a start-up prior much steeper than the served forward
+    for _ in range(30):
+        curve.observe(1, 0.0074)
+        curve.observe(4, 0.0079)
+        curve.observe(8, 0.0103)
+    costs = [curve(n) for n in range(1, 9)]
+    assert all(a <= b for a, b in zip(costs, costs[1:]))  # 2 tokens no dearer than 3 (they were 25%)
+    assert 0.0074 < curve(2) < 0.0079
 
 
 # ---- inside the engine ---------------------------------------------------------------
