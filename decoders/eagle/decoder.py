@@ -65,7 +65,7 @@ from ..engine.scheduler import Scheduled
 from .drafters import BlockDrafter, HeadDrafter
 from .budget import NO_DRAFT, PRIOR_RATE, Batch, Budget, CostCurve, Offer, Source, SourceRate, choose_budget
 from .suffix import SuffixConfig, SuffixDraft, SuffixDrafter, TokenIndex
-from .tree import DraftTree, TreeConfig, accept_greedy, accept_sampled, merge_trees, source_outcome
+from .tree import DraftTree, TreeConfig, accept_greedy, accept_sampled, merge_trees, path_logits, source_outcome
 
 # CPU: measured with the bundled SmolLM2 head (clients/bench_eagle.py). On an AVX2
 # CPU a forward over 2..8 tokens costs about twice a 1-token forward (GEMM packs
@@ -88,6 +88,9 @@ LEARNED_EMA = 0.05
 # context restarts there (as after a prefix-cache hit: drafts see less, output stays exact), so a
 # source that does not pay, as at a large batch, costs no catch-up forwards.
 MAX_PENDING = 64
+# Verification's output-head rows per level up to which each request also computes its likely next
+# nodes ahead (``tree.path_logits``): below this the product is memory-bound on a CPU.
+GUESS_ROWS = 4
 
 
 @dataclass
@@ -339,35 +342,17 @@ class EagleDecoder:
     def _path_logits(self, batch: Sequence[Scheduled], items: list[ForwardItem], trees: dict,
                      final: torch.Tensor) -> dict[int, dict[int, torch.Tensor]]:
         """Every verifying request's logits (fp32, by tree node) along the path verification will
-        most likely walk: the root, then each node whose token is its parent's argmax. One head
-        matmul per tree level for the whole batch: at 16 streams, a matmul per request and node
-        cost more than a sixth of the step (the output head at one row is a fifth of a forward).
-        Verification computes any other node it reaches on its own (``_verify``), so this choice
-        of rows changes the cost, never the result."""
-        frontier: dict[int, tuple[int, DraftTree, int]] = {}  # request -> (its first row, tree, node)
+        most likely walk, computed level by level for the whole batch (``tree.path_logits``)."""
+        starts: dict[int, tuple[int, DraftTree]] = {}  # request -> (its first row, tree)
         offset = 0
         for s, item in zip(batch, items):
             n, req = len(item.token_ids), s.request
             if id(req) in trees:
-                frontier[id(req)] = (offset, trees[id(req)], 0)  # the root is a tree's first node
+                starts[id(req)] = (offset, trees[id(req)])  # the root is a tree's first node
             elif req.num_computed + n >= req.num_tokens:  # the last prefill chunk: its last row is the root
-                frontier[id(req)] = (offset + n - 1, DraftTree([req.all_ids[-1]], [-1]), 0)
+                starts[id(req)] = (offset + n - 1, DraftTree([req.all_ids[-1]], [-1]))
             offset += n
-        children = {k: tree.children() for k, (_, tree, _) in frontier.items()}
-        out: dict[int, dict[int, torch.Tensor]] = {k: {} for k in frontier}
-        while frontier:
-            owners = list(frontier)
-            rows = torch.tensor([frontier[k][0] + frontier[k][2] for k in owners], device=final.device)
-            logits = self.runner.logits(final[rows])
-            following = {}
-            for k, row, best in zip(owners, logits, logits.argmax(-1).tolist()):
-                first, tree, node = frontier[k]
-                out[k][node] = row
-                child = next((c for c in children[k][node] if tree.tokens[c] == best), None)
-                if child is not None:
-                    following[k] = (first, tree, child)
-            frontier = following
-        return out
+        return path_logits(starts, final, self.runner.logits, GUESS_ROWS)
 
     @staticmethod
     def _forget(st: EagleState) -> None:
@@ -516,3 +501,4 @@ def eagle_decoder(loaded: LoadedModel, runner: ModelRunner, pool: BlockPool, hea
         return None
     model = load_dflash(path, loaded.model) if is_dflash(path) else load_eagle_head(path, loaded.model)
     return EagleDecoder(runner, pool, model, tree, cost=cost)
+

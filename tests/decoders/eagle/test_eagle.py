@@ -19,7 +19,8 @@ import torch
 
 from dualserve.decoders.ar import ARDecoder
 from dualserve.decoders.eagle.decoder import EagleDecoder
-from dualserve.decoders.eagle.tree import DraftTree, TreeConfig, accept_greedy, accept_sampled, select_nodes
+from dualserve.decoders.eagle.tree import (DraftTree, TreeConfig, accept_greedy, accept_sampled, path_logits,
+                                           select_nodes)
 from dualserve.decoders.engine.engine import Engine, EngineConfig
 from dualserve.decoders.engine.runner import ModelRunner
 from dualserve.decoders.engine.sampling import SamplingParams, truncated_probs
@@ -148,6 +149,36 @@ def test_accept_greedy_longest_match() -> None:
         return torch.nn.functional.one_hot(torch.tensor(argmax[node]), 10).float()
 
     assert accept_greedy(tree, logits_at) == ([2], 7)
+
+
+def test_path_logits_batches_levels_and_computes_ahead_only_while_rows_are_few() -> None:
+    # Every row's "logits" are one-hot on the token the row's feature names: row r's argmax is
+    # final[r, 0]. Tree: root -> a (chain a -> b -> c), root -> x; the target's path is a, b, then
+    # a token nobody drafted.
+    tree = DraftTree([0, 1, 2, 3, 9], [-1, 0, 1, 2, 0])
+    argmax_after = {0: 1, 1: 2, 2: 7, 3: 5, 4: 5}  # node -> the target's next token there
+    calls = []
+
+    def logits_of(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(len(rows))
+        return torch.nn.functional.one_hot(rows[:, 0].long(), V).float()
+
+    def final_for(first: int, n_rows: int) -> torch.Tensor:
+        f = torch.zeros(n_rows, 1)
+        for node, tok in argmax_after.items():
+            f[first + node, 0] = tok
+        return f
+
+    got = path_logits({"r": (0, tree)}, final_for(0, 5), logits_of, guess_rows=4)
+    assert sorted(got["r"]) == [0, 1, 2, 3] and calls == [4]  # one product: root and the chain ahead
+    assert [int(got["r"][n].argmax()) for n in (0, 1, 2)] == [1, 2, 7]
+    path, bonus = accept_greedy(tree, lambda node, _: got["r"][node])
+    assert path == [1, 2] and bonus == 7
+
+    calls.clear()  # 16 trees: a level already fills the product, nothing is computed ahead
+    final = torch.cat([final_for(0, 5)] * 16)
+    got = path_logits({i: (5 * i, tree) for i in range(16)}, final, logits_of, guess_rows=4)
+    assert calls == [16, 16, 16] and all(sorted(g) == [0, 1, 2] for g in got.values())
 
 
 def test_accept_sampled_is_lossless() -> None:
