@@ -129,10 +129,11 @@ class LoRA(nn.Module):
 
     - beside dot8 layers (``w4a8``), in the same kernel (``Dot8Linear``, 8-bit weights, activations
       in int8 groups of 32). On the default model's w4a8 base its logits are closer to the merged
-      fp32 twin's than the two-digit form's (lowest cosine over a block 0.997 against 0.995), and
-      a compiled twin forward of 5 tokens costs about what the base's does (9.3-10.2 ms against
-      9.0-10.3 on a 2-core AVX-512 host; 11.5-12.4 ms with the two-digit form, one oneDNN GEMM
-      per factor, 240 a forward);
+      fp32 twin's than the two-digit form's (lowest cosine over a block 0.997 against 0.995).
+      The projection and both factors run as one kernel call (``dualserve::dot8_lora``, the same
+      bits): three calls per projection had made a compiled twin forward of 4 tokens cost 1.7 ms
+      more than the base's on a 2-core AVX-512 host, one call costs 0.7 ms more (medians of 4
+      alternating runs: 10.2 and 9.1 ms against 8.5);
     - otherwise in int8 with activations as two int8 digits per value (``W8A8Linear``, digits=2):
       within a cosine of 0.998 of the merged fp32 twin's; one digit per token-wide scale fell to
       0.967.
@@ -141,6 +142,10 @@ class LoRA(nn.Module):
     def __init__(self, base: nn.Module, down: nn.Module, up: nn.Module):
         super().__init__()
         self.base, self.down, self.up = base, down, up
+        # Beside a dot8 projection without a bias, one kernel call does the projection and both
+        # factors (``dualserve::dot8_lora``), with the same bits as the three calls.
+        self.fused = all(isinstance(m, Dot8Linear) and m.bias is None for m in (base, down, up)) \
+            and down.bits == 8 and up.bits == 8
 
     @classmethod
     def from_factors(cls, base: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float) -> "LoRA":
@@ -151,6 +156,12 @@ class LoRA(nn.Module):
         return cls(base, W8A8Linear.from_float(a, digits=2), W8A8Linear.from_float(up, digits=2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dtype == torch.float32:
+            b, a, u = self.base, self.down, self.up
+            y = torch.ops.dualserve.dot8_lora(x.reshape(-1, b.in_features).contiguous(), b.packed, b.d, b.m,
+                                               b.out_features, b.bits, a.packed, a.d, a.m, a.out_features,
+                                               u.packed, u.d, u.m)
+            return y.view(*x.shape[:-1], b.out_features)
         return self.base(x) + self.up(self.down(x))
 
 

@@ -122,6 +122,10 @@ def _register_fake() -> None:
     def _(x, q, d, m, n, bits, force_scalar=0):
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
+    @torch.library.register_fake("dualserve::dot8_lora")
+    def _(x, q, d, m, n, bits, qa, da, ma, rank, qb, db, mb, force_scalar=0):
+        return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
     @torch.library.register_fake("dualserve::attend_rows")
     def _(q, k, v, kc, vc, rows, context, mask, scale, force_scalar=0):
         return q.new_empty(q.shape)

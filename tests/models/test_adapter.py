@@ -206,3 +206,26 @@ def test_the_adapter_gives_a_row_the_same_bits_in_any_batch(default_gguf, cache_
     finally:
         torch.set_num_threads(threads)
 
+
+
+@pytest.mark.parametrize("force_scalar", [0, 1])
+def test_the_fused_adapter_kernel_gives_the_three_calls_bits(force_scalar: int) -> None:
+    """``dot8_lora`` (projection and both factors in one call) against the three dot8 calls it
+    replaces, on every code path this host has, at row counts across the kernel's row blocks."""
+    if not kernels.available():
+        pytest.skip(f"the dot8 kernel is not available: {kernels.unavailable_reason()}")
+    from dualserve.models.adapter import LoRA
+    from dualserve.models.quant import Dot8Linear
+    torch.manual_seed(0)
+    base = Dot8Linear.from_float(torch.randn(200, 576) * 0.05, bits=4)  # 200: a partial last tile
+    lora = LoRA.from_factors(base, torch.randn(32, 576) * 0.05, torch.randn(200, 32) * 0.05, 2.0)
+    assert lora.fused
+    ops, b, a, u = torch.ops.dualserve, lora.base, lora.down, lora.up
+    for rows in (1, 3, 8, 9, 19):
+        x = torch.randn(rows, 576)
+        down = ops.dot8_linear(x, a.packed, a.d, a.m, a.out_features, 8, force_scalar)
+        want = ops.dot8_linear(x, b.packed, b.d, b.m, 200, 4, force_scalar) + \
+            ops.dot8_linear(down, u.packed, u.d, u.m, 200, 8, force_scalar)
+        got = ops.dot8_lora(x, b.packed, b.d, b.m, 200, 4, a.packed, a.d, a.m, 32, u.packed, u.d, u.m, force_scalar)
+        assert torch.equal(got, want), rows
+    assert torch.equal(lora(x), lora.base(x) + lora.up(lora.down(x)))  # the module takes the fused call
