@@ -34,9 +34,11 @@ from typing import Callable
 Source = str  # "head" (EAGLE head) | "block" (DFlash drafter) | "suffix"
 SOURCES: tuple[Source, ...] = ("head", "block", "suffix")
 
-# Prior acceptance rates, per drafted level: the bundled head's measured mean acceptance
-# length 1.55 (README) is a per-level rate near 0.35; suffix drafts are verbatim repeats,
-# accepted far more often when they match at all (SuffixDecoding reports 0.6-0.8 on agents).
+# Prior acceptance rates, per drafted level. A weak head's: the first bundled head's mean
+# acceptance length, 1.55, is a per-level rate near 0.35 (a request's rates start from what
+# earlier requests measured, so a stronger head is found without a new prior). Suffix drafts
+# are verbatim repeats, accepted far more often when they match at all (SuffixDecoding
+# reports 0.6-0.8 on agents).
 # A DFlash drafter starts from the head's prior until its own rate is measured.
 PRIOR_RATE = {"head": 0.35, "block": 0.35, "suffix": 0.6}
 EMA = 0.3            # weight of the newest observation
