@@ -501,4 +501,3 @@ def eagle_decoder(loaded: LoadedModel, runner: ModelRunner, pool: BlockPool, hea
         return None
     model = load_dflash(path, loaded.model) if is_dflash(path) else load_eagle_head(path, loaded.model)
     return EagleDecoder(runner, pool, model, tree, cost=cost)
-
