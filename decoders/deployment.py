@@ -166,7 +166,7 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
 
 def register_eagle(engine: Engine, spec: ServedSpec, runner: ModelRunner, device: str, compile: CompileSpec | None,
                    parallel: ParallelGroup | None, format_table: FormatTable | None) -> None:
-    from dualserve.models.dflash import is_dflash, load_dflash
+    from dualserve.models.dflash import DFlashDrafter, is_dflash, load_dflash
     from dualserve.models.eagle import load_eagle_head
     from dualserve.models.quant import quantize_linears
 
@@ -186,6 +186,8 @@ def register_eagle(engine: Engine, spec: ServedSpec, runner: ModelRunner, device
     for model in (head, block):
         if model is not None:
             quantize_linears(model, base.quantization, bits=8)
+        if isinstance(model, DFlashDrafter):  # its output rows are the target's, borrowed, not a layer of its own
+            model.serve_in(base.quantization, bits=8)
     decoder = EagleDecoder(runner, engine.pool, head, cost=verify_cost(base, device, format_table), block=block)
     if compile is not None and compile.background and runner.compiled is not None and decoder.aux_layers:
         runner.compiled.prewarm(decoder.aux_layers)

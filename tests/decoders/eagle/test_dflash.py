@@ -124,6 +124,21 @@ def test_save_round_trip_and_draft_vocabulary(tmp_path: Path) -> None:
     torch.testing.assert_close(paged_logits(again, feats, 11, 4), paged_logits(drafter, feats, 11, 4))
 
 
+def test_beside_a_w4a8_target_the_draft_rows_run_in_its_format(tmp_path: Path) -> None:
+    from dualserve.models import kernels
+    from dualserve.models.quant import Dot8Linear
+    if not kernels.available():
+        pytest.skip(f"the dot8 kernel is not available: {kernels.unavailable_reason()}")
+    target = tiny_target(3, 0.5)
+    used = torch.tensor([1, 3, 4, 8, 20, 33, 50, 63])
+    drafter, _ = tiny_drafter(tmp_path, target, d2t=used - torch.arange(len(used)))
+    h = drafter(torch.tensor(drafter.block_ids(7, 4)), torch.arange(4, 8), DenseAttention([4]))
+    before = drafter.logits(h)
+    drafter.serve_in("w4a8", bits=8)
+    assert isinstance(drafter.draft_layer[0], Dot8Linear) and "draft_layer" not in str(drafter.state_dict().keys())
+    torch.testing.assert_close(drafter.logits(h), before, rtol=0.05, atol=0.05)  # 8-bit rows, int8 activations
+
+
 def test_rope_scaling_survives_a_save(tmp_path: Path) -> None:
     import dataclasses
     from dualserve.models.config import RopeScaling
