@@ -104,7 +104,11 @@ def test_the_narrower_paths_a_host_may_take_give_the_same_bits(tmp_path, path: s
     import sys
 
     torch.manual_seed(4)
+    from dualserve.models.adapter import LoRA
     layers = {bits: Dot8Linear.from_float(torch.randn(72, 96) * 0.05, bits=bits) for bits in (4, 8)}
+    # A projection with its adapter: one dot8_lora call on that path.
+    layers["lora"] = LoRA.from_factors(layers[4], torch.randn(32, 96) * 0.05, torch.randn(72, 32) * 0.05, 2.0)
+    assert layers["lora"].fused
     x = torch.randn(11, 96)
     torch.save({"layers": layers, "x": x}, tmp_path / "job.pt")
     code = ("import sys, torch; from dualserve.models import kernels; kernels.available(); "
