@@ -174,12 +174,6 @@ void tile_avx512(const Weights& w, int64_t t, const Acts& x, int64_t r0, int row
 
 // ---- AVX2: each tile as two halves of 8 channels ----
 
-__attribute__((target("avx2,fma,f16c")))
-inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
-  // u <= 15 here (int8 weights take the sign path below), so pairs cannot saturate int16.
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-
 template <int R, int BITS>
 __attribute__((target("avx2,fma,f16c")))
 void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, float* out, int64_t ldo, int valid) {
@@ -196,17 +190,27 @@ void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, floa
       const int64_t k0 = g * GROUP;
       if (R >= 2 && half == 0)  // as in tile_avx512_rows
         for (int j = 0; j < CH; ++j) _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
-      for (int j = 0; j < CH; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + j * 64));
-        if (BITS == 4) {
+      if (BITS == 4) {
+        // A group's 8 pair sums per lane stay in int16: |u * a| <= 15 * 127, so a pair is at
+        // most 3810 and the group's sum at most 30480. One widening a group instead of one a
+        // pair halves the work on the multiply ports; the integers are the same.
+        __m256i acc16[R];
+        for (int r = 0; r < R; ++r) acc16[r] = _mm256_setzero_si256();
+        for (int j = 0; j < CH; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + j * 64));
           const __m256i lo = _mm256_and_si256(v, low);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
           for (int r = 0; r < R; ++r) {
             const int8_t* a = x.a + (r0 + r) * x.K + k0 + 8 * j;
-            acc[r] = dot_u8s8(acc[r], lo, _mm256_set1_epi32(load4(a)));
-            acc[r] = dot_u8s8(acc[r], hi, _mm256_set1_epi32(load4(a + 4)));
+            acc16[r] = _mm256_add_epi16(acc16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(a))));
+            acc16[r] = _mm256_add_epi16(acc16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load4(a + 4))));
           }
-        } else {
+        }
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_madd_epi16(acc16[r], _mm256_set1_epi16(1));
+      } else {
+        // int8: a pair can reach 2 * 127 * 127, so each pair sum widens at once.
+        for (int j = 0; j < CH; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + j * 64));
           const __m256i s = _mm256_xor_si256(v, _mm256_set1_epi8(char(0x80)));  // u - 128 = q, signed
           const __m256i mag = _mm256_sign_epi8(s, s);
           for (int r = 0; r < R; ++r) {
@@ -246,7 +250,9 @@ void tile_avx2(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows,
     case 1: return tile_avx2_rows<1, BITS>(w, t, x, r0, out, ldo, valid);
     case 2: return tile_avx2_rows<2, BITS>(w, t, x, r0, out, ldo, valid);
     case 3: return tile_avx2_rows<3, BITS>(w, t, x, r0, out, ldo, valid);
-    default: return tile_avx2_rows<4, BITS>(w, t, x, r0, out, ldo, valid);
+    case 4: return tile_avx2_rows<4, BITS>(w, t, x, r0, out, ldo, valid);
+    case 5: return tile_avx2_rows<5, BITS>(w, t, x, r0, out, ldo, valid);
+    default: return tile_avx2_rows<6, BITS>(w, t, x, r0, out, ldo, valid);
   }
 }
 
@@ -269,11 +275,11 @@ Path pick_path() {
 #ifdef DOT8_X86
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (avx2 && forced == "avx2") return {"avx2", tile_avx2<4>, tile_avx2<8>, 4};
+  if (avx2 && forced == "avx2") return {"avx2", tile_avx2<4>, tile_avx2<8>, 6};
   if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vnni"))
     return {"avx512_vnni", tile_avx512<4>, tile_avx512<8>, MAX_ROWS};
-  if (avx2) return {"avx2", tile_avx2<4>, tile_avx2<8>, 4};
+  if (avx2) return {"avx2", tile_avx2<4>, tile_avx2<8>, 6};
 #endif
   return {"scalar", tile_scalar, tile_scalar, MAX_ROWS};
 }
