@@ -42,7 +42,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dualserve.models.config import RopeScaling
-from dualserve.models.eagle import EagleConfig, EagleHead, HEAD_CLASSES, eagle3_aux_layers, save_eagle_head
+from dualserve.models.eagle import (EagleConfig, EagleHead, HEAD_CLASSES, eagle3_aux_layers, load_eagle_head,
+                                    save_eagle_head)
 from dualserve.models.loader import LoadedModel
 
 from .distil_prompts import default_held_out
@@ -400,8 +401,16 @@ def run_stream(loaded: LoadedModel, args: argparse.Namespace, work: Path) -> Pat
         raise SystemExit("--data trains EAGLE-3 heads (training-time test); use --kind eagle3")
     work.mkdir(parents=True, exist_ok=True)
     stream, seqs = distilled_stream(loaded, args)
-    d2t, t2d = draft_vocab(seqs, loaded.config.vocab_size, min(args.draft_vocab, loaded.config.vocab_size))
-    head = new_head(loaded, args, d2t, t2d)  # a checkpoint, if any, overwrites all of it (vocab maps included)
+    if args.init:  # continue from a finished head: its weights and draft vocabulary, a fresh optimizer
+        head = load_eagle_head(args.init, loaded.model, dtype=torch.float32, device=args.device)
+        if head.config.kind != "eagle3":
+            raise SystemExit(f"--init {args.init}: an EAGLE-3 head is needed, this one is {head.config.kind}")
+        console.log(f"init: {args.init} (draft vocabulary {head.config.draft_vocab_size}, "
+                    f"MLP {head.config.layer.intermediate_size})")
+    else:
+        d2t, t2d = draft_vocab(seqs, loaded.config.vocab_size, min(args.draft_vocab, loaded.config.vocab_size))
+        head = new_head(loaded, args, d2t, t2d)
+    # A checkpoint in the work directory, if any, overwrites all of it (vocab maps included).
     head.requires_grad_(True).train()
     train_stream(loaded, args, stream, head, work)
     console.log(f"head written to {args.output}")
@@ -430,6 +439,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--gen-temperature", type=float, default=0.7)
     p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--intermediate-size", type=int, default=None, help="head MLP width (default: the target's)")
+    p.add_argument("--init", default=None, help="with --data: start from this EAGLE-3 head directory (e.g. the "
+                   "bundled one) instead of a new head; its size and draft vocabulary win")
     p.add_argument("--ttt-steps", type=int, default=3, help="EAGLE-3 training-time-test unroll")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=8)

@@ -119,6 +119,32 @@ def test_resume_draws_the_same_batches_and_reaches_the_same_state(target: Loaded
         assert torch.equal(a[k], b[k]), k
 
 
+def test_init_continues_from_a_finished_head(target: LoadedModel, tmp_path: Path) -> None:
+    """``--init``: a new run starts from the given head (weights and draft vocabulary), not a new one."""
+    data = tmp_path / "data"
+    write_shard(data, 16, model=target.model)
+    first = tmp_path / "first"
+    eagle_train.run(target, args_for(first, data, steps=20))
+    done = load_eagle_head(first / "head", target.model, dtype=torch.float32)
+    stream = ShardStream(data, 16, block=16)
+    stream.refresh()
+    batch = target_batch(target.model, stream.seqs, done.config.aux_layers)
+    rows = target.model.lm_head_weight.float()
+
+    def loss_of(head) -> float:
+        with torch.no_grad():
+            return float(eagle3_loss(head, batch, rows, 3, t2d=head.t2d)[0])
+
+    second = tmp_path / "second"
+    args = args_for(second, data, 1, "--init", str(first / "head"), "--lr", "0")  # one step that changes nothing
+    eagle_train.run(target, args)
+    cont = load_eagle_head(second / "head", target.model, dtype=torch.float32)
+    assert torch.equal(cont.d2t, done.d2t) and torch.equal(cont.t2d, done.t2d)
+    assert loss_of(cont) == pytest.approx(loss_of(done), rel=1e-3)
+    fresh = eagle_train.new_head(target, args_for(tmp_path / "fresh", data, 1), done.d2t, done.t2d)
+    assert loss_of(cont) < 0.5 * loss_of(fresh)
+
+
 def test_stream_takes_in_new_shards_at_the_next_pass(tmp_path: Path) -> None:
     data = tmp_path / "data"
     write_shard(data, 16)
