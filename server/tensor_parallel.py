@@ -13,7 +13,8 @@ Two launch forms, one code path after the rendezvous:
 Every rank loads the same models from the same arguments, shards them (``models/sharding.py``)
 and builds the same deployment; the ranks other than 0 then replay rank 0's steps
 (``decoders/engine/parallel.py``). The backend is NCCL on CUDA and gloo on the CPU;
-``--tp-timeout`` bounds every collective, so a hung rank is noticed within it.
+``--tp-timeout`` bounds every collective, so a hung rank is noticed within it; meeting at start-up
+may take longer (``START_SECONDS``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dualserve.decoders.engine.parallel import ParallelGroup, serve_steps
 from dualserve.models.sharding import Shard
 
 log = logging.getLogger("dualserve.parallel")
+START_SECONDS = 120.0  # the least time the ranks get to start and meet (imports, a cold disk)
 
 
 def backend_for(device: str) -> str:
@@ -53,16 +55,27 @@ def init(args: argparse.Namespace, rank: int, world: int, init_method: str | Non
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         args.device = f"cuda:{torch.cuda.current_device()}"
     try:
+        # The rendezvous waits for every rank's start-up (a spawned interpreter importing torch on a
+        # loaded host can take longer than a collective may); the collectives get their own group,
+        # bounded by --tp-timeout.
         dist.init_process_group(backend_for(args.device), init_method=init_method, store=store, rank=rank,
-                                world_size=world, timeout=timedelta(seconds=args.tp_timeout))
+                                world_size=world, timeout=start_timeout(args))
+        group = dist.new_group(list(range(world)), timeout=timedelta(seconds=args.tp_timeout))
     except Exception:
         # A failed rendezvous leaves c10d's module-global group counter advanced: a later group in this
         # process would then wait for store keys that no freshly started rank writes.
+        if dist.is_initialized():
+            dist.destroy_process_group()
         dist.distributed_c10d._world.group_count = 0
         raise
     if not args.threads and args.device == "cpu":  # the ranks share this host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // min(world, os.cpu_count() or 1)))
-    return Shard(rank, world, reduction=args.tp_reduction)
+    return Shard(rank, world, group=group, reduction=args.tp_reduction)
+
+
+def start_timeout(args: argparse.Namespace) -> timedelta:
+    """How long the ranks may take to meet: --tp-timeout, but never less than START_SECONDS."""
+    return timedelta(seconds=max(args.tp_timeout, START_SECONDS))
 
 
 def start(args: argparse.Namespace, force: bool = False) -> ParallelGroup | None:
@@ -83,7 +96,7 @@ def start(args: argparse.Namespace, force: bool = False) -> ParallelGroup | None
         return None
     # The store listens before any rank starts, on a port the OS picks as it binds: a port chosen
     # first and bound later can be taken meanwhile by another process on a busy host.
-    store = dist.TCPStore("127.0.0.1", 0, world, True, timedelta(seconds=args.tp_timeout), wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, world, True, start_timeout(args), wait_for_workers=False)
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=worker_main, args=(args, r, world, store.port), name=f"dualserve-rank{r}",
                          daemon=True) for r in range(1, world)]
@@ -115,7 +128,7 @@ def watch(group: ParallelGroup) -> None:
 def worker_main(args: argparse.Namespace, rank: int, world: int, port: int) -> None:
     """A spawned rank: meet rank 0 at its store, load and shard, replay steps; exits non-zero on a failure."""
     logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(name)s: %(message)s")
-    store = dist.TCPStore("127.0.0.1", port, world, False, timedelta(seconds=args.tp_timeout))
+    store = dist.TCPStore("127.0.0.1", port, world, False, start_timeout(args))
     code = run_worker(args, init(args, rank, world, None, store))
     sys.exit(code)
 
