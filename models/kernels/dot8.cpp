@@ -174,6 +174,10 @@ void tile_avx512(const Weights& w, int64_t t, const Acts& x, int64_t r0, int row
 
 // ---- AVX2: each tile as two halves of 8 channels ----
 
+// Rows per register block: 6 rows' int16 and float accumulators take 12 of the 16 registers
+// (over the model's GEMMs, 6-row blocks ran 3-6% faster than 4-row ones at 4 to 12 rows).
+constexpr int AVX2_ROWS = 6;
+
 template <int R, int BITS>
 __attribute__((target("avx2,fma,f16c")))
 void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, float* out, int64_t ldo, int valid) {
@@ -193,7 +197,7 @@ void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, floa
       if (BITS == 4) {
         // A group's 8 pair sums per lane stay in int16: |u * a| <= 15 * 127, so a pair is at
         // most 3810 and the group's sum at most 30480. One widening a group instead of one a
-        // pair halves the work on the multiply ports; the integers are the same.
+        // pair: fewer instructions, the same integers.
         __m256i acc16[R];
         for (int r = 0; r < R; ++r) acc16[r] = _mm256_setzero_si256();
         for (int j = 0; j < CH; ++j) {
@@ -275,11 +279,11 @@ Path pick_path() {
 #ifdef DOT8_X86
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (avx2 && forced == "avx2") return {"avx2", tile_avx2<4>, tile_avx2<8>, 6};
+  if (avx2 && forced == "avx2") return {"avx2", tile_avx2<4>, tile_avx2<8>, AVX2_ROWS};
   if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vnni"))
     return {"avx512_vnni", tile_avx512<4>, tile_avx512<8>, MAX_ROWS};
-  if (avx2) return {"avx2", tile_avx2<4>, tile_avx2<8>, 6};
+  if (avx2) return {"avx2", tile_avx2<4>, tile_avx2<8>, AVX2_ROWS};
 #endif
   return {"scalar", tile_scalar, tile_scalar, MAX_ROWS};
 }
