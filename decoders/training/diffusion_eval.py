@@ -29,6 +29,9 @@ from dualserve.models.transformer import Transformer
 
 from .diffusion_twin import Example
 
+ORACLE = "oracle"  # a rule name beside the thresholds: commit what already agrees with AR
+Rule = float | str | None
+
 
 @dataclass
 class FillScore:
@@ -88,8 +91,10 @@ def encode_prefix(model: Transformer, prefix: list[int], block_size: int) -> tup
 
 
 def fill_block(model: Transformer, prefix: list[int], length: int, mask_id: int, block_size: int,
-               tau: float | None, encoded: tuple[PrefixKV, torch.Tensor | None] | None = None) -> tuple[list[int], int]:
-    """Fill ``length`` masked tokens after ``prefix`` up to a block end; tau None = one-shot.
+               tau: Rule, encoded: tuple[PrefixKV, torch.Tensor | None] | None = None,
+               truth: list[int] | None = None) -> tuple[list[int], int]:
+    """Fill ``length`` masked tokens after ``prefix`` up to a block end; tau None = one-shot,
+    ``ORACLE`` = commit what agrees with ``truth`` (the AR tokens; past their end, padding agrees).
 
     Returns (tokens, forwards). Logits are shifted: canvas position j is read from row
     j-1, which for a canvas starting on a block boundary is the prefix's last row.
@@ -102,6 +107,11 @@ def fill_block(model: Transformer, prefix: list[int], length: int, mask_id: int,
     block = torch.tensor(prefix[cached:] + [mask_id] * length, device=device)  # (block,)
     positions = torch.arange(cached, cached + len(block), device=device)
     masked = torch.ones(length, dtype=torch.bool, device=device)
+    if tau == ORACLE:
+        if truth is None:
+            raise ValueError("the oracle rule needs the AR tokens")
+        known = torch.tensor(truth[:length], dtype=torch.long, device=device)
+        agree_any = torch.arange(length, device=device) >= len(known)  # padding past the answer
     forwards = 0
     while bool(masked.any()):
         hidden, _ = model(block, positions, attn)  # (block, hidden)
@@ -112,6 +122,14 @@ def fill_block(model: Transformer, prefix: list[int], length: int, mask_id: int,
         forwards += 1
         if tau is None:
             commit = masked
+        elif tau == ORACLE:
+            right = agree_any.clone()
+            right[:len(known)] = tok[:len(known)] == known
+            commit = masked & right
+            first = int(masked.nonzero()[0])
+            if first < len(known):
+                tok[first] = known[first]
+            commit[first] = True
         else:
             conf = torch.where(masked, conf, torch.full_like(conf, -1.0))
             commit = masked & (conf >= tau)
@@ -123,9 +141,12 @@ def fill_block(model: Transformer, prefix: list[int], length: int, mask_id: int,
 
 @torch.inference_mode()
 def denoise_eval(model: Transformer, examples: list[Example], block_size: int, mask_id: int,
-                 max_blocks: int = 2, taus: tuple[float | None, ...] = (None, 0.9, 1.01)) -> list[FillScore]:
+                 max_blocks: int = 2, taus: tuple[Rule, ...] = (None, 0.9, 1.01)) -> list[FillScore]:
     """Scores per rule over the first ``max_blocks`` answer blocks of each example."""
-    scores = {tau: FillScore("one-shot" if tau is None else f"threshold {tau:g}") for tau in taus}
+    def name(tau: Rule) -> str:
+        return "one-shot" if tau is None else tau if isinstance(tau, str) else f"threshold {tau:g}"
+
+    scores = {tau: FillScore(name(tau)) for tau in taus}
     for ex in examples:
         first = ex.prompt_len // block_size
         for k in range(first, first + max_blocks):
@@ -137,7 +158,7 @@ def denoise_eval(model: Transformer, examples: list[Example], block_size: int, m
             encoded = encode_prefix(model, ex.ids[:start], block_size)
             for tau, score in scores.items():
                 got, forwards = fill_block(model, ex.ids[:start], (k + 1) * block_size - start, mask_id,
-                                           block_size, tau, encoded)
+                                           block_size, tau, encoded, truth)
                 score.tokens += len(truth)
                 score.correct += sum(int(a == b) for a, b in zip(got, truth))
                 score.forwards += forwards

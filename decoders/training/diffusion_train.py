@@ -254,9 +254,9 @@ def untrained(loaded: LoadedModel, spec: TwinSpec) -> torch.nn.Module:
 
 def run_eval(model: torch.nn.Module, examples: list[Example], spec: TwinSpec, args: argparse.Namespace,
              label: str) -> list[dict]:
-    from .diffusion_eval import denoise_eval
+    from .diffusion_eval import ORACLE, denoise_eval
 
-    taus = (None, *args.eval_thresholds)
+    taus = (None, *args.eval_thresholds, ORACLE)
     rows = [s.row() for s in denoise_eval(model, examples[: args.eval_samples], spec.block_size,
                                           spec.mask_token_id, args.eval_blocks, taus)]
     for r in rows:
@@ -296,7 +296,8 @@ def run(loaded: LoadedModel, args: argparse.Namespace, base_model: str) -> Path:
     if not args.eval_only:
         train(loaded, args, examples, spec)
     if args.eval_samples:
-        step = json.loads((work / "checkpoint.json").read_text())["step"]
+        checkpoint = work / "checkpoint.json"
+        step = json.loads(checkpoint.read_text())["step"] if checkpoint.exists() else "as given"
         # The twin as written and loaded back (bf16 adapter, merged), not the training copy.
         run_eval(apply_twin(loaded, args.output).model, held, spec, args, f"twin, step {step}")
     console.log(f"twin written to {args.output}")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from dualserve.decoders.training import diffusion_train
 from dualserve.decoders.training.distil import answered_records
-from dualserve.decoders.training.diffusion_eval import denoise_eval, fill_block
+from dualserve.decoders.training.diffusion_eval import ORACLE, denoise_eval, fill_block
 from dualserve.decoders.training.diffusion_twin import (LoRALinear, Objective, add_lora, make_example, pack,
                                                         parent_logprobs, stream_mask, twin_loss)
 from dualserve.models.adapter import ADAPTER_FILE, lora_names
@@ -215,6 +215,20 @@ def test_fill_block_rules() -> None:
     assert [s.rule for s in scores] == ["one-shot", "threshold 0.9", "threshold 1.01"]
     # Prompt of 6: block 1 has 2 canvas positions, block 2 has 4.
     assert (scores[0].forwards, scores[0].filled, scores[2].forwards) == (2, 6, 6)
+
+
+def test_the_oracle_rule_agrees_with_ar_and_needs_no_more_forwards_than_serial() -> None:
+    """The oracle commits only AR's tokens, at least one a forward, and whatever the twin already
+    predicts right, so its tokens per forward bound every rule at exact agreement."""
+    model, ex = tiny_model(), example()
+    with torch.inference_mode():
+        one_shot, _ = fill_block(model, ex.ids[:8], 4, MASK, B, None)
+        got, forwards = fill_block(model, ex.ids[:8], 4, MASK, B, ORACLE, truth=ex.ids[8:12])
+    assert got == ex.ids[8:12]
+    assert forwards <= 4 - sum(int(a == b) for a, b in zip(one_shot[1:], ex.ids[9:12]))
+    scores = denoise_eval(model, [ex], B, MASK, max_blocks=3, taus=(1.01, ORACLE))
+    assert scores[1].rule == "oracle" and scores[1].accuracy == 1.0
+    assert scores[1].forwards <= scores[0].forwards
 
 
 def train_args(base: Path, work: Path, data: Path, steps: int = 4, bf16: str = "off") -> list[str]:
