@@ -38,8 +38,10 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List
 def model_args(*argv: str, tp: int = 1) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_model_args(p)
+    # Admission by places only: on a slow host a queued request must wait its turn, not end in a 429.
     args = p.parse_args(["--device", "cpu", "--no-compile", "--threads", "1", "--tensor-parallel-size", str(tp),
-                         "--tp-timeout", "120", "--tp-heartbeat", "2", *argv])
+                         "--tp-timeout", "120", "--tp-heartbeat", "2", "--max-queue-wait", "0",
+                         "--max-run-time", "0", *argv])
     args.command = "generate"
     return args
 
@@ -62,6 +64,7 @@ def generate(dep, prompts, max_tokens: int = 12, decoder: str | None = None, cha
     decoder = decoder or dep.engine.decoders_for(name)[0]
     tok = dep.models[name].tokenizer
     outs: list[list[int]] = []
+    reasons: list[str] = []
     for p in prompts:
         if chat:
             p = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
@@ -69,9 +72,11 @@ def generate(dep, prompts, max_tokens: int = 12, decoder: str | None = None, cha
         got: list[int] = []
         dep.engine.submit(name, decoder, list(p), SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                  ignore_eos=not chat),
-                          lambda _, d, got=got: got.extend(d.token_ids))
+                          lambda _, d, got=got: (got.extend(d.token_ids),
+                                                 d.finish_reason and reasons.append(d.finish_reason)))
         outs.append(got)
     dep.engine.run_until_idle()
+    assert len(reasons) == len(prompts) and "error" not in reasons, reasons
     return outs
 
 
