@@ -222,7 +222,7 @@ async def test_run_bench_against_canned_servers(tmp_path, capsys):
     try:
         out = tmp_path / "r.json"
         args = bl.parse_args(["--threads", "2", "--requests", "3", "--decoders", "ar,eagle", "--concurrency", "4",
-                              "--concurrent-requests", "5", "--warmup", "0", "--json", str(out),
+                              "--concurrent-requests", "5", "--warmup", "0", "--settle", "0", "--json", str(out),
                               "--dualserve-url", ours_url, "--llamacpp-url", base_url])
         report = await bl.run_bench(args, ours_url, base_url)
     finally:
