@@ -15,7 +15,8 @@ their input, multi-turn tool calls) it generates greedily in each mode:
 
 Modes take turns going first, so slow drift on a shared machine hits all alike. Reported per
 set and mode: tok/s (completion tokens / request wall time, prefill included), the ratio to
-``ar``, the mean acceptance length (tokens per verify step: accepted drafts + the bonus
+``ar``, the decode rate after the first token and its ratio (the prefill is the same work in
+every mode, and on short outputs it hides much of a decoder's gain), the mean acceptance length (tokens per verify step: accepted drafts + the bonus
 token), tokens per target forward, and whether the greedy output equals ``ar``'s token for
 token (it must). Draft sizes follow the cost budget as served (``--budget fixed``: the whole
 tree every step). The suffix cache holds the outputs of earlier prompts, never another mode's
@@ -62,10 +63,16 @@ class Row:
     accept_length: float
     tokens_per_forward: float
     identical: bool
+    first: float = 0.0  # seconds to the first token
 
     @property
     def tps(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        """Tokens after the first over the time after it."""
+        return (self.tokens - 1) / (self.seconds - self.first) if self.tokens > 1 and self.seconds > self.first else 0.0
 
 
 def load_cases(path: Path | str) -> list[Case]:
@@ -79,34 +86,42 @@ def load_cases(path: Path | str) -> list[Case]:
     return cases
 
 
-def generate(engine, model: str, mode: str, ids: list[int], max_tokens: int) -> tuple[list[int], float, dict]:
-    """One greedy request through ``engine``: (tokens, seconds, stats). ``mode``: one of ``MODES``, or a
-    decoder's name (its default drafts, for eagle)."""
+def generate(engine, model: str, mode: str, ids: list[int], max_tokens: int) -> tuple[list[int], float, dict, float]:
+    """One greedy request through ``engine``: (tokens, seconds, stats, seconds to the first token).
+    ``mode``: one of ``MODES``, or a decoder's name (its default drafts, for eagle)."""
     from dualserve.decoders.engine.sampling import SamplingParams
 
     decoder, draft = MODES.get(mode, (mode, "auto"))
-    deltas = []
+    deltas, first = [], []
     start = time.perf_counter()
-    engine.submit(model, decoder, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, draft=draft),
-                  lambda _, d: deltas.append(d))
+
+    def on_delta(_, d) -> None:
+        if d.token_ids and not first:
+            first.append(time.perf_counter() - start)
+        deltas.append(d)
+
+    engine.submit(model, decoder, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, draft=draft), on_delta)
     engine.run_until_idle()
     elapsed = time.perf_counter() - start
-    return [t for d in deltas for t in d.token_ids], elapsed, deltas[-1].stats or {}
+    return [t for d in deltas for t in d.token_ids], elapsed, deltas[-1].stats or {}, (first or [elapsed])[0]
 
 
 def llama_cpp_runner(gguf: Path, threads: int):
-    """A function ids -> (tokens, seconds) through llama.cpp, or None when it is not installed."""
+    """A function ids -> (tokens, seconds, seconds to the first token) through llama.cpp, or None
+    when it is not installed."""
     try:
         from llama_cpp import Llama
     except ImportError:
         return None
     llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads or None, verbose=False)
 
-    def run(ids: list[int], max_tokens: int) -> tuple[int, float]:
+    def run(ids: list[int], max_tokens: int) -> tuple[int, float, float]:
         llm.reset()
-        start = time.perf_counter()
-        out = llm.create_completion(ids, max_tokens=max_tokens, temperature=0.0)
-        return out["usage"]["completion_tokens"], time.perf_counter() - start
+        start, first, n = time.perf_counter(), 0.0, 0
+        for _ in llm.create_completion(ids, max_tokens=max_tokens, temperature=0.0, stream=True):
+            n += 1  # one chunk per token
+            first = first or time.perf_counter() - start
+        return n, time.perf_counter() - start, first
 
     return run
 
@@ -164,7 +179,7 @@ def bench(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
     modes = [m for m in args.modes.split(",") if m]
     llama = llama_cpp_runner(path, args.threads) if args.llama_cpp and path.suffix == ".gguf" else None
     rows: list[Row] = []
-    llama_tps: dict[str, float] = {}
+    llama_tps: dict[str, list[tuple[int, float, float]]] = {}
     warm = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True),
                       add_special_tokens=False)
     for mode in modes:  # unmeasured warm-up
@@ -185,17 +200,23 @@ def bench(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
                 out[mode] = generate(engine, name, mode, ids, args.max_tokens)
             reference = out["ar"][0] if "ar" in out else None
             for mode in modes:
-                got, seconds, stats = out[mode]
+                got, seconds, stats, first = out[mode]
                 rows.append(Row(set_name, case.id, case.kind, mode, len(got), seconds,
                                 stats.get("mean_accept_length", 1.0), stats.get("tokens_per_forward", 1.0),
-                                reference is None or got == reference))
+                                reference is None or got == reference, first))
             if llama:
-                n, s = llama(ids, args.max_tokens)
-                llama_tps[set_name] = llama_tps.get(set_name, 0.0) + n / s / len(cases)
+                llama_tps.setdefault(set_name, []).append(llama(ids, args.max_tokens))
             print(f"{set_name}/{case.id:<10} " + "  ".join(
-                f"{r.mode} {r.tps:5.1f} tok/s tau {r.accept_length:4.2f}{'' if r.identical else ' DIFFERS'}"
+                f"{r.mode} {r.tps:5.1f} ({r.decode_tps:5.1f}) tok/s tau {r.accept_length:4.2f}{'' if r.identical else ' DIFFERS'}"
                 for r in rows[-len(modes):]), file=sys.stderr, flush=True)
-    return rows, llama_tps
+    return rows, {k: llama_rates(v) for k, v in llama_tps.items()}
+
+
+def llama_rates(runs: Sequence[tuple[int, float, float]]) -> dict[str, float]:
+    """llama.cpp's tok/s over a set's prompts, end to end and after the first token."""
+    tokens, seconds = sum(n for n, _, _ in runs), sum(s for _, s, _ in runs)
+    decode = sum(s - f for n, s, f in runs if n > 1)
+    return {"tps": tokens / max(seconds, 1e-9), "decode_tps": sum(n - 1 for n, _, _ in runs if n > 1) / max(decode, 1e-9)}
 
 
 def summary(rows: Sequence[Row]) -> list[dict]:
@@ -205,11 +226,13 @@ def summary(rows: Sequence[Row]) -> list[dict]:
         of_set = [r for r in rows if r.set == set_name]
         ar = [r for r in of_set if r.mode == "ar"]
         ar_tps = sum(r.tokens for r in ar) / sum(r.seconds for r in ar) if ar else 0.0
+        ar_decode = decode_rate(ar) if ar else 0.0
         for mode in dict.fromkeys(r.mode for r in of_set):
             rs = [r for r in of_set if r.mode == mode]
             tps = sum(r.tokens for r in rs) / max(sum(r.seconds for r in rs), 1e-9)
             out.append({"set": set_name, "mode": mode, "prompts": len(rs), "tps": tps,
                         "ratio_to_ar": tps / ar_tps if ar_tps else None,
+                        "decode_tps": decode_rate(rs), "decode_ratio": decode_rate(rs) / ar_decode if ar_decode else None,
                         "median_ratio": statistics.median(r.tps / a.tps for r, a in zip(rs, ar)) if ar else None,
                         "accept_length": statistics.mean(r.accept_length for r in rs),
                         "tokens_per_forward": statistics.mean(r.tokens_per_forward for r in rs),
@@ -217,20 +240,29 @@ def summary(rows: Sequence[Row]) -> list[dict]:
     return out
 
 
-def print_table(s: list[dict], llama_tps: dict[str, float]) -> None:
+def decode_rate(rows: Sequence[Row]) -> float:
+    """Tokens after the first over the time after it, over ``rows``."""
+    many = [r for r in rows if r.tokens > 1]
+    return sum(r.tokens - 1 for r in many) / max(sum(r.seconds - r.first for r in many), 1e-9)
+
+
+def print_table(s: list[dict], llama_tps: dict[str, dict[str, float]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="speculative decoding by draft source vs plain AR, single stream, greedy")
-    for col in ("set", "mode", "tok/s", "x ar", "median x ar", "accept len", "tok/forward", "identical"):
+    for col in ("set", "mode", "tok/s", "x ar", "median x ar", "decode tok/s", "decode x ar", "accept len",
+                "tok/forward", "identical"):
         table.add_column(col, justify="left" if col in ("set", "mode") else "right")
     for r in s:
         table.add_row(r["set"], r["mode"], f"{r['tps']:.1f}",
                       f"{r['ratio_to_ar']:.2f}x" if r["ratio_to_ar"] else "-",
-                      f"{r['median_ratio']:.2f}x" if r["median_ratio"] else "-", f"{r['accept_length']:.2f}",
+                      f"{r['median_ratio']:.2f}x" if r["median_ratio"] else "-", f"{r['decode_tps']:.1f}",
+                      f"{r['decode_ratio']:.2f}x" if r["decode_ratio"] else "-", f"{r['accept_length']:.2f}",
                       f"{r['tokens_per_forward']:.2f}", f"{r['identical']}/{r['prompts']}")
-    for set_name, tps in llama_tps.items():
-        table.add_row(set_name, "llama.cpp", f"{tps:.1f}", "", "", "", "", "")
+    for set_name, rates in llama_tps.items():
+        table.add_row(set_name, "llama.cpp", f"{rates['tps']:.1f}", "", "", f"{rates['decode_tps']:.1f}", "", "", "",
+                      "")
     Console(width=max(Console().width, 120)).print(table)
 
 
