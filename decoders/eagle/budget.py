@@ -15,9 +15,9 @@ Inputs, each measured:
 * ``CostCurve``: seconds of a verify forward by token count, a prior (the start-up format
   measurement's 1- and 8-token costs, ``models/formats.py``, or a default shape) corrected
   by the forwards the decoder times as it runs;
-* ``SourceRate``: per draft source (the EAGLE head, suffix lookup by match-length bucket), the
-  request's running per-level acceptance rate, an EMA; a source left unused drifts back towards
-  its prior, so a source that failed once is tried again later;
+* ``SourceRate``: per draft source (the EAGLE head, suffix lookup), the request's running
+  per-level acceptance rate, an EMA; a source left unused drifts back towards its prior,
+  so a source that failed once is tried again later;
 * the batch: the tokens the rest of the batch puts in the same forward and the tokens it
   emits (from the previous step).
 
@@ -40,22 +40,7 @@ SOURCES: tuple[Source, ...] = ("head", "block", "suffix")
 # are verbatim repeats, accepted far more often when they match at all (SuffixDecoding
 # reports 0.6-0.8 on agents).
 # A DFlash drafter starts from the head's prior until its own rate is measured.
-# Suffix drafts are kept apart by the length of the match they came from: a context that has
-# repeated its source for 16 tokens is likely still repeating it, one that matched a single token
-# rarely is (SuffixDecoding scores a draft by its match length and frequencies for the same
-# reason). One rate for all of a request's suffix drafts mixed the two regimes of an agent's
-# output, copying and writing, and held every draft short.
-SUFFIX_BUCKETS = (1, 2, 4, 8, 16, 24)
-SUFFIX_PRIOR = (0.3, 0.45, 0.6, 0.7, 0.8, 0.85)
-
-
-def suffix_key(match_length: int) -> str:
-    """The rate key of a suffix draft from a match this long: ``suffix@B``, B its bucket's bound."""
-    return f"suffix@{next((b for b in SUFFIX_BUCKETS if match_length <= b), SUFFIX_BUCKETS[-1])}"
-
-
-SUFFIX_KEYS = tuple(suffix_key(b) for b in SUFFIX_BUCKETS)
-PRIOR_RATE = {"head": 0.35, "block": 0.35, **dict(zip(SUFFIX_KEYS, SUFFIX_PRIOR))}
+PRIOR_RATE = {"head": 0.35, "block": 0.35, "suffix": 0.6}
 EMA = 0.3            # weight of the newest observation
 DRIFT = 0.02         # per unused step, towards the prior
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)

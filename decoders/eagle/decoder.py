@@ -63,8 +63,7 @@ from ..engine.runner import ForwardItem, ModelRunner
 from ..engine.sampling import DRAFT_CHOICES, process_logits, token_logprobs, truncated_probs
 from ..engine.scheduler import Scheduled
 from .drafters import BlockDrafter, HeadDrafter
-from .budget import (NO_DRAFT, PRIOR_RATE, Batch, Budget, CostCurve, Offer, Source, SourceRate, choose_budget,
-                     SUFFIX_KEYS, suffix_key)
+from .budget import NO_DRAFT, PRIOR_RATE, Batch, Budget, CostCurve, Offer, Source, SourceRate, choose_budget
 from .suffix import SuffixConfig, SuffixDraft, SuffixDrafter, TokenIndex
 from .tree import DraftTree, TreeConfig, accept_greedy, accept_sampled, merge_trees, path_logits, source_outcome
 
@@ -108,7 +107,6 @@ class EagleState(DecoderState):
     index: TokenIndex = field(default_factory=TokenIndex)  # prompt + output, for suffix drafts
     # This step's budget and suffix draft, made by plan for the request at this many tokens.
     planned: tuple[int, Budget, SuffixDraft | None] | None = None
-    suffix_match: int = 0        # match length of the suffix draft in the tree being verified
 
 
 @dataclass
@@ -248,7 +246,7 @@ class EagleDecoder:
             rates = req.counters_of(EagleCounters).rates
             head = Offer(tuple(head_nodes), rates[st.model].rate if use_head else 0.0,
                          tuple(d.seconds(k, self.cost(1)) for k in range(1, len(head_nodes) + 1)))
-            suffix = Offer(tuple(suffix_nodes), rates[suffix_key(draft.match_length)].rate if draft else 0.0)
+            suffix = Offer(tuple(suffix_nodes), rates["suffix"].rate)
             budget = choose_budget(self.cost, head if head_nodes else None, suffix if suffix_nodes else None,
                                    self._others(), cap)
             if head_nodes and not budget.head_depth and st.model_idle >= EXPLORE_AFTER \
@@ -409,7 +407,6 @@ class EagleDecoder:
         if budget.suffix_depth and suffix is not None:
             tail = suffix.tree.cut(budget.suffix_nodes, budget.suffix_depth)
             self.suffix.used(suffix)
-            st.suffix_match = suffix.match_length
         if len(head) == 1 and len(tail) == 1:
             return plain
         return merge_trees([head, tail]).cut(s.num_lookahead)
@@ -472,13 +469,11 @@ class EagleDecoder:
             outcome = source_outcome(tree, path, bit) if tree.sources else None
             if source == st.model:
                 st.model_idle = 0 if outcome is not None else st.model_idle + 1
-            key = suffix_key(st.suffix_match) if source == "suffix" else source
             if outcome is None:
-                for k in (SUFFIX_KEYS if source == "suffix" else (key,)):
-                    counters.rates[k].idle()
+                counters.rates[source].idle()
                 continue
-            counters.rates[key].observe(*outcome)
-            self.learned[key].observe(*outcome)
+            counters.rates[source].observe(*outcome)
+            self.learned[source].observe(*outcome)
             counters.drafted[source] = counters.drafted.get(source, 0) + 1
             counters.accepted[source] = counters.accepted.get(source, 0) + outcome[0]
 

@@ -14,7 +14,7 @@ import torch
 
 from dualserve.decoders.ar import ARDecoder
 from dualserve.decoders.eagle.budget import (NO_DRAFT, Batch, Budget, CostCurve, Offer, SourceRate, choose_budget,
-                                             expected_accepted, SUFFIX_KEYS, suffix_key)
+                                             expected_accepted)
 from dualserve.decoders.eagle.decoder import EagleDecoder
 from dualserve.decoders.eagle.suffix import SuffixCache, SuffixConfig, SuffixDrafter, TokenIndex, continuation_tree
 from dualserve.decoders.eagle.tree import DraftTree, TreeConfig, merge_trees, source_outcome
@@ -111,26 +111,6 @@ def test_budget_drafts_when_it_pays_and_not_otherwise() -> None:
     assert choose_budget(CostCurve(1.0, 8.0), Offer((1, 2, 3), 0.7), None, big) == NO_DRAFT
     # The node cap is respected.
     assert choose_budget(CostCurve.flat(), head, Offer((1, 2, 3), 0.9), max_nodes=3).nodes <= 3
-
-
-def test_suffix_rates_are_kept_by_match_length() -> None:
-    """A suffix draft's outcome updates the rate of its match length's bucket, and no other."""
-    assert [suffix_key(n) for n in (1, 2, 3, 5, 9, 17, 40)] == \
-        ["suffix@1", "suffix@2", "suffix@4", "suffix@8", "suffix@16", "suffix@24", "suffix@24"]
-    engine = make_engine(tiny_target(2, 0.0), None, enable_prefix_caching=False)
-    decoder = engine.decoders[("m", "eagle")]
-    lengths, propose = set(), decoder.suffix.propose
-
-    def recorded(*args, **kwargs):
-        draft = propose(*args, **kwargs)
-        lengths.add(draft.match_length)
-        return draft
-
-    decoder.suffix.propose = recorded
-    before = {k: decoder.learned[k].rate for k in SUFFIX_KEYS}
-    stats = same_as_ar(engine, [REPEAT])[0][-1].stats
-    changed = {k for k in SUFFIX_KEYS if decoder.learned[k].rate != before[k]}
-    assert stats["suffix_steps"] > 0 and changed and changed <= {suffix_key(n) for n in lengths if n}
 
 
 def test_expected_accepted_and_rates() -> None:
