@@ -119,7 +119,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         run = FormatRun("fp32" if fmt == "none" else fmt)
         generate(engine, name, "ar", chat_prompt_ids(loaded, "Hello!"), 4)  # warm-up
         for item in items:
-            out, secs, _ = generate(engine, name, "ar", chat_prompt_ids(loaded, item["prompt"]), args.max_tokens)
+            out, secs, _, _ = generate(engine, name, "ar", chat_prompt_ids(loaded, item["prompt"]), args.max_tokens)
             run.outputs[item["id"]] = out
             run.texts[item["id"]] = loaded.tokenizer.decode(out, skip_special_tokens=True)
             run.tokens += len(out)

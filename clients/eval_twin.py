@@ -148,7 +148,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         for run in runs[k:] + runs[:k]:
             if run.tau is not None:
                 diffusion.config = dataclasses.replace(default_cfg, policy=Threshold(run.tau))
-            out, secs, stats = generate(engine, name, run.decoder, ids, args.max_tokens)
+            out, secs, stats, _ = generate(engine, name, run.decoder, ids, args.max_tokens)
             forwards = int(stats.get("forward_passes", 0))
             run.outputs[item["id"]], run.texts[item["id"]] = out, base.tokenizer.decode(out, skip_special_tokens=True)
             run.tokens += len(out)
