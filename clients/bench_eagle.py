@@ -16,9 +16,9 @@ their input, multi-turn tool calls) it generates greedily in each mode:
 Modes take turns going first, so slow drift on a shared machine hits all alike. Reported per
 set and mode: tok/s (completion tokens / request wall time, prefill included), the ratio to
 ``ar``, the decode rate after the first token and its ratio (the prefill is the same work in
-every mode, and on short outputs it hides much of a decoder's gain), the mean acceptance length (tokens per verify step: accepted drafts + the bonus
-token), tokens per target forward, and whether the greedy output equals ``ar``'s token for
-token (it must). Draft sizes follow the cost budget as served (``--budget fixed``: the whole
+every mode, and on short outputs it hides much of a decoder's gain), the mean acceptance length
+(tokens per verify step: accepted drafts + the bonus token), tokens per target forward, and
+whether the greedy output equals ``ar``'s token for token (it must). Draft sizes follow the cost budget as served (``--budget fixed``: the whole
 tree every step). The suffix cache holds the outputs of earlier prompts, never another mode's
 output for the same prompt. With ``--llama-cpp`` the same token ids also go through llama.cpp
 (``llama_cpp`` package, if installed) on the GGUF file. Prefix caching is off so every run
@@ -207,7 +207,8 @@ def bench(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
             if llama:
                 llama_tps.setdefault(set_name, []).append(llama(ids, args.max_tokens))
             print(f"{set_name}/{case.id:<10} " + "  ".join(
-                f"{r.mode} {r.tps:5.1f} ({r.decode_tps:5.1f}) tok/s tau {r.accept_length:4.2f}{'' if r.identical else ' DIFFERS'}"
+                f"{r.mode} {r.tps:5.1f} ({r.decode_tps:5.1f}) tok/s tau {r.accept_length:4.2f}"
+                f"{'' if r.identical else ' DIFFERS'}"
                 for r in rows[-len(modes):]), file=sys.stderr, flush=True)
     return rows, {k: llama_rates(v) for k, v in llama_tps.items()}
 
@@ -215,8 +216,7 @@ def bench(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
 def llama_rates(runs: Sequence[tuple[int, float, float]]) -> dict[str, float]:
     """llama.cpp's tok/s over a set's prompts, end to end and after the first token."""
     tokens, seconds = sum(n for n, _, _ in runs), sum(s for _, s, _ in runs)
-    decode = sum(s - f for n, s, f in runs if n > 1)
-    return {"tps": tokens / max(seconds, 1e-9), "decode_tps": sum(n - 1 for n, _, _ in runs if n > 1) / max(decode, 1e-9)}
+    return {"tps": tokens / max(seconds, 1e-9), "decode_tps": decode_rate(runs)}
 
 
 def summary(rows: Sequence[Row]) -> list[dict]:
@@ -232,7 +232,8 @@ def summary(rows: Sequence[Row]) -> list[dict]:
             tps = sum(r.tokens for r in rs) / max(sum(r.seconds for r in rs), 1e-9)
             out.append({"set": set_name, "mode": mode, "prompts": len(rs), "tps": tps,
                         "ratio_to_ar": tps / ar_tps if ar_tps else None,
-                        "decode_tps": decode_rate(rs), "decode_ratio": decode_rate(rs) / ar_decode if ar_decode else None,
+                        "decode_tps": decode_rate(rs),
+                        "decode_ratio": decode_rate(rs) / ar_decode if ar_decode else None,
                         "median_ratio": statistics.median(r.tps / a.tps for r, a in zip(rs, ar)) if ar else None,
                         "accept_length": statistics.mean(r.accept_length for r in rs),
                         "tokens_per_forward": statistics.mean(r.tokens_per_forward for r in rs),
@@ -240,10 +241,12 @@ def summary(rows: Sequence[Row]) -> list[dict]:
     return out
 
 
-def decode_rate(rows: Sequence[Row]) -> float:
-    """Tokens after the first over the time after it, over ``rows``."""
-    many = [r for r in rows if r.tokens > 1]
-    return sum(r.tokens - 1 for r in many) / max(sum(r.seconds - r.first for r in many), 1e-9)
+def decode_rate(runs: Sequence[Row | tuple[int, float, float]]) -> float:
+    """Tokens after the first over the time after it, over ``runs`` (rows, or (tokens, seconds,
+    seconds to the first token))."""
+    many = [r if isinstance(r, tuple) else (r.tokens, r.seconds, r.first) for r in runs]
+    many = [(n, s, f) for n, s, f in many if n > 1]
+    return sum(n - 1 for n, _, _ in many) / max(sum(s - f for _, s, f in many), 1e-9)
 
 
 def print_table(s: list[dict], llama_tps: dict[str, dict[str, float]]) -> None:
