@@ -13,16 +13,16 @@ their input, multi-turn tool calls) it generates greedily in each mode:
 - ``block``: ``eagle`` drafting with a DFlash block-diffusion drafter alone (``draft: "block"``;
   ``--dflash DIR`` loads one beside the head).
 
-Modes take turns going first, so slow drift on a shared machine hits all alike. Reported per
-set and mode: tok/s (completion tokens / request wall time, prefill included), the ratio to
-``ar``, the decode rate after the first token and its ratio (the prefill is the same work in
-every mode, and on short outputs it hides much of a decoder's gain), the mean acceptance length
-(tokens per verify step: accepted drafts + the bonus token), tokens per target forward, and
-whether the greedy output equals ``ar``'s token for token (it must). Draft sizes follow the cost
-budget as served (``--budget fixed``: the whole tree every step). The suffix cache holds the outputs of earlier prompts, never another mode's
-output for the same prompt. With ``--llama-cpp`` the same token ids also go through llama.cpp
-(``llama_cpp`` package, if installed) on the GGUF file. Prefix caching is off so every run
-computes its whole prompt.
+Modes take turns going first, so slow drift on a shared machine hits all alike. Reported per set
+and mode: tok/s (completion tokens / request wall time, prefill included), the ratio to ``ar``,
+the decode rate after the first token and its ratio (the prefill is the same work in every mode,
+and on short outputs it hides much of a decoder's gain), the mean acceptance length (tokens per
+verify step: accepted drafts + the bonus token), tokens per target forward, and whether the greedy
+output equals ``ar``'s token for token (it must). Draft sizes follow the cost budget as served
+(``--budget fixed``: the whole tree every step). The suffix cache holds the outputs of earlier
+prompts, never another mode's output for the same prompt. With ``--llama-cpp`` the same token ids
+also go through llama.cpp (``llama_cpp`` package, if installed) on the GGUF file. Prefix caching
+is off so every run computes its whole prompt.
 """
 
 from __future__ import annotations
