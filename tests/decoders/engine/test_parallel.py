@@ -70,10 +70,14 @@ def generate(dep, prompts, max_tokens: int = 12, decoder: str | None = None, cha
             p = tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
                            add_special_tokens=False)
         got: list[int] = []
+
+        def on_delta(_, d, got=got) -> None:
+            got.extend(d.token_ids)
+            if d.finish_reason:
+                reasons.append(d.finish_reason)
+
         dep.engine.submit(name, decoder, list(p), SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                 ignore_eos=not chat),
-                          lambda _, d, got=got: (got.extend(d.token_ids),
-                                                 d.finish_reason and reasons.append(d.finish_reason)))
+                                                                 ignore_eos=not chat), on_delta)
         outs.append(got)
     dep.engine.run_until_idle()
     assert len(reasons) == len(prompts) and "error" not in reasons, reasons
