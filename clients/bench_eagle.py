@@ -39,6 +39,7 @@ from typing import Sequence
 import torch
 
 from dualserve.clients.bench import DEFAULT_PROMPTS
+from dualserve.models.quant import QUANTIZATIONS
 
 AGENTIC_PROMPTS = Path(__file__).parent / "prompts" / "agentic.jsonl"
 MODES = {"ar": ("ar", "auto"), "head": ("eagle", "head"), "suffix": ("eagle", "suffix"), "both": ("eagle", "both"),
@@ -279,7 +280,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="prompt sets (JSONL with prompt or messages)")
     p.add_argument("--modes", default=None, help="comma-separated, from " + ", ".join(MODES) +
                    " (default: all; block only with --dflash)")
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "w4a8"],
+    p.add_argument("--quantization", default="auto", choices=["auto", *QUANTIZATIONS],
                    help="weight format (auto: the one the server picks on this host, from its format table)")
     p.add_argument("--compile", action="store_true",
                    help="compiled steps, as the server runs them (waits until every graph is built or loaded)")

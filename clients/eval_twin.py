@@ -41,6 +41,7 @@ from typing import Sequence
 import torch
 
 from .bench_eagle import generate, served_format
+from dualserve.models.quant import QUANTIZATIONS
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "exact.jsonl"
 FREE_FORM = Path(__file__).resolve().parent / "prompts" / "bench.jsonl"
@@ -223,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--twin", default=None, help="twin directory (default: the bundled one)")
     p.add_argument("--eagle", default=None, help="EAGLE head directory (default: the bundled one)")
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--quantization", default="none", choices=["auto", "none", "int8", "int4", "w4a8"],
+    p.add_argument("--quantization", default="none", choices=["auto", *QUANTIZATIONS],
                    help="the base model's weights (auto: the format the server serves on this host)")
     p.add_argument("--compile", action="store_true",
                    help="compiled steps, as the server runs them (waits until the graphs are built or loaded); "

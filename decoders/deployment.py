@@ -181,13 +181,15 @@ def register_eagle(engine: Engine, spec: ServedSpec, runner: ModelRunner, device
         head = load(spec.eagle_head, target, device=device)
     if spec.dflash is not None:
         block = load_dflash(spec.dflash, target, device=device)
-    # Draft models beside a quantized target run in its format, with 8-bit weights where it is w4a8:
+    # Draft models beside a quantized target run in its kernel family, with 8-bit weights under dot8:
     # drafting then streams a quarter of the float bytes, and the bundled head's acceptance is unchanged.
+    # A draft needs no more than one activation digit (w4a8): the target's verify decides every token.
+    fmt = "w4a8" if base.quantization == "w4a16" else base.quantization
     for model in (head, block):
         if model is not None:
-            quantize_linears(model, base.quantization, bits=8)
+            quantize_linears(model, fmt, bits=8)
         if isinstance(model, DFlashDrafter):  # its output rows are the target's, borrowed, not a layer of its own
-            model.serve_in(base.quantization, bits=8)
+            model.serve_in(fmt, bits=8)
     decoder = EagleDecoder(runner, engine.pool, head, cost=verify_cost(base, device, format_table), block=block)
     if compile is not None and compile.background and runner.compiled is not None and decoder.aux_layers:
         runner.compiled.prewarm(decoder.aux_layers)

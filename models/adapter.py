@@ -152,7 +152,8 @@ class LoRA(nn.Module):
         """a: (rank, in), b: (out, rank), as trained: delta W = scale * b @ a."""
         up = b.float() * scale
         if isinstance(base, Dot8Linear) and a.shape[1] % GROUP == 0 and a.shape[0] % GROUP == 0:
-            return cls(base, Dot8Linear.from_float(a, bits=8), Dot8Linear.from_float(up, bits=8))
+            return cls(base, Dot8Linear.from_float(a, bits=8, digits=base.digits),
+                       Dot8Linear.from_float(up, bits=8, digits=base.digits))
         return cls(base, W8A8Linear.from_float(a, digits=2), W8A8Linear.from_float(up, digits=2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +161,7 @@ class LoRA(nn.Module):
             b, a, u = self.base, self.down, self.up
             y = torch.ops.dualserve.dot8_lora(x.reshape(-1, b.in_features).contiguous(), b.packed, b.d, b.m,
                                                b.out_features, b.bits, a.packed, a.d, a.m, a.out_features,
-                                               u.packed, u.d, u.m)
+                                               u.packed, u.d, u.m, 0, b.digits)
             return y.view(*x.shape[:-1], b.out_features)
         return self.base(x) + self.up(self.down(x))
 

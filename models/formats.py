@@ -23,9 +23,13 @@ meanwhile are recorded (``models.host``); a table measured while they used more
 than ``QUIET_CORES`` serves the start that measured it but is not cached, and its
 choice keeps the checkpoint's own format.
 
-``w4a8`` (int4 weight groups times int8 activation groups, ``models.kernels``) is a candidate
-where the project's kernel builds; its integer sums keep one token's cost near memory speed
-and let eight tokens share each weight group's unpacking.
+``w4a16`` (int4 weight groups times activation groups in two int8 digits, ``models.kernels``) is
+a candidate where the project's kernel builds; its integer sums keep one token's cost near memory
+speed and let eight tokens share each weight group's unpacking. ``w4a8`` (one digit, as llama.cpp
+multiplies) is faster by a row of integer work per token but answers measurably worse than the
+same weights in float, and worse than llama.cpp on the same file (``clients/eval_fidelity``,
+docs/numerics.md), so ``auto`` never picks it: a format is a candidate only if it is at least as
+faithful as llama.cpp's (``FAITHFUL``). ``--quantization w4a8`` still serves it.
 
 One format serves every token count: the lossless decoders (``ar`` and EAGLE's
 verify) must run the same numerics, so the multi-token column is reported, not
@@ -47,14 +51,17 @@ from .config import ModelConfig
 from .host import NeighbourLoad
 from .quant import Dot8Linear, Int4Linear, Int8Linear, Quantization
 
-Candidate = Literal["fp32", "bf16", "int8", "int4", "w4a8"]
-CANDIDATES: tuple[Candidate, ...] = ("fp32", "bf16", "int8", "int4", "w4a8")
+Candidate = Literal["fp32", "bf16", "int8", "int4", "w4a8", "w4a16"]
+CANDIDATES: tuple[Candidate, ...] = ("fp32", "bf16", "int8", "int4", "w4a16")
+# What --quantization auto may pick: the formats whose mean KL divergence and top-1 agreement against
+# the float reference are at least as good as llama.cpp's on the same GGUF (docs/numerics.md).
+FAITHFUL: tuple[Candidate, ...] = ("fp32", "bf16", "int8", "int4", "w4a16")
 TOKENS = (1, 8)
 # The checkpoint's own format is kept unless another is this much faster: it is exact to the file.
 KEEP_STORED_MARGIN = 0.9
 ROUNDS = 5          # timing rounds; each cell keeps its fastest
 QUIET_CORES = 0.25  # other processes' average use (cores) up to which a table is trusted and cached
-TABLE_VERSION = 3   # cache entries of another version are measured again
+TABLE_VERSION = 4   # cache entries of another version are measured again
 
 
 @dataclass(frozen=True)
@@ -78,9 +85,11 @@ class FormatTable:
 
 
 def candidates() -> tuple[Candidate, ...]:
-    """The formats this host can run: w4a8 needs the project's kernel (``models.kernels``) built."""
+    """The formats this host can run and ``auto`` may pick: the dot8 formats need the project's kernel
+    (``models.kernels``) built."""
     from . import kernels
-    return CANDIDATES if kernels.available() else tuple(c for c in CANDIDATES if c != "w4a8")
+    dot8 = ("w4a8", "w4a16")
+    return tuple(c for c in CANDIDATES if c in FAITHFUL and (c not in dot8 or kernels.available()))
 
 
 def host_key() -> str:
@@ -115,8 +124,8 @@ def _layer(fmt: Candidate, out: int, inp: int, head: bool):
     if fmt == "bf16":
         wb = w.bfloat16()
         return lambda x: F.linear(x.bfloat16(), wb)
-    if fmt == "w4a8":
-        return Dot8Linear.from_float(w, bits=8 if head or inp % 32 else 4)
+    if fmt in ("w4a8", "w4a16"):
+        return Dot8Linear.from_float(w, bits=8 if head or inp % 32 else 4, digits=1 if fmt == "w4a8" else 2)
     if fmt == "int8" or head or inp % 32:
         return Int8Linear.from_float(w)  # quantized models keep an int8 head (checkpoint.HEAD_QUANTIZATION)
     return Int4Linear.from_float(w)

@@ -17,7 +17,12 @@ decoding streams 4 to 8 times fewer bytes than fp32:
   * ``Dot8Linear``: int4 groups (``w = q * scale + min``, GGUF's Q4_1) or int8 groups
     (``w = q * scale``, Q8_0) of 32 inputs, times activations quantized per row to int8
     groups of 32 at run time, as llama.cpp multiplies: the project's ``dot8`` kernel
-    (``models.kernels``). The ``w4a8`` format: int4 layers, and a Q8_0 head as it is.
+    (``models.kernels``). Two formats use it, int4 layers and a Q8_0 head as it is:
+    ``w4a8`` quantizes each activation group to one int8 digit, as llama.cpp does;
+    ``w4a16`` to two (the second digit quantizes what the first left over), about 15 bits
+    of activation for one more row of integer work. The activations' rounding is the
+    whole of w4a8's error against the same weights in float (``clients/eval_fidelity``),
+    and w4a16 removes nearly all of it at little cost where one token is bound by memory.
   * ``QuantEmbedding``: int8 rows with one scale per group of 32 columns (GGUF's
     Q8_0 exactly); a lookup dequantizes only the rows it gathers.
 
@@ -52,7 +57,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-Quantization = Literal["none", "int8", "int4", "w4a8"]
+Quantization = Literal["none", "int8", "int4", "w4a8", "w4a16"]
+QUANTIZATIONS: tuple[Quantization, ...] = ("none", "int8", "int4", "w4a8", "w4a16")
+# The dot8 formats: int8 digits per activation group of 32.
+DOT8_DIGITS: dict[str, int] = {"w4a8": 1, "w4a16": 2}
 GROUP = 32  # GGUF's block size, and the int4 group size
 INT8_K = 16  # aten._weight_int8pack_mm on CPU needs an input width that is a multiple of this (else it crashes)
 PORTABLE_KEYS = ("qweight", "scales", "zeros")
@@ -208,14 +216,16 @@ class Dot8Linear(nn.Module):
     """
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int,
-                 bias: torch.Tensor | None = None):
-        """q (out, in): 0..15 with w = q * scale + min (bits 4), or -127..127 with w = q * scale (bits 8)."""
+                 bias: torch.Tensor | None = None, digits: int = 1):
+        """q (out, in): 0..15 with w = q * scale + min (bits 4), or -127..127 with w = q * scale (bits 8);
+        digits: int8 digits per activation group (1: w4a8, 2: w4a16)."""
         super().__init__()
         from . import kernels
         if not kernels.available():
             raise RuntimeError(f"the dot8 kernel is not available here: {kernels.unavailable_reason()}")
         self.out_features, self.in_features = q.shape
         self.bits = bits
+        self.digits = digits
         packed, d, m = kernels.pack(q.cpu(), scales.cpu(), None if mins is None else mins.cpu(), bits)
         self.register_buffer("packed", packed.to(q.device))
         self.register_buffer("d", d.to(q.device))
@@ -228,29 +238,31 @@ class Dot8Linear(nn.Module):
         super().__setstate__(state)
 
     @classmethod
-    def from_int4(cls, q, scales, zeros, bias=None) -> "Dot8Linear":
-        return cls(q, scales, zeros, 4, bias)
+    def from_int4(cls, q, scales, zeros, bias=None, digits: int = 1) -> "Dot8Linear":
+        return cls(q, scales, zeros, 4, bias, digits)
 
     @classmethod
-    def from_grouped(cls, q: torch.Tensor, scales: torch.Tensor) -> "Dot8Linear":
+    def from_grouped(cls, q: torch.Tensor, scales: torch.Tensor, digits: int = 1) -> "Dot8Linear":
         """Q8_0 groups as they are: no rounding."""
-        return cls(q, scales, None, 8)
+        return cls(q, scales, None, 8, digits=digits)
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, bits: int = 4) -> "Dot8Linear":
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, bits: int = 4,
+                   digits: int = 1) -> "Dot8Linear":
         if bits == 4:
-            return cls(*quantize_int4(w), 4, bias)
+            return cls(*quantize_int4(w), 4, bias, digits)
         out, inp = w.shape
         g = w.float().view(out, inp // GROUP, GROUP)
         scales = (g.abs().amax(-1) / 127).clamp(min=1e-12).half().float()
-        return cls((g / scales[..., None]).round().clamp(-127, 127).view(out, inp), scales, None, 8, bias)
+        return cls((g / scales[..., None]).round().clamp(-127, 127).view(out, inp), scales, None, 8, bias, digits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
-        y = torch.ops.dualserve.dot8_linear(x2.contiguous(), self.packed, self.d, self.m, self.out_features, self.bits)
+        y = torch.ops.dualserve.dot8_linear(x2.contiguous(), self.packed, self.d, self.m, self.out_features, self.bits,
+                                            0, self.digits)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
@@ -261,7 +273,8 @@ class Dot8Linear(nn.Module):
         return unpack(self.packed.cpu(), self.d.cpu(), self.m.cpu(), self.out_features, self.in_features, self.bits)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, activations=int8 groups of 32"
+        return (f"in={self.in_features}, out={self.out_features}, bits={self.bits}, "
+                f"activations={self.digits} int8 digit(s) per group of 32")
 
 
 class QuantEmbedding(nn.Module):
@@ -359,10 +372,11 @@ def to_linear(parts: dict[str, torch.Tensor], fmt: Quantization, bias: torch.Ten
               dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     """A portable weight as a linear layer in ``fmt``: int4 stays exact when it came as int4."""
     parts = {k: v.to(device) for k, v in parts.items()}
-    if fmt == "w4a8" and portable_kind(parts) == "int4" and parts["qweight"].shape[1] % GROUP == 0:
-        return Dot8Linear.from_int4(parts["qweight"], parts["scales"], parts["zeros"], bias)
-    if fmt == "w4a8" and portable_kind(parts) == "int8_grouped" and parts["qweight"].shape[1] % GROUP == 0:
-        return Dot8Linear.from_grouped(parts["qweight"], parts["scales"])
+    digits = DOT8_DIGITS.get(fmt)
+    if digits and portable_kind(parts) == "int4" and parts["qweight"].shape[1] % GROUP == 0:
+        return Dot8Linear.from_int4(parts["qweight"], parts["scales"], parts["zeros"], bias, digits)
+    if digits and portable_kind(parts) == "int8_grouped" and parts["qweight"].shape[1] % GROUP == 0:
+        return Dot8Linear.from_grouped(parts["qweight"], parts["scales"], digits)
     if fmt == "int4" and portable_kind(parts) == "int4":
         return Int4Linear(parts["qweight"], parts["scales"], parts["zeros"], bias)
     if fmt == "int8" and portable_kind(parts) == "int8_grouped":
@@ -374,13 +388,15 @@ def to_linear(parts: dict[str, torch.Tensor], fmt: Quantization, bias: torch.Ten
 def head_linear(weight: dict[str, torch.Tensor] | torch.Tensor, fmt: Quantization, dtype: torch.dtype,
                 device: torch.device | str) -> nn.Module:
     """The output head of a quantized model: 8 bits whatever the layers use (checkpoint.HEAD_QUANTIZATION),
-    in the layers' kernel family: int8 groups of 32 under w4a8 (a Q8_0 head exactly), else int8 per channel."""
+    in the layers' kernel family: int8 groups of 32 under the dot8 formats (a Q8_0 head exactly), else int8
+    per channel."""
     width = weight["qweight"].shape[1] if isinstance(weight, dict) else weight.shape[1]
-    if fmt == "w4a8" and width % GROUP == 0:
+    if fmt in DOT8_DIGITS and width % GROUP == 0:
+        digits = DOT8_DIGITS[fmt]
         if isinstance(weight, dict) and portable_kind(weight) == "int8_grouped":
-            return Dot8Linear.from_grouped(weight["qweight"].to(device), weight["scales"].to(device))
+            return Dot8Linear.from_grouped(weight["qweight"].to(device), weight["scales"].to(device), digits)
         w = dequantize_portable(weight) if isinstance(weight, dict) else weight
-        return Dot8Linear.from_float(w.to(device), bits=8)
+        return Dot8Linear.from_float(w.to(device), bits=8, digits=digits)
     if isinstance(weight, dict):
         return to_linear(weight, "int8", None, dtype, device)
     return Int8Linear.from_float(weight.to(device))
@@ -388,9 +404,9 @@ def head_linear(weight: dict[str, torch.Tensor] | torch.Tensor, fmt: Quantizatio
 
 def float_to_linear(w: torch.Tensor, bias: torch.Tensor | None, fmt: Quantization,
                     dtype: torch.dtype) -> nn.Module:
-    if fmt == "w4a8" and w.shape[1] % GROUP == 0:
-        return Dot8Linear.from_float(w, bias)
-    if fmt == "w4a8":
+    if fmt in DOT8_DIGITS and w.shape[1] % GROUP == 0:
+        return Dot8Linear.from_float(w, bias, digits=DOT8_DIGITS[fmt])
+    if fmt in DOT8_DIGITS:
         fmt = "int8"
     if fmt == "int4" and w.shape[1] % GROUP == 0:
         return Int4Linear.from_float(w, bias)
@@ -406,14 +422,14 @@ def float_to_linear(w: torch.Tensor, bias: torch.Tensor | None, fmt: Quantizatio
 def quantize_linears(module: nn.Module, fmt: Quantization, bits: int = 4) -> nn.Module:
     """Swap every float ``nn.Linear`` under ``module`` for ``fmt``'s layer, in place: a draft model
     beside a quantized target then streams a fraction of its float bytes per forward. ``bits``: the
-    weights of a ``w4a8`` swap (8: the same integer kernel with Q8_0-like weights)."""
+    weights of a dot8 swap (8: the same integer kernel with Q8_0-like weights)."""
     if fmt == "none":
         return module
     for name, child in list(module.named_modules()):
         if isinstance(child, nn.Linear):
             w, bias = child.weight.detach(), None if child.bias is None else child.bias.detach()
-            if fmt == "w4a8" and w.shape[1] % GROUP == 0:
-                layer = Dot8Linear.from_float(w, bias, bits=bits)
+            if fmt in DOT8_DIGITS and w.shape[1] % GROUP == 0:
+                layer = Dot8Linear.from_float(w, bias, bits=bits, digits=DOT8_DIGITS[fmt])
             else:
                 layer = float_to_linear(w, bias, fmt, w.dtype)
             module.set_submodule(name, layer)

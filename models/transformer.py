@@ -28,13 +28,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .attention import AttentionBackend
 from .config import ModelConfig, rope_inv_freq
 from .quant import linear_weight
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32 as the reference does."""
+    """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32 as the reference does.
+
+    On the CPU in fp32 the norms, the SwiGLU product and the rotary angles run as the project's
+    ops (``kernels.pointwise``): their sums and transcendental functions then round the same way
+    in an eager step and in every compiled graph, so greedy output does not depend on which ran."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -42,6 +47,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.pointwise(x) and self.weight.dtype == torch.float32:
+            return torch.ops.dualserve.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * x.to(dtype)
@@ -60,6 +67,9 @@ class Rotary(nn.Module):
         self.inv_freq = rope_inv_freq(self.config).to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype == torch.float32 and kernels.pointwise(self.inv_freq):
+            cos, sin = torch.ops.dualserve.rotary(positions, self.inv_freq)  # (tokens, head_dim)
+            return cos[:, None, :], sin[:, None, :]
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (tokens, head_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (tokens, 1, head_dim)
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -108,7 +118,10 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if kernels.pointwise(gate_up):
+            return self.down_proj(torch.ops.dualserve.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -19,6 +19,7 @@ import torch
 
 from dualserve.decoders.engine.openmp import SpinGovernor, run_on_own_thread
 from dualserve.models.hub import ModelFetchError, default_cache_dir, pull_default_model, resolve_model
+from dualserve.models.quant import QUANTIZATIONS
 
 if TYPE_CHECKING:
     from dualserve.decoders.engine.decoder import Decoder
@@ -61,7 +62,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kv-memory-gb", type=float, default=None,
                    help="memory for the shared KV block pool (default: 1/64 of the machine's memory, 0.25-1 GB)")
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "w4a8"],
+    p.add_argument("--quantization", default="auto", choices=["auto", *QUANTIZATIONS],
                    help="weight format: int8 (per channel) or int4 (groups of 32) weight-only, or none (--dtype); "
                    "auto keeps what the checkpoint holds (int4 for a Q4_0/Q4_1 GGUF such as the default model)")
     p.add_argument("--no-compile", action="store_true",

@@ -87,7 +87,7 @@ def server_url(default_gguf: Path, cache_dir: Path, tmp_path_factory: pytest.Tem
            "--no-compile", "--router-policy", str(policy), "--dflash", str(dflash),
            # The format `auto` picks on a quiet AVX-512 host, pinned: a table measured beside the
            # suite would otherwise decide it, and the greedy answers the tests read depend on it.
-           "--quantization", "w4a8" if kernels.available() else "int4"]
+           "--quantization", "w4a16" if kernels.available() else "int4"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -110,9 +110,10 @@ class PaddedPagedAttention:
         self.new_k.append(k.to(kc.dtype))
         self.new_v.append(v.to(vc.dtype))
         k, v = as_stored(k, kc), as_stored(v, vc)
-        if (ATTEND_KERNEL and not self.chunks and q.device.type == "cpu" and q.dtype == torch.float32
+        if (ATTEND_KERNEL and q.device.type == "cpu" and q.dtype == torch.float32
                 and q.shape[-1] % 16 == 0 and kernels.available()):
-            # the same sums as ``_rows`` (each row over its visible keys alone), vectorised in C++
+            # the same sums as ``_rows`` (each row over its visible keys alone), vectorised in C++, in
+            # both forms: a prompt's rows then get the bits an eager step or a decode would give them
             return torch.ops.dualserve.attend_rows(q, k, v, kc, vc, self.rows, self.context, self.mask,
                                                    q.shape[-1] ** -0.5)
         S, Q = self.rows.shape
@@ -422,7 +423,7 @@ class CompiledStep:
         # it needs the kernels' library loaded first (a model without dot8 layers has not loaded it).
         uses_kernel = ATTEND_KERNEL and kernels.available()
         digest = aoti.package_key(self.model, sources, self.cache.dtype, shape, aux, sorted(PACKAGE_INDUCTOR.items()),
-                                  uses_kernel)
+                                  uses_kernel, kernels.library_path().name if kernels.available() else None)
         path = self.package_dir / f"step-{shape.name.replace('/', '-')}-{digest}.pt2"
         how = "loaded"
         if not path.exists():

@@ -183,26 +183,15 @@ def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == cache.dtype else x.to(cache.dtype).to(x.dtype)
 
 
-# Where the rows kernel is built, a sequence takes it if it brings at most this many new tokens
-# (the compiled rows graph's bound, ``compiled.ROWS_MAX``: decodes, trees, canvases at any
-# context), or if its new tokens times the keys they see stay within ROWS_KERNEL_WORK (short
-# prompts, whole or in chunks). Then a token of a short prompt gets the same bits prefilled
-# whole, or after a prefix-cache hit, or in a chunk; longer prompts take SDPA, which is faster.
-ROWS_KERNEL_MAX = 24
-ROWS_KERNEL_WORK = 1 << 15
-
-
-def takes_rows_kernel(seq: "SeqAttention") -> bool:
-    return seq.query_len <= ROWS_KERNEL_MAX or seq.query_len * (seq.context_len + seq.query_len) <= ROWS_KERNEL_WORK
-
-
 class SdpaPagedAttention:
     """Gather cached keys/values and run attention (the CPU path).
 
     Where the project's kernels are built (``models.kernels``) and the model computes in fp32,
-    decodes, draft trees, diffusion canvases and short prompts (``takes_rows_kernel``) take
-    ``attend_rows``, the compiled rows graph's own attention: a row's output is then the same
-    bits alone, in a tree or in a batch, eager or compiled. Otherwise sequences
+    every sequence takes ``attend_rows``, the compiled graphs' own attention, whatever its query
+    length: one formulation for decodes, draft trees, diffusion canvases and prompts, so a row's
+    output is the same bits alone, in a tree, in a batch or in a prefill chunk, fresh or after a
+    prefix-cache hit, eager or compiled. It is also no slower than SDPA's batched matmuls for
+    prompts up to a thousand tokens (docs/numerics.md). Otherwise sequences
     with one new token (decode steps) run together as one padded, batched grouped-query
     attention; the rest (prefill chunks, and trees and canvases without the kernel) run one
     SDPA call each.
@@ -221,13 +210,10 @@ class SdpaPagedAttention:
         seqs, device = self.meta.seqs, q.device
         self._starts = query_starts(self.meta)
         if q.dtype == torch.float32 and device.type == "cpu" and q.shape[-1] % 16 == 0 and kernels.available():
-            short = [i for i, s in enumerate(seqs) if takes_rows_kernel(s)]
-            if short:
-                rows, context, mask = padded_rows(self.meta, short)
-                self._rows = (rows.to(device), context.to(device), mask.to(device))
-            short_set = set(short)
-            self._rest = [i for i in range(len(seqs)) if i not in short_set]
-            self._masks = [mask_tensor(s, device) if i not in short_set else None for i, s in enumerate(seqs)]
+            rows, context, mask = padded_rows(self.meta, range(len(seqs)))
+            self._rows = (rows.to(device), context.to(device), mask.to(device))
+            self._rest = []
+            self._masks = [None] * len(seqs)
             return
         singles = [i for i, s in enumerate(seqs) if s.query_len == 1]
         if len(singles) < 2:

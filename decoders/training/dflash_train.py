@@ -47,6 +47,7 @@ from .dflash_losses import DFlashStats, default_decay, dflash_loss, draft_index
 from .eagle_data import Cursor, ShardStream, target_batch
 from .features import feature_store
 from .eagle_train import distilled_stream, draft_vocab, load_checkpoint, load_target, lr_at, save_checkpoint
+from dualserve.models.quant import QUANTIZATIONS
 
 console = Console(stderr=True)
 
@@ -192,7 +193,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``train-dflash`` flags, for this module's own parser or a subcommand of ``dualserve``."""
     p.add_argument("--model", default=None, help="target: HF directory, .gguf file or known name (default model)")
     p.add_argument("--cache-dir", default=None)
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "w4a8"],
+    p.add_argument("--quantization", default="auto", choices=["auto", *QUANTIZATIONS],
                    help="target weight format; auto keeps the checkpoint's (int4 for a Q4 GGUF), as served")
     p.add_argument("--data", required=True, help="distillation shards (distil.py); they may still be growing")
     p.add_argument("--output", required=True, help="drafter directory to write (config.json + model.safetensors)")

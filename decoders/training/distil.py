@@ -39,6 +39,7 @@ import torch
 from dualserve.models.loader import LoadedModel
 
 from .distil_prompts import Conversation, HeldOut, Message, conversation, default_held_out, signature
+from dualserve.models.quant import QUANTIZATIONS
 
 SHARD_RECORDS = 1000  # records per shard before the next one opens
 ANSWERED = ("stop", "length", "loop")  # finishes whose answer is the target's own text ("loop": cut, see below)
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Self-distil the target's answers into resumable shards.")
     p.add_argument("--model", default=None, help="target: HF directory, .gguf file or known name (default model)")
     p.add_argument("--cache-dir", default=None)
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "w4a8"],
+    p.add_argument("--quantization", default="auto", choices=["auto", *QUANTIZATIONS],
                    help="weight format; auto keeps the checkpoint's (int4 for the default Q4 GGUF), as served")
     p.add_argument("--out", default=None, help="default: <cache>/distil/<model>-<format>")
     p.add_argument("--tokens", type=int, default=500_000, help="stop once this many answer tokens exist")

@@ -52,6 +52,7 @@ from .features import feature_store
 from .eagle_losses import Batch, eagle1_loss, eagle3_loss
 from .eagle_prompts import build_prompts
 from ..engine.runner import ForwardItem, ModelRunner
+from dualserve.models.quant import QUANTIZATIONS
 
 console = Console(stderr=True)
 
@@ -429,7 +430,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20000, help="with --data: optimizer steps (the LR schedule's length)")
     p.add_argument("--block", type=int, default=256, help="with --data: records shuffled together")
     p.add_argument("--max-len", type=int, default=1024, help="with --data: tokens per sequence (prompt + answer)")
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "w4a8"],
+    p.add_argument("--quantization", default="auto", choices=["auto", *QUANTIZATIONS],
                    help="target weight format; auto keeps the checkpoint's (int4 for a Q4 GGUF), as served")
     p.add_argument("--prompts", nargs="*", help="extra JSONL prompt files ({\"prompt\": ...} per line)")
     p.add_argument("--num-prompts", type=int, default=384, help="generated prompts")

@@ -1,6 +1,8 @@
-"""The project's own CPU kernels: ``dualserve::dot8_linear`` (``dot8.cpp``) and
-``dualserve::attend_rows`` (``attend.cpp``, the compiled rows step's paged attention: each query
-row over its visible keys alone, so decode and verify agree bit for bit).
+"""The project's own CPU kernels: ``dualserve::dot8_linear`` (``dot8.cpp``),
+``dualserve::attend_rows`` (``attend.cpp``, paged attention for every query length: each query
+row over its visible keys alone, so decode, verify and prefill agree bit for bit), and the
+transformer's norms, SwiGLU and rotary angles (``pointwise.cpp``), so that eager steps and compiled
+graphs compute them with the same bits.
 
 PyTorch's weight-only kernels widen every weight to a float and multiply in
 floats: at one token they stream the weights as fast as memory allows, but each
@@ -34,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = (Path(__file__).with_name("dot8.cpp"), Path(__file__).with_name("attend.cpp"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("dot8.cpp", "attend.cpp", "pointwise.cpp"))
+HEADERS = (Path(__file__).with_name("exp.h"),)
 TILE = 16
 GROUP = 32
 _loaded: bool | None = None
@@ -65,7 +68,7 @@ def library_path() -> Path:
         version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         raise RuntimeError(f"no C++ compiler ({_compiler()}): {e}") from e
-    key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES), version, torch.__version__, sys.version,
+    key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES + HEADERS), version, torch.__version__, sys.version,
                                     " ".join(_flags())]).encode()).hexdigest()[:16]
     return _cache_dir() / f"dualserve-kernels-{key}.so"
 
@@ -119,16 +122,38 @@ def code_path() -> str:
 
 def _register_fake() -> None:
     @torch.library.register_fake("dualserve::dot8_linear")
-    def _(x, q, d, m, n, bits, force_scalar=0):
+    def _(x, q, d, m, n, bits, force_scalar=0, digits=1):
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
     @torch.library.register_fake("dualserve::dot8_lora")
-    def _(x, q, d, m, n, bits, qa, da, ma, rank, qb, db, mb, force_scalar=0):
+    def _(x, q, d, m, n, bits, qa, da, ma, rank, qb, db, mb, force_scalar=0, digits=1):
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
     @torch.library.register_fake("dualserve::attend_rows")
     def _(q, k, v, kc, vc, rows, context, mask, scale, force_scalar=0):
         return q.new_empty(q.shape)
+
+    @torch.library.register_fake("dualserve::rms_norm")
+    def _(x, w, eps):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("dualserve::silu_mul")
+    def _(gu):
+        return gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2))
+
+    @torch.library.register_fake("dualserve::rotary")
+    def _(positions, inv_freq):
+        shape = (positions.shape[0], 2 * inv_freq.shape[0])
+        return inv_freq.new_empty(shape), inv_freq.new_empty(shape)
+
+
+def pointwise(x: torch.Tensor) -> bool:
+    """Whether the model's norms, SwiGLU and rotary angles run as the project's ops
+    (``pointwise.cpp``) for an activation like ``x``: fp32 on the CPU, with the kernels built. Then an
+    eager step and every compiled graph compute them with the same bits."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return False
+    return bool(_loaded) if torch.compiler.is_compiling() else available()
 
 
 # ---- the packed layout (dot8.cpp's header) ----------------------------------------
@@ -162,19 +187,22 @@ def pack(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits:
 
 
 def reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-              bits: int) -> torch.Tensor:
+              bits: int, digits: int = 1) -> torch.Tensor:
     """What ``dot8_linear`` computes, in float64 from the unpacked weight (for tests)."""
-    x = x.float()
-    rows, inp = x.shape
-    xg = x.view(rows, -1, GROUP)
-    sx = xg.abs().amax(-1) / 127
-    a = torch.where(sx[..., None] > 0, torch.round(xg / sx[..., None]), torch.zeros_like(xg)).double()
+    rest = x.float().view(x.shape[0], -1, GROUP)
     d = scales.half().double()
     m = (torch.zeros_like(scales) if mins is None else mins).half().double()
     qg = q.double().view(q.shape[0], -1, GROUP)
-    dot = torch.einsum("rgk,ngk->rng", a, qg)
-    y = dot * d[None] + (m[None] * a.sum(-1)[:, None, :] if bits == 4 else 0)
-    return (y * sx.double()[:, None, :]).sum(-1)
+    total = 0
+    for _ in range(digits):
+        sx = rest.abs().amax(-1) / 127
+        a = torch.where(sx[..., None] > 0, torch.round(rest / sx[..., None]), torch.zeros_like(rest))
+        rest = rest - a * sx[..., None]
+        a = a.double()
+        dot = torch.einsum("rgk,ngk->rng", a, qg)
+        y = dot * d[None] + (m[None] * a.sum(-1)[:, None, :] if bits == 4 else 0)
+        total = total + (y * sx.double()[:, None, :]).sum(-1)
+    return total
 
 
 def unpack(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, out: int, inp: int, bits: int) -> torch.Tensor:

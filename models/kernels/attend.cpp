@@ -39,55 +39,7 @@ namespace {
 
 constexpr int LANES = 16;
 
-// exp(x) for x <= 0 (Cephes' single-precision polynomial), every step an IEEE fma/mul/add so
-// that the scalar and vector forms agree bit for bit.
-constexpr float LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
-constexpr float P0 = 1.9875691500E-4f, P1 = 1.3981999507E-3f, P2 = 8.3334519073E-3f, P3 = 4.1665795894E-2f,
-                P4 = 1.6666665459E-1f, P5 = 5.0000001201E-1f;
-
-inline float exp_scalar(float x) {
-  x = std::fmax(x, -87.0f);
-  const float n = std::nearbyint(x * LOG2E);
-  float r = std::fma(-n, LN2_HI, x);
-  r = std::fma(-n, LN2_LO, r);
-  float p = P0;
-  p = std::fma(p, r, P1);
-  p = std::fma(p, r, P2);
-  p = std::fma(p, r, P3);
-  p = std::fma(p, r, P4);
-  p = std::fma(p, r, P5);
-  float y = std::fma(p, r * r, r);
-  y = y + 1.0f;
-  const int32_t bits = (int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return y * scale;
-}
-
-
-#ifdef ATTEND_X86
-__attribute__((target("avx512f")))
-inline void exp_avx512(float* x, int64_t n) {  // in place, x <= 0
-  for (int64_t i = 0; i < n; i += LANES) {
-    const __mmask16 m = n - i >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    __m512 v = _mm512_max_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_set1_ps(-87.0f));
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_setzero_ps(), k), _mm512_set1_ps(LN2_HI), v);
-    r = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_setzero_ps(), k), _mm512_set1_ps(LN2_LO), r);
-    __m512 p = _mm512_set1_ps(P0);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P5));
-    __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    _mm512_mask_storeu_ps(x + i, m, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
-  }
-}
-
-#endif
+#include "exp.h"  // exp_scalar, exp_avx512, exp_avx2: one polynomial, the same bits on every path
 
 inline float dot_scalar(const float* q, const float* k, int64_t d) {
   float acc[LANES] = {0};
@@ -248,30 +200,6 @@ void head_scalar(const float* qrow, const float* const* keys, const float* const
 
 #ifdef ATTEND_X86
 // ---- AVX2 (hosts without AVX-512): the same operations, eight lanes at a time ----
-
-__attribute__((target("avx2,fma")))
-inline void exp_avx2(float* x, int64_t n) {  // in place, x <= 0; exp_scalar's steps
-  for (int64_t i = 0; i < n; i += 8) {
-    const int64_t left = n - i;
-    alignas(32) float buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    std::memcpy(buf, x + i, sizeof(float) * (left >= 8 ? 8 : left));
-    __m256 v = _mm256_max_ps(_mm256_load_ps(buf), _mm256_set1_ps(-87.0f));
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), k), _mm256_set1_ps(LN2_HI), v);
-    r = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), k), _mm256_set1_ps(LN2_LO), r);
-    __m256 p = _mm256_set1_ps(P0);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P5));
-    __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
-    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    _mm256_store_ps(buf, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-    std::memcpy(x + i, buf, sizeof(float) * (left >= 8 ? 8 : left));
-  }
-}
 
 // dot_scalar's sixteen lane sums as two registers (lanes 0-7, 8-15), then its halving tree.
 __attribute__((target("avx2,fma")))

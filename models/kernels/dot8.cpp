@@ -331,13 +331,44 @@ void quantize_group_avx512(const float* v, int8_t* a, float* sx, int32_t* sum) {
 }
 #endif
 
+// One group as ``digits`` int8 digits: digit k quantizes what the digits before it left over
+// (x - a0 sx0 - a1 sx1 ...), each with its own scale, so two digits carry about 15 bits of the
+// group (the residual is within half a step of the first digit, 1/254 of the group's range).
+// The residual is computed in the same fp32 operations on every path (contraction is off).
+inline void quantize_digits(const float* f, int64_t digits, int8_t* a, float* sx, int32_t* sum, int64_t stride_a,
+                            int64_t stride_s, bool wide) {
+  float rest[GROUP];
+  const float* v = f;
+  for (int64_t k = 0; k < digits; ++k) {
+    int8_t* ak = a + k * stride_a;
+#ifdef DOT8_X86
+    if (wide) {
+      quantize_group_avx512(v, ak, sx + k * stride_s, sum + k * stride_s);
+    } else {
+      quantize_group_scalar(v, ak, sx + k * stride_s, sum + k * stride_s);
+    }
+#else
+    (void)wide;
+    quantize_group_scalar(v, ak, sx + k * stride_s, sum + k * stride_s);
+#endif
+    if (k + 1 < digits) {
+      const float s = sx[k * stride_s];
+      for (int i = 0; i < GROUP; ++i) rest[i] = v[i] - float(ak[i]) * s;
+      v = rest;
+    }
+  }
+}
+
+// Row r's digit k is quantized row r * digits + k: a row's digits sit side by side, and every
+// quantized row is computed alone, so nothing depends on how many rows came together.
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* a, float* sx, int32_t* sum, bool simd) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t digits, int8_t* a, float* sx, int32_t* sum, bool simd) {
   const int64_t G = K / GROUP;
 #ifdef DOT8_X86
-  static const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  const bool wide = avx512 && simd;
 #else
-  constexpr bool wide = false;
+  const bool wide = false;
 #endif
   float v[GROUP];
   for (int64_t r = 0; r < M; ++r) {
@@ -350,13 +381,8 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* a, float* sx, int32
         for (int i = 0; i < GROUP; ++i) v[i] = static_cast<float>(xg[i]);
         f = v;
       }
-#ifdef DOT8_X86
-      if (wide && simd) {
-        quantize_group_avx512(f, a + r * K + g * GROUP, sx + r * G + g, sum + r * G + g);
-        continue;
-      }
-#endif
-      quantize_group_scalar(f, a + r * K + g * GROUP, sx + r * G + g, sum + r * G + g);
+      const int64_t row = r * digits;
+      quantize_digits(f, digits, a + row * K + g * GROUP, sx + row * G + g, sum + row * G + g, K, G, wide);
     }
   }
 }
@@ -368,11 +394,13 @@ struct Quantized {
   std::vector<int32_t> sum, sum128;
   int64_t K, G;
 
+  // M rows of x, each as ``digits`` quantized rows (quantize_digits).
   template <typename T>
-  Quantized(const T* x, int64_t M, int64_t K_, bool simd) : a(M * K_), sx(M * (K_ / GROUP)), fsum(M * (K_ / GROUP)),
-      sum(M * (K_ / GROUP)), sum128(M * (K_ / GROUP)), K(K_), G(K_ / GROUP) {
-    quantize_rows(x, M, K, a.data(), sx.data(), sum.data(), simd);
-    for (int64_t i = 0; i < M * G; ++i) {
+  Quantized(const T* x, int64_t M, int64_t K_, bool simd, int64_t digits = 1) : a(M * digits * K_),
+      sx(M * digits * (K_ / GROUP)), fsum(M * digits * (K_ / GROUP)), sum(M * digits * (K_ / GROUP)),
+      sum128(M * digits * (K_ / GROUP)), K(K_), G(K_ / GROUP) {
+    quantize_rows(x, M, K, digits, a.data(), sx.data(), sum.data(), simd);
+    for (int64_t i = 0; i < M * digits * G; ++i) {
       fsum[i] = float(sum[i]);
       sum128[i] = 128 * sum[i];
     }
@@ -380,9 +408,11 @@ struct Quantized {
   Acts acts() const { return Acts{a.data(), sx.data(), sum.data(), fsum.data(), sum128.data(), K, G}; }
 };
 
-Quantized quantize(const at::Tensor& x, int64_t force_scalar) {
-  if (x.scalar_type() == at::kFloat) return Quantized(x.data_ptr<float>(), x.size(0), x.size(1), !force_scalar);
-  return Quantized(x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), !force_scalar);
+Quantized quantize(const at::Tensor& x, int64_t force_scalar, int64_t digits) {
+  TORCH_CHECK(digits >= 1 && digits <= 3, "dot8: digits must be 1, 2 or 3");
+  const int64_t M = x.size(0), K = x.size(1);
+  if (x.scalar_type() == at::kFloat) return Quantized(x.data_ptr<float>(), M, K, !force_scalar, digits);
+  return Quantized(x.data_ptr<c10::BFloat16>(), M, K, !force_scalar, digits);
 }
 
 Weights checked_weights(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m, int64_t K, int64_t n,
@@ -415,6 +445,25 @@ void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y,
   });
 }
 
+// y (M, n) = rows of ``digits`` quantized rows each times the weight: the digits' products are
+// added in digit order, in fp32, the same way for any M.
+void product_digits(const Weights& w, const Acts& acts, int64_t M, int64_t digits, int64_t n, float* y,
+                    int64_t force_scalar) {
+  if (digits == 1) {
+    product(w, acts, M, n, y, force_scalar);
+    return;
+  }
+  std::vector<float> parts(M * digits * n);
+  product(w, acts, M * digits, n, parts.data(), force_scalar);
+  for (int64_t r = 0; r < M; ++r) {
+    const float* p = parts.data() + r * digits * n;
+    float* out = y + r * n;
+    for (int64_t c = 0; c < n; ++c) out[c] = p[c];
+    for (int64_t k = 1; k < digits; ++k)
+      for (int64_t c = 0; c < n; ++c) out[c] += p[k * n + c];
+  }
+}
+
 void check_input(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), what, ": x must be a contiguous matrix");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, what, ": x must be fp32 or bf16");
@@ -422,14 +471,14 @@ void check_input(const at::Tensor& x, const char* what) {
 }
 
 at::Tensor dot8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
-                       int64_t n, int64_t bits, int64_t force_scalar) {
+                       int64_t n, int64_t bits, int64_t force_scalar, int64_t digits) {
   check_input(x, "dot8_linear");
   const int64_t M = x.size(0), K = x.size(1);
   const Weights w = checked_weights(q, d, m, K, n, bits, "dot8_linear");
   at::Tensor out = at::empty({M, n}, x.options().dtype(at::kFloat));
   if (M == 0) return out;
-  const Quantized qx = quantize(x, force_scalar);
-  product(w, qx.acts(), M, n, out.data_ptr<float>(), force_scalar);
+  const Quantized qx = quantize(x, force_scalar, digits);
+  product_digits(w, qx.acts(), M, digits, n, out.data_ptr<float>(), force_scalar);
   return out;
 }
 
@@ -440,7 +489,8 @@ at::Tensor dot8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // adapted projection: a twin forward makes 120 of them.
 at::Tensor dot8_lora(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m, int64_t n,
                      int64_t bits, const at::Tensor& qa, const at::Tensor& da, const at::Tensor& ma, int64_t rank,
-                     const at::Tensor& qb, const at::Tensor& db, const at::Tensor& mb, int64_t force_scalar) {
+                     const at::Tensor& qb, const at::Tensor& db, const at::Tensor& mb, int64_t force_scalar,
+                     int64_t digits) {
   check_input(x, "dot8_lora");
   TORCH_CHECK(rank % GROUP == 0, "dot8_lora: the rank must be a multiple of 32");
   const int64_t M = x.size(0), K = x.size(1);
@@ -449,13 +499,13 @@ at::Tensor dot8_lora(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const Weights wb = checked_weights(qb, db, mb, rank, n, 8, "dot8_lora (B)");
   at::Tensor out = at::empty({M, n}, x.options().dtype(at::kFloat));
   if (M == 0) return out;
-  const Quantized qx = quantize(x, force_scalar);
+  const Quantized qx = quantize(x, force_scalar, digits);
   float* y = out.data_ptr<float>();
-  product(w, qx.acts(), M, n, y, force_scalar);
+  product_digits(w, qx.acts(), M, digits, n, y, force_scalar);
   std::vector<float> ax(M * rank), up(M * n);
-  product(wa, qx.acts(), M, rank, ax.data(), force_scalar);
-  const Quantized qa_x(ax.data(), M, rank, !force_scalar);
-  product(wb, qa_x.acts(), M, n, up.data(), force_scalar);
+  product_digits(wa, qx.acts(), M, digits, rank, ax.data(), force_scalar);
+  const Quantized qa_x(ax.data(), M, rank, !force_scalar, digits);
+  product_digits(wb, qa_x.acts(), M, digits, n, up.data(), force_scalar);
   for (int64_t i = 0; i < M * n; ++i) y[i] += up[i];
   return out;
 }
@@ -465,9 +515,10 @@ std::string dot8_path() { return path(0).name; }
 }  // namespace
 
 TORCH_LIBRARY(dualserve, lib) {
-  lib.def("dot8_linear(Tensor x, Tensor q, Tensor d, Tensor m, int n, int bits, int force_scalar=0) -> Tensor");
+  lib.def("dot8_linear(Tensor x, Tensor q, Tensor d, Tensor m, int n, int bits, int force_scalar=0, int digits=1) "
+          "-> Tensor");
   lib.def("dot8_lora(Tensor x, Tensor q, Tensor d, Tensor m, int n, int bits, Tensor qa, Tensor da, Tensor ma, "
-          "int rank, Tensor qb, Tensor db, Tensor mb, int force_scalar=0) -> Tensor");
+          "int rank, Tensor qb, Tensor db, Tensor mb, int force_scalar=0, int digits=1) -> Tensor");
   lib.def("dot8_path() -> str", &dot8_path);
 }
 
