@@ -15,8 +15,9 @@ main table):
   the embedding is swapped the head stays the float embedding matrix.
 - **by layer**: the relative error ``||h_fmt - h_ref|| / ||h_ref||`` of the residual stream
   after each layer (``Transformer.forward``'s ``aux_layers``) of the ``all`` variant, computed
-  per token and averaged over the scored tokens (a per-token ratio, so the few tokens with a very
-  large residual norm do not dominate; the pooled ratio is in the JSON too).
+  per token and averaged over the scored tokens, so that no single token with a large residual
+  norm can dominate. The pooled ratio (every token's error over every token's norm) is in the
+  JSON too; on the default model the two agree within a few percent.
 
 Attention here is ``DenseAttention`` (no paged pool): the runner's kernels differ from it only by
 float rounding, far below the formats' errors, and the reference runs through the same path, so

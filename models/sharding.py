@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .adapter import LoRA, MaskedEmbedding
-from .quant import GROUP, Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear
+from .quant import GROUP, Dot8Linear, Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear
 from .transformer import Attention, DecoderLayer, SwiGLU, Transformer
 
 
@@ -105,6 +105,12 @@ def int4_from(q: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tenso
     return layer
 
 
+def dot8_parts(layer: Dot8Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A dot8 layer's integers (out, in) and fp16-exact scales and minimums (out, in // 32)."""
+    from .kernels import unpack_integers
+    return unpack_integers(layer.packed, layer.d, layer.m, layer.out_features, layer.in_features, layer.bits)
+
+
 def float_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     layer.weight = nn.Parameter(weight.contiguous().clone(), requires_grad=False)
@@ -124,6 +130,9 @@ def take_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
         return Int8Linear(layer.qweight[rows], layer.scales[rows], bias)
     if isinstance(layer, Int4Linear):
         return int4_from(int4_values(layer)[rows], layer.scales_and_zeros[:, rows], bias, layer.group_size)
+    if isinstance(layer, Dot8Linear):
+        q, d, m = dot8_parts(layer)
+        return Dot8Linear(q[rows], d[rows], m[rows] if layer.bits == 4 else None, layer.bits, bias, layer.digits)
     raise TypeError(f"cannot shard {type(layer).__name__}")
 
 
@@ -141,6 +150,13 @@ def take_cols(layer: nn.Module, lo: int, hi: int, keep_bias: bool) -> nn.Module:
         if lo % g or hi % g:
             raise ValueError(f"int4 columns {lo}..{hi} do not fall on groups of {g}")
         return int4_from(int4_values(layer)[:, lo:hi], layer.scales_and_zeros[lo // g: hi // g], bias, g)
+    if isinstance(layer, Dot8Linear):
+        if lo % GROUP or hi % GROUP:
+            raise ValueError(f"dot8 columns {lo}..{hi} do not fall on groups of {GROUP}")
+        q, d, m = dot8_parts(layer)
+        cols = slice(lo // GROUP, hi // GROUP)
+        return Dot8Linear(q[:, lo:hi], d[:, cols], m[:, cols] if layer.bits == 4 else None, layer.bits, bias,
+                          layer.digits)
     raise TypeError(f"cannot shard {type(layer).__name__}")
 
 

@@ -179,7 +179,7 @@ def pick_format(args: argparse.Namespace, path: Path, cache: Path, dtype: torch.
     if raw.get("architectures") == ["DiffusionGemmaForBlockDiffusion"]:
         return "none", dtype, None
     stored = stored_quantization(source)
-    if not args.device.startswith("cpu") or args.dtype != "auto" or args.tensor_parallel_size > 1:
+    if not args.device.startswith("cpu") or args.dtype != "auto":
         return stored, dtype, None
     table = cached_measure(ModelConfig.from_hf(raw), cache / "host")
     quantization, candidate = choose(table, stored)
@@ -190,6 +190,22 @@ def pick_format(args: argparse.Namespace, path: Path, cache: Path, dtype: torch.
         log.info("the format table was measured while other processes used %.1f cores: not cached, and the "
                  "checkpoint's own format is kept; the next quiet start measures again", table.neighbour_cores)
     return quantization, torch.bfloat16 if candidate == "bf16" else dtype, table
+
+
+def settle_format(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with ``--quantization auto`` resolved once, here, under tensor parallelism: every rank
+    then loads the format rank 0 picked (the one a single rank picks on this host), never one it
+    measured for itself beside the others."""
+    if args.quantization != "auto" or args.tensor_parallel_size <= 1:
+        return args
+    cache = default_cache_dir(args.cache_dir)
+    _, path = resolve_model(args.model, cache)
+    quantization, dtype, _ = pick_format(args, Path(path), cache, pick_dtype(args.dtype, args.device))
+    settled = argparse.Namespace(**vars(args))
+    settled.quantization = quantization
+    if quantization == "none" and dtype == torch.bfloat16:
+        settled.dtype = "bfloat16"
+    return settled
 
 
 def dtype_of(loaded) -> torch.dtype:
@@ -241,6 +257,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .tensor_parallel import exit_on_failure, start as start_group
 
+    args = settle_format(args)
     group = start_group(args)  # a torchrun rank other than 0 replays rank 0's steps here, then exits
     try:  # before loading: a busy port fails in a moment, not after the model has loaded
         sock = bind_port(args.host, args.port)
@@ -316,7 +333,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from .tensor_parallel import start as start_group
 
-    args = generate_loads(args)
+    args = settle_format(generate_loads(args))
     group = start_group(args)  # every rank loads what rank 0 loads
     dep = load_deployment(args) if group is None else load_deployment(args, group)
     name = next(iter(dep.models))

@@ -205,8 +205,10 @@ def reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torc
     return total
 
 
-def unpack(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, out: int, inp: int, bits: int) -> torch.Tensor:
-    """The float weight (out, in) a packed layer stands for (``pack`` inverted)."""
+def unpack_integers(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, out: int, inp: int, bits: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pack`` inverted, exactly: q (out, in) as packed (0..15, or -127..127 for bits 8), and the
+    scales and minimums (out, in // 32) as the fp16 values the kernel reads, in fp32."""
     tiles, groups = -(-out // TILE), inp // GROUP
     b = packed.view(tiles, groups, -1, TILE, 4).to(torch.int16)
     if bits == 4:
@@ -214,7 +216,13 @@ def unpack(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, out: int, inp
         q = q.permute(0, 4, 1, 2, 3, 5).reshape(tiles * TILE, inp)
     else:
         q = b.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, inp) - 128
-    scale = d.float().permute(0, 2, 1).reshape(tiles * TILE, groups, 1)
-    low = m.float().permute(0, 2, 1).reshape(tiles * TILE, groups, 1)
-    w = q.float().view(tiles * TILE, groups, GROUP) * scale + (low if bits == 4 else 0)
-    return w.view(tiles * TILE, inp)[:out]
+    scale = d.float().permute(0, 2, 1).reshape(tiles * TILE, groups)
+    low = m.float().permute(0, 2, 1).reshape(tiles * TILE, groups)
+    return q[:out], scale[:out], low[:out]
+
+
+def unpack(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, out: int, inp: int, bits: int) -> torch.Tensor:
+    """The float weight (out, in) a packed layer stands for (``pack`` inverted)."""
+    q, scale, low = unpack_integers(packed, d, m, out, inp, bits)
+    w = q.float().view(out, -1, GROUP) * scale[..., None] + (low[..., None] if bits == 4 else 0)
+    return w.view(out, inp)

@@ -383,3 +383,36 @@ def test_the_rows_form_gives_a_position_the_same_bits_in_any_step(tmp_path) -> N
     for row, i in ((0, 0), (2, 1), (3, 2)):
         assert torch.equal(verify[row], alone[i]), f"position {n + i} in a verify tree"
     assert torch.equal(batch[2], alone[1]), "a position beside other sequences"
+
+
+def test_eager_steps_and_every_graph_give_the_same_bits(tmp_path) -> None:
+    """A server answers with eager steps until each graph is ready, and EAGLE runs a graph that also
+    returns feature layers: in the dot8 formats, a prompt prefilled eagerly or by the chunks graph,
+    and a token decoded eagerly or by the rows graph with or without features, give the same hidden
+    states bit for bit (GEMMs, norms, SwiGLU, rotary angles and attention are the project's ops on
+    every path). Float weights are not held to this: inductor multiplies them with GEMMs of its own."""
+    from dualserve.decoders.engine.runner import ForwardItem
+
+    if not kernels.available():
+        pytest.skip("no C++ compiler for the project's kernels")
+    model = tiny("w4a16")
+    prompt = [(7 * i + 3) % CFG.vocab_size for i in range(ROWS_MAX + 9)]
+    table = list(range(16))
+    slots = lambda positions: [table[p // BLOCK] * BLOCK + p % BLOCK for p in positions]  # noqa: E731
+
+    def item(ids, start):
+        positions = list(range(start, start + len(ids)))
+        return ForwardItem(ids, positions, start, table, slots(positions))
+
+    eager = ModelRunner(model, 64, BLOCK, use_flash=False)
+    graphs = ModelRunner(model, 64, BLOCK, use_flash=False)
+    graphs.compile(cache_dir=tmp_path).warm([(StepShape(False), ()), (StepShape(True), ()), (StepShape(False), (0,))])
+    assert not graphs.compiled.failed and len(graphs.compiled.ready) == 3
+    want = eager.forward([item(prompt, 0)])[0]
+    assert torch.equal(graphs.forward([item(prompt, 0)])[0], want), "prefill: eager against the chunks graph"
+    n = len(prompt)
+    for i, tok in enumerate([11, 12, 13]):
+        want = eager.forward([item([tok], n + i)])[0]
+        assert torch.equal(graphs.forward([item([tok], n + i)], aux_layers=(0,))[0], want), "rows graph, features"
+        # the same position again through the plain rows graph (its key and value are rewritten alike)
+        assert torch.equal(graphs.forward([item([tok], n + i)])[0], want), "rows graph"
