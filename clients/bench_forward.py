@@ -36,11 +36,11 @@ from typing import Callable, Sequence
 import torch
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
-FORMATS = ("fp32", "bf16", "int8", "int4", "w4a8")
+FORMATS = ("fp32", "bf16", "int8", "int4", "w4a8", "w4a16")
 # format -> (load_model's quantization, dtype)
 FORMAT_LOAD = {"fp32": ("none", torch.float32), "bf16": ("none", torch.bfloat16),
                "int8": ("int8", torch.float32), "int4": ("int4", torch.float32),
-               "w4a8": ("w4a8", torch.float32)}
+               "w4a8": ("w4a8", torch.float32), "w4a16": ("w4a16", torch.float32)}
 TARGET_8_OVER_1 = 1.3
 
 

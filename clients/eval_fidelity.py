@@ -46,10 +46,13 @@ from typing import Callable, Sequence
 
 import torch
 
+from dualserve.models.quant import QUANTIZATIONS
+
 CORPUS = Path(__file__).parent / "prompts" / "fidelity.txt"
-# format -> (load_model's quantization, compute dtype); "none" is the reference's own format
-FORMATS = {"none": ("none", torch.float32), "bf16": ("none", torch.bfloat16), "int8": ("int8", torch.float32),
-           "int4": ("int4", torch.float32), "w4a8": ("w4a8", torch.float32)}
+# format -> (load_model's quantization, compute dtype); "none" is the reference's own format. Every
+# quantization the loader knows is a format here, so a new one is measured without touching this file.
+FORMATS = {"none": ("none", torch.float32), "bf16": ("none", torch.bfloat16),
+           **{q: (q, torch.float32) for q in QUANTIZATIONS if q != "none"}}
 REFERENCE = "fp32 (reference)"
 LLAMA_CPP = "llama.cpp (same GGUF)"
 

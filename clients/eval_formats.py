@@ -37,7 +37,7 @@ from .eval_twin import PROMPTS, correct, load_exact, prefix_agreement
 # format -> (load_model's quantization, dtype); "none" and "fp32" are the same reference
 FORMATS = {"none": ("none", torch.float32), "fp32": ("none", torch.float32), "bf16": ("none", torch.bfloat16),
            "int8": ("int8", torch.float32), "int4": ("int4", torch.float32),
-           "w4a8": ("w4a8", torch.float32)}
+           "w4a8": ("w4a8", torch.float32), "w4a16": ("w4a16", torch.float32)}
 TARGET = 0.95
 
 

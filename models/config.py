@@ -40,6 +40,16 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+class UnsupportedModel(ValueError):
+    """A checkpoint of a family or format this build does not load; the message names it and what is
+    supported (the CLI prints it as one line)."""
+
+
+GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral")
+# config.json model types the core reads; twins and block-diffusion checkpoints carry one of these too.
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "dream", "llada", "fast_dllm_qwen")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     family: Family
@@ -82,7 +92,11 @@ class ModelConfig:
         if model_type == "llada":
             return _llada_from_hf(cfg)
         if model_type == "sdar":
-            raise ValueError("SDAR checkpoints need per-head q/k RMSNorm (Qwen3), which the transformer core lacks")
+            raise UnsupportedModel("SDAR checkpoints need per-head q/k RMSNorm (Qwen3), which the transformer "
+                                   "core lacks")
+        if model_type not in HF_MODEL_TYPES:
+            raise UnsupportedModel(f"unsupported model type {model_type!r} in config.json; supported: "
+                                   f"{', '.join(HF_MODEL_TYPES)}, and DiffusionGemma")
         fast_dllm_v2 = model_type == "fast_dllm_qwen"  # Qwen2 layout + bd_size, shifted logits
         family: Family
         if model_type == "dream":
@@ -128,8 +142,8 @@ class ModelConfig:
     def from_gguf(cls, meta: dict[str, Any]) -> "ModelConfig":
         """Read GGUF metadata (``general.architecture`` in llama / qwen2)."""
         arch = meta["general.architecture"]
-        if arch not in ("llama", "qwen2", "mistral"):
-            raise ValueError(f"unsupported GGUF architecture {arch!r}")
+        if arch not in GGUF_ARCHITECTURES:
+            raise UnsupportedModel(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
 
         def key(name: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{name}", default)

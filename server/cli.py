@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dualserve.decoders.engine.openmp import SpinGovernor, run_on_own_thread
+from dualserve.models.config import UnsupportedModel
 from dualserve.models.hub import ModelFetchError, default_cache_dir, pull_default_model, resolve_model
 from dualserve.models.quant import QUANTIZATIONS
 
@@ -429,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     try:
         return args.func(args)
-    except ModelFetchError as e:
+    except (ModelFetchError, UnsupportedModel) as e:
         print(f"dualserve: {e}", file=sys.stderr)
         return 2
     except FileNotFoundError as e:

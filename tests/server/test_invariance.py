@@ -73,7 +73,7 @@ def test_alone_equals_batched(client):
     assert together == alone
 
 
-@pytest.mark.parametrize("draft", ["auto", "head", "suffix", "both"])
+@pytest.mark.parametrize("draft", ["auto", "head", "block", "suffix", "both"])
 def test_eagle_equals_ar_on_new_prompts(client, draft):
     for prompt in new_prompts(2):
         eagle = ask(client, prompt, "eagle", draft=draft)  # first: nothing of ar's answer is cached

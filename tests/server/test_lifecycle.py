@@ -114,3 +114,26 @@ def test_sigterm_drains_streams_and_exits_zero(default_gguf: Path, cache_dir: Pa
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_an_unsupported_architecture_is_one_line(tmp_path: Path, command: str) -> None:
+    """A GGUF of a family this build does not load: one line naming it and the supported list, exit 2."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    args = [sys.executable, "-m", "dualserve.server.cli", command, "--model", str(path), "--cache-dir", str(tmp_path),
+            "--no-compile", *(["hello"] if command == "generate" else ["--port", str(free_port())])]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("dualserve: unsupported GGUF architecture 'gemma3'") and "llama" in last
+    assert "Traceback" not in done.stderr
