@@ -170,7 +170,7 @@ def format_layers(result: dict) -> str:
     lines += ["", "relative error of the residual stream after each layer (mean over tokens of "
               "||h_fmt - h_ref|| / ||h_ref||; the format's whole model)"]
     n = len(result["formats"][labels[0]]["layers"])
-    rows = [[str(i)] + [f"{result['formats'][label]['layers'][i]['mean']:.4f}" for label in labels] for i in range(n)]
+    rows = [[str(i)] + [f"{result['formats'][label]['layers'][i]['mean']:.5f}" for label in labels] for i in range(n)]
     lines += markdown(["layer"] + labels, rows)
     if result["skipped"]:
         lines.append(f"not analysed (float weights): {', '.join(result['skipped'])}")
