@@ -143,7 +143,8 @@ class ModelConfig:
         """Read GGUF metadata (``general.architecture`` in llama / qwen2)."""
         arch = meta["general.architecture"]
         if arch not in GGUF_ARCHITECTURES:
-            raise UnsupportedModel(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+            raise UnsupportedModel(f"unsupported GGUF architecture {arch!r}; supported: "
+                                   f"{', '.join(GGUF_ARCHITECTURES)}")
 
         def key(name: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{name}", default)

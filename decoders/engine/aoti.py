@@ -18,7 +18,8 @@ step's own, so a package holds code only (a few MB) and every call passes the li
 nothing is copied, and the one copy in memory stays the one in the model.
 
 **Keyed by what the code depends on** (``package_key``): torch's version, the host's CPU
-capability, the model's config and every weight's name, shape and dtype, the KV cache's dtype
+capability, the model's config, every weight's name, shape and dtype, every module's settings
+(its ``extra_repr``: a dot8 layer's activation digits, say), the KV cache's dtype
 and block size, the step shape, the feature layers, and the source of the modules the graph is
 traced from. Before a package is used it must match the eager forward at two sizes of its
 shape; a package that fails to build, load or match is not used, and that shape runs eagerly,
@@ -130,6 +131,10 @@ def package_key(model: torch.nn.Module, sources: Sequence[object], *parts: objec
         h.update(repr(part).encode())
     for name, t in sorted(_tensors(model).items()):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+    # What each module bakes into the graph as a constant: a w4a8 and a w4a16 model have the same
+    # tensors and differ only in their dot8 layers' activation digits.
+    for name, module in model.named_modules():
+        h.update(f"{name}:{type(module).__name__}:{module.extra_repr()}".encode())
     for source in sources:
         h.update(_code(inspect.getsource(source)).encode())
     return h.hexdigest()[:24]
@@ -265,12 +270,16 @@ def matches(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], tolerance
     math and, with int4 weights, keeps in fp32 some values that eager rounds to bf16 between ops. On
     the default model the two differ by 1-4% on the check inputs, and by up to 11% in batched
     multi-token steps (repeated tokens over scratch context: the worst case for bf16). A package
-    traced from other code is off by far more."""
+    traced from other code is off by far more. ``tolerance`` 0: the same bits (``torch.equal``)."""
     if len(got) != len(want):
         return f"{len(got)} outputs, expected {len(want)}"
     for i, (g, w) in enumerate(zip(got, want)):
         if g.shape != w.shape:
             return f"output {i} has shape {tuple(g.shape)}, expected {tuple(w.shape)}"
+        if tolerance == 0:
+            if not torch.equal(g, w):
+                return f"output {i} differs from the eager bits"
+            continue
         err = (g.float() - w.float()).norm().item() / max(w.float().norm().item(), 1e-12)
         if not err <= tolerance:
             return f"output {i} differs by {err:.2%} (relative L2)"

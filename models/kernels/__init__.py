@@ -68,7 +68,8 @@ def library_path() -> Path:
         version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         raise RuntimeError(f"no C++ compiler ({_compiler()}): {e}") from e
-    key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES + HEADERS), version, torch.__version__, sys.version,
+    texts = [s.read_text() for s in SOURCES + HEADERS]
+    key = hashlib.sha256("\n".join([*texts, version, torch.__version__, sys.version,
                                     " ".join(_flags())]).encode()).hexdigest()[:16]
     return _cache_dir() / f"dualserve-kernels-{key}.so"
 

@@ -36,9 +36,10 @@ def test_pack_and_unpack_round_trip(bits: int, shape) -> None:
     assert torch.equal(kernels.unpack(*packed, shape[0], shape[1], bits), want.view(shape))
 
 
+@pytest.mark.parametrize("digits", [1, 2])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])  # 13: more rows than a register block
-def test_dot8_computes_the_documented_sum(bits: int, rows: int) -> None:
+def test_dot8_computes_the_documented_sum(bits: int, rows: int, digits: int) -> None:
     torch.manual_seed(1)
     w, x = torch.randn(72, 96) * 0.05, torch.randn(rows, 96)
     x[0, :32] = 0  # an all-zero group quantizes to zeros with a zero scale
@@ -47,11 +48,12 @@ def test_dot8_computes_the_documented_sum(bits: int, rows: int) -> None:
     else:
         (q, scales), mins = int8_groups(w), None
     packed = kernels.pack(q, scales, mins, bits)
-    got = torch.ops.dualserve.dot8_linear(x, *packed, 72, bits)
-    want = kernels.reference(x, q, scales, mins, bits)
+    got = torch.ops.dualserve.dot8_linear(x, *packed, 72, bits, 0, digits)
+    want = kernels.reference(x, q, scales, mins, bits, digits)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
-    # and it stays near the float product: the activations keep about 8 bits per group
-    torch.testing.assert_close(got, x @ kernels.unpack(*packed, 72, 96, bits).t(), rtol=0.05, atol=0.1)
+    # and it stays near the float product: the activations keep about 8 bits per group, 15 with two digits
+    exact = x @ kernels.unpack(*packed, 72, 96, bits).t()
+    torch.testing.assert_close(got, exact, rtol=0.05 if digits == 1 else 1e-3, atol=0.1 if digits == 1 else 1e-3)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -65,11 +67,12 @@ def test_every_code_path_gives_the_same_bits(bits: int, dtype: torch.dtype) -> N
     assert kernels.code_path() in ("avx512_vnni", "avx2", "scalar")
 
 
+@pytest.mark.parametrize("digits", [1, 2])
 @pytest.mark.parametrize("shape", [(32, 1536), (3072, 32), (49, 576)])
-def test_rows_are_the_same_bits_in_any_batch_and_thread_count(shape) -> None:
+def test_rows_are_the_same_bits_in_any_batch_and_thread_count(shape, digits: int) -> None:
     torch.manual_seed(3)
     out, inp = shape
-    layer = Dot8Linear.from_float(torch.randn(out, inp) * 0.02, bias=torch.randn(out))
+    layer = Dot8Linear.from_float(torch.randn(out, inp) * 0.02, bias=torch.randn(out), digits=digits)
     x = torch.randn(17, inp)
     full = layer(x)
     threads = torch.get_num_threads()
@@ -106,6 +109,7 @@ def test_the_narrower_paths_a_host_may_take_give_the_same_bits(tmp_path, path: s
     torch.manual_seed(4)
     from dualserve.models.adapter import LoRA
     layers = {bits: Dot8Linear.from_float(torch.randn(72, 96) * 0.05, bits=bits) for bits in (4, 8)}
+    layers["w4a16"] = Dot8Linear.from_float(torch.randn(72, 96) * 0.05, digits=2)
     # A projection with its adapter: one dot8_lora call on that path.
     layers["lora"] = LoRA.from_factors(layers[4], torch.randn(32, 96) * 0.05, torch.randn(72, 32) * 0.05, 2.0)
     assert layers["lora"].fused
