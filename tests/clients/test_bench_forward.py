@@ -33,7 +33,7 @@ def tiny() -> Transformer:
 
 def test_bench_forward_arguments() -> None:
     args = bench_forward.parse_args([])
-    assert args.formats == ["fp32", "bf16", "int8", "int4", "w4a8"]
+    assert args.formats == ["fp32", "bf16", "int8", "int4", "w4a8", "w4a16"]
     assert args.tokens == [1, 2, 4, 8, 16, 32, 64]
     assert (args.context, args.threads, args.no_compile, args.json) == (128, 2, False, None)
     args = bench_forward.parse_args(["--formats", "int4", "--no-compile", "--tokens", "8", "1", "8"])
