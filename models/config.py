@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-Family = Literal["llama", "qwen2", "mistral", "llada", "dream", "block_diffusion"]
+Family = Literal["llama", "qwen2", "qwen3", "mistral", "llada", "dream", "block_diffusion"]
 
 # Fast-dLLM v2 (model_type "Fast_dLLM_Qwen") hard-codes its [MASK] id ("|<MASK>|") in generate;
 # its config.json has none.
@@ -45,9 +45,9 @@ class UnsupportedModel(ValueError):
     supported (the CLI prints it as one line)."""
 
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 # config.json model types the core reads; twins and block-diffusion checkpoints carry one of these too.
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "dream", "llada", "fast_dllm_qwen")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "dream", "llada", "fast_dllm_qwen")
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,7 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     max_position_embeddings: int = 4096
     attention_bias: bool = False
+    qk_norm: bool = False               # RMSNorm over each head's queries and keys before RoPE (Qwen3)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -87,7 +88,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Read a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, LLaDA, Dream, twins)."""
+        """Read a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3, LLaDA, Dream, twins)."""
         model_type = str(cfg.get("model_type", "llama")).lower()
         if model_type == "llada":
             return _llada_from_hf(cfg)
@@ -103,7 +104,7 @@ class ModelConfig:
             family = "dream"
         elif cfg.get("dualserve_diffusion") or cfg.get("bd_size") or cfg.get("block_size"):
             family = "block_diffusion"
-        elif model_type in ("qwen2", "mistral"):
+        elif model_type in ("qwen2", "qwen3", "mistral"):
             family = model_type  # type: ignore[assignment]
         else:
             family = "llama"
@@ -127,6 +128,7 @@ class ModelConfig:
             # Qwen2 always has q/k/v biases; Llama/Mistral say so with attention_bias.
             attention_bias=bool(cfg.get("attention_bias", family in ("qwen2", "dream") or model_type == "qwen2"
                                         or fast_dllm_v2)),
+            qk_norm=family == "qwen3",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
@@ -140,7 +142,7 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any]) -> "ModelConfig":
-        """Read GGUF metadata (``general.architecture`` in llama / qwen2)."""
+        """Read GGUF metadata (``general.architecture`` in ``GGUF_ARCHITECTURES``)."""
         arch = meta["general.architecture"]
         if arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModel(f"unsupported GGUF architecture {arch!r}; supported: "
@@ -170,6 +172,7 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(key("context_length", 4096)),
             attention_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
             tie_word_embeddings=False,  # the loader sets this when output.weight is absent
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),

@@ -49,6 +49,8 @@ GGUF_NAMES: list[tuple[str, str]] = [
     (r"^blk\.(\d+)\.attn_k\.(weight|bias)$", r"model.layers.\1.self_attn.k_proj.\2"),
     (r"^blk\.(\d+)\.attn_v\.(weight|bias)$", r"model.layers.\1.self_attn.v_proj.\2"),
     (r"^blk\.(\d+)\.attn_output\.weight$", r"model.layers.\1.self_attn.o_proj.weight"),
+    (r"^blk\.(\d+)\.attn_q_norm\.weight$", r"model.layers.\1.self_attn.q_norm.weight"),
+    (r"^blk\.(\d+)\.attn_k_norm\.weight$", r"model.layers.\1.self_attn.k_norm.weight"),
     (r"^blk\.(\d+)\.ffn_norm\.weight$", r"model.layers.\1.post_attention_layernorm.weight"),
     (r"^blk\.(\d+)\.ffn_gate\.weight$", r"model.layers.\1.mlp.gate_proj.weight"),
     (r"^blk\.(\d+)\.ffn_up\.weight$", r"model.layers.\1.mlp.up_proj.weight"),
@@ -138,7 +140,8 @@ def load_gguf_state(reader, config: ModelConfig) -> dict[str, Weight]:
 def hf_config_dict(config: ModelConfig) -> dict:
     """A Hugging Face style config.json for a converted GGUF."""
     return {
-        "architectures": ["Qwen2ForCausalLM" if config.family == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(config.family,
+                                                                                           "LlamaForCausalLM")],
         "model_type": config.family,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,

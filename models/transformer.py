@@ -1,9 +1,11 @@
-"""One decoder-only transformer core: Llama, Mistral, Qwen2, SmolLM, LLaDA, Dream.
+"""One decoder-only transformer core: Llama, Mistral, Qwen2, Qwen3, SmolLM, LLaDA, Dream.
 
 Reads top to bottom like the Llama paper (Touvron et al., 2023, section 2.2):
 pre-normalisation with RMSNorm, rotary position embeddings (RoPE, with llama3
 frequency scaling), grouped-query attention, and a SwiGLU feed-forward block.
-Qwen2 adds q/k/v biases; small models tie the output head to the embedding.
+Qwen2 adds q/k/v biases; Qwen3 normalises each head's queries and keys (RMSNorm over
+the head dimension) before the rotary embedding; small models tie the output head
+to the embedding.
 
 What a token may attend to is not decided here. ``forward`` takes an explicit
 ``AttentionBackend`` (see ``attention.py``): causal for AR decoding, bidirectional
@@ -97,13 +99,19 @@ class Attention(nn.Module):
         # EAGLE-3's draft layer attends over [embedding; feature], hence input_size.
         self.qkv_proj = nn.Linear(input_size or config.hidden_size, sum(self.split), bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = attn(self.layer_idx, q, k, v)  # (tokens, heads, head_dim)
         return self.o_proj(out.reshape(tokens, -1))

@@ -150,9 +150,10 @@ def _register_fake() -> None:
 
 def pointwise(x: torch.Tensor) -> bool:
     """Whether the model's norms, SwiGLU and rotary angles run as the project's ops
-    (``pointwise.cpp``) for an activation like ``x``: fp32 on the CPU, with the kernels built. Then an
-    eager step and every compiled graph compute them with the same bits."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    (``pointwise.cpp``) for an activation like ``x``: fp32 on the CPU, with the kernels built, and no
+    gradient wanted (the ops have no backward; training takes PyTorch's). Then an eager step and
+    every compiled graph compute them with the same bits."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
         return False
     return bool(_loaded) if torch.compiler.is_compiling() else available()
 

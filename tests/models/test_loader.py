@@ -147,13 +147,15 @@ def redraw(model: torch.nn.Module, seed: int) -> None:
 def write_tiny(directory: Path, family: str, *, tied: bool = False, max_shard_size: str | None = None,
                seed: int = 0) -> torch.nn.Module:
     """Write a tiny random checkpoint with transformers and return transformers' model."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                  rms_norm_eps=1e-6, tie_word_embeddings=tied)
     if family == "qwen2":
         config = Qwen2Config(**sizes, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    elif family == "qwen3":  # a head size that is not hidden / heads, as in the real Qwen3 models
+        config = Qwen3Config(**sizes, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     else:
         config = LlamaConfig(**sizes, rope_parameters=dict(LLAMA3_ROPE))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -182,6 +184,15 @@ def test_qwen2_with_qkv_bias(tmp_path: Path) -> None:
     assert not ours.config.tie_word_embeddings
     assert ours.model.layers[0].self_attn.qkv_proj.bias is not None
     assert ours.config.rope_theta == 1000000.0
+
+
+def test_qwen3_with_qk_norm(tmp_path: Path) -> None:
+    ref = write_tiny(tmp_path, "qwen3", seed=3)
+    assert ref.model.layers[0].self_attn.q_norm.weight.shape == (32,)
+    ours = compare(tmp_path, ref)
+    cfg = ours.config
+    assert cfg.family == "qwen3" and cfg.qk_norm and not cfg.attention_bias and cfg.head_dim == 32
+    assert ours.model.layers[0].self_attn.k_norm is not None
 
 
 def test_llama_untied_with_llama3_rope(tmp_path: Path) -> None:
