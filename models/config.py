@@ -185,7 +185,7 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling:
         return RopeScaling()
     kind = raw.get("rope_type") or raw.get("type") or "default"
     if kind not in ("default", "linear", "llama3"):
-        raise ValueError(f"unsupported rope scaling {kind!r}")
+        raise UnsupportedModel(f"unsupported rope scaling {kind!r}")
     return RopeScaling(
         kind=kind,
         factor=float(raw.get("factor", 1.0)),
