@@ -25,8 +25,10 @@ Attention takes one of two forms, and a step one of two graphs (``StepShape``):
            holds: a token's keys, values and hidden state are bit for bit the same whether it is
            decoded alone, verified in a tree, or computed beside other sequences. That is what
            keeps speculation lossless and batching invisible in greedy output.
-  chunks   prefill chunks: two batched matmuls, whose cost grows with query rows times context
-           far slower than the loops' (a chunk of hundreds of rows).
+  chunks   prefill chunks. Where the project's kernels build, attention is the same
+           ``attend_rows`` as the rows form's, so a prompt's rows get the bits a decode would
+           (docs/numerics.md); elsewhere two batched matmuls, whose cost grows with query rows
+           times context far slower than inductor's loops' (a chunk of hundreds of rows).
 
 A step with both kinds of sequences runs each part through its graph. Shapes are dynamic, and
 sizes of one are not specialised (``aoti.build`` exports size-obliviously), so the one
