@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .host import NeighbourLoad
-from .quant import Dot8Linear, Int4Linear, Int8Linear, Quantization
+from .quant import DOT8_DIGITS, Dot8Linear, Int4Linear, Int8Linear, Quantization
 
 Candidate = Literal["fp32", "bf16", "int8", "int4", "w4a8", "w4a16"]
 CANDIDATES: tuple[Candidate, ...] = ("fp32", "bf16", "int8", "int4", "w4a8", "w4a16")
@@ -91,7 +91,7 @@ def runnable() -> tuple[Candidate, ...]:
     """The formats this host can run (all are timed, so the table shows what fidelity costs): the
     dot8 formats need the project's kernel (``models.kernels``) built."""
     from . import kernels
-    return tuple(c for c in CANDIDATES if c not in ("w4a8", "w4a16") or kernels.available())
+    return tuple(c for c in CANDIDATES if c not in DOT8_DIGITS or kernels.available())
 
 
 def candidates() -> tuple[Candidate, ...]:
@@ -131,8 +131,8 @@ def _layer(fmt: Candidate, out: int, inp: int, head: bool):
     if fmt == "bf16":
         wb = w.bfloat16()
         return lambda x: F.linear(x.bfloat16(), wb)
-    if fmt in ("w4a8", "w4a16"):
-        return Dot8Linear.from_float(w, bits=8 if head or inp % 32 else 4, digits=1 if fmt == "w4a8" else 2)
+    if fmt in DOT8_DIGITS:
+        return Dot8Linear.from_float(w, bits=8 if head or inp % 32 else 4, digits=DOT8_DIGITS[fmt])
     if fmt == "int8" or head or inp % 32:
         return Int8Linear.from_float(w)  # quantized models keep an int8 head (checkpoint.HEAD_QUANTIZATION)
     return Int4Linear.from_float(w)

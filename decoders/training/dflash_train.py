@@ -40,14 +40,13 @@ from dualserve.models.config import RopeScaling
 from dualserve.models.dflash import DFlashConfig, DFlashDrafter, save_dflash
 from dualserve.models.eagle import eagle3_aux_layers
 from dualserve.models.loader import LoadedModel
-from dualserve.models.quant import linear_weight
+from dualserve.models.quant import QUANTIZATIONS, linear_weight
 from dualserve.models.transformer import Transformer
 
 from .dflash_losses import DFlashStats, default_decay, dflash_loss, draft_index
 from .eagle_data import Cursor, ShardStream, target_batch
 from .features import feature_store
 from .eagle_train import distilled_stream, draft_vocab, load_checkpoint, load_target, lr_at, save_checkpoint
-from dualserve.models.quant import QUANTIZATIONS
 
 console = Console(stderr=True)
 

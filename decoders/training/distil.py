@@ -37,9 +37,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from dualserve.models.loader import LoadedModel
+from dualserve.models.quant import QUANTIZATIONS
 
 from .distil_prompts import Conversation, HeldOut, Message, conversation, default_held_out, signature
-from dualserve.models.quant import QUANTIZATIONS
 
 SHARD_RECORDS = 1000  # records per shard before the next one opens
 ANSWERED = ("stop", "length", "loop")  # finishes whose answer is the target's own text ("loop": cut, see below)

@@ -45,6 +45,7 @@ from dualserve.models.config import RopeScaling
 from dualserve.models.eagle import (EagleConfig, EagleHead, HEAD_CLASSES, eagle3_aux_layers, load_eagle_head,
                                     save_eagle_head)
 from dualserve.models.loader import LoadedModel
+from dualserve.models.quant import QUANTIZATIONS
 
 from .distil_prompts import default_held_out
 from .eagle_data import Cursor, ShardStream, target_batch
@@ -52,7 +53,6 @@ from .features import feature_store
 from .eagle_losses import Batch, eagle1_loss, eagle3_loss
 from .eagle_prompts import build_prompts
 from ..engine.runner import ForwardItem, ModelRunner
-from dualserve.models.quant import QUANTIZATIONS
 
 console = Console(stderr=True)
 

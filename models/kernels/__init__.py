@@ -27,6 +27,7 @@ so one build serves every CPU.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import subprocess
@@ -62,6 +63,7 @@ def _compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
+@functools.cache  # the sources and the compiler do not change within a process
 def library_path() -> Path:
     """Where this source, compiler and torch build's library lives (built or not)."""
     try:
@@ -139,7 +141,7 @@ def _register_fake() -> None:
         return x.new_empty(x.shape)
 
     @torch.library.register_fake("dualserve::silu_mul")
-    def _(gu):
+    def _(gu, force_scalar=0):
         return gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2))
 
     @torch.library.register_fake("dualserve::rotary")

@@ -61,19 +61,22 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 }
 
 // e = exp(-|g|) for n values, in place, on the widest path the CPU has (the same bits on each).
-void exp_neg_abs(float* e, int64_t n) {
+// force: 0 the widest, 1 plain C, 2 AVX2 (where the CPU has it), as attend_rows takes it.
+void exp_neg_abs(float* e, int64_t n, int64_t force) {
   for (int64_t i = 0; i < n; ++i) e[i] = -std::fabs(e[i]);
 #if defined(__x86_64__)
   static const bool avx512 = __builtin_cpu_supports("avx512f");
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx512) return exp_avx512(e, n);
-  if (avx2) return exp_avx2(e, n);
+  if (avx512 && force == 0) return exp_avx512(e, n);
+  if (avx2 && force != 1) return exp_avx2(e, n);
+#else
+  (void)force;
 #endif
   for (int64_t i = 0; i < n; ++i) e[i] = exp_scalar(e[i]);
 }
 
 // silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|): 1 / (1 + e) for g >= 0, e / (1 + e) below.
-at::Tensor silu_mul(const at::Tensor& gu) {
+at::Tensor silu_mul(const at::Tensor& gu, int64_t force_scalar) {
   TORCH_CHECK(gu.scalar_type() == at::kFloat, "silu_mul: fp32 only");
   TORCH_CHECK(gu.size(-1) % 2 == 0, "silu_mul: the last dimension must hold gate and up");
   const at::Tensor xc = gu.contiguous();
@@ -89,7 +92,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
       const float* g = px + r * width;
       const float* u = g + inner;
       std::memcpy(e.data(), g, sizeof(float) * inner);
-      exp_neg_abs(e.data(), inner);
+      exp_neg_abs(e.data(), inner, force_scalar);
       float* y = py + r * inner;
       for (int64_t j = 0; j < inner; ++j) {
         const float sig = g[j] >= 0.f ? 1.0f / (1.0f + e[j]) : e[j] / (1.0f + e[j]);
@@ -126,7 +129,7 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at:
 
 TORCH_LIBRARY_FRAGMENT(dualserve, lib) {
   lib.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
-  lib.def("silu_mul(Tensor gu) -> Tensor");
+  lib.def("silu_mul(Tensor gu, int force_scalar=0) -> Tensor");
   lib.def("rotary(Tensor positions, Tensor inv_freq) -> (Tensor, Tensor)");
 }
 

@@ -31,6 +31,9 @@ def test_silu_mul(inner: int) -> None:
     gate, up = gu.chunk(2, dim=-1)
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
     assert torch.equal(torch.cat([torch.ops.dualserve.silu_mul(gu[i:i + 1]) for i in range(7)]), got)
+    # every exp path a host may take (plain C; AVX2 where the CPU has it) gives the widest path's bits
+    for force in (1, 2):
+        assert torch.equal(torch.ops.dualserve.silu_mul(gu, force), got), force
 
 
 def test_rotary_angles_are_the_reference_ones() -> None:
