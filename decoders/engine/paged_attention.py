@@ -190,7 +190,7 @@ class SdpaPagedAttention:
     every sequence takes ``attend_rows``, the compiled graphs' own attention, whatever its query
     length: one formulation for decodes, draft trees, diffusion canvases and prompts, so a row's
     output is the same bits alone, in a tree, in a batch or in a prefill chunk, fresh or after a
-    prefix-cache hit, eager or compiled. It is also no slower than SDPA's batched matmuls for
+    prefix-cache hit, eager or compiled. It was also no slower than SDPA's batched matmuls for
     prompts up to a thousand tokens (docs/numerics.md). Otherwise sequences
     with one new token (decode steps) run together as one padded, batched grouped-query
     attention; the rest (prefill chunks, and trees and canvases without the kernel) run one

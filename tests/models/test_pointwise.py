@@ -47,3 +47,30 @@ def test_rotary_angles_are_the_reference_ones() -> None:
     torch.testing.assert_close(sin, torch.cat([angles.sin(), angles.sin()], -1), rtol=1e-6, atol=1e-6)
     one, _ = torch.ops.dualserve.rotary(positions[3:4], inv)
     assert torch.equal(one, cos[3:4])
+
+
+def test_without_the_kernels_the_model_takes_pytorchs_ops(tmp_path) -> None:
+    """A host without a C++ compiler (here DUALSERVE_NO_KERNELS=1): the dot8 formats are not offered,
+    and the model's norms, SwiGLU and rotary angles run as PyTorch's ops, close to the kernels' values."""
+    import os
+    import subprocess
+    import sys
+
+    from dualserve.models.attention import DenseAttention
+    from tiny_engine import tiny
+
+    ids = torch.arange(3, 40)
+    with torch.inference_mode():
+        want, _ = tiny()(ids, torch.arange(len(ids)), DenseAttention([len(ids)]))
+    torch.save({"ids": ids, "want": want}, tmp_path / "job.pt")
+    code = ("import sys, torch; from dualserve.models import formats, kernels; "
+            "from dualserve.models.attention import DenseAttention; sys.path.insert(0, sys.argv[2]); "
+            "from tiny_engine import tiny; job = torch.load(sys.argv[1]); "
+            "assert not kernels.available() and not set(formats.runnable()) & {'w4a8', 'w4a16'}; "
+            "assert not kernels.pointwise(torch.zeros(1)); "
+            "got, _ = tiny()(job['ids'], torch.arange(len(job['ids'])), DenseAttention([len(job['ids'])])); "
+            "torch.testing.assert_close(got, job['want'], rtol=1e-4, atol=1e-4)")
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "job.pt"), tests],
+                          env={**os.environ, "DUALSERVE_NO_KERNELS": "1"}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
