@@ -34,7 +34,7 @@ from .adapter import TwinSpec, apply_twin, is_twin_dir
 from .checkpoint import LoadedModel, Weight, safetensors_files, build, iter_weights, portable_tensors, rename, to_module_names
 from .config import ModelConfig
 from .diffusion_gemma import load_diffusion_gemma
-from .quant import Quantization, gguf_blocks
+from .quant import GGUF_PACKED, Quantization, gguf_blocks
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -108,10 +108,6 @@ def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# GGUF block types kept in their own integers (``quant.gguf_blocks``); others are dequantized.
-DIRECT_GGUF = ("Q4_0", "Q4_1", "Q8_0")
-
-
 def load_gguf_state(reader, config: ModelConfig) -> dict[str, Weight]:
     from gguf import quants
 
@@ -120,7 +116,7 @@ def load_gguf_state(reader, config: ModelConfig) -> dict[str, Weight]:
         name = rename(t.name, GGUF_NAMES)
         if name is None:
             continue  # e.g. rope_freqs: recomputed from the config
-        if t.tensor_type.name in DIRECT_GGUF and len(t.shape) == 2:
+        if t.tensor_type.name in GGUF_PACKED and len(t.shape) == 2:
             parts = {k: v.numpy() for k, v in gguf_blocks(np.asarray(t.data), t.tensor_type.name).items()}
         else:
             parts = {"w": np.require(quants.dequantize(t.data, t.tensor_type), np.float32, ["C", "W"])}

@@ -322,6 +322,9 @@ def quantize_int4(w: torch.Tensor, group_size: int = GROUP) -> tuple[torch.Tenso
 
 # ---- GGUF blocks (ggml-common.h: block_q4_0, block_q4_1, block_q8_0) -------------
 
+# GGUF block types kept in their own integers (``gguf_blocks``); the loader dequantizes the others.
+GGUF_PACKED = ("Q4_0", "Q4_1", "Q8_0")
+
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """(rows, blocks, 16) bytes -> (rows, blocks * 32): low nibbles are elements 0..15, high 16..31."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(qs.shape[0], -1)
