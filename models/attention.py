@@ -106,22 +106,35 @@ class DenseAttention:
     """
 
     def __init__(self, seq_lens: Sequence[int], mode: MaskMode = "causal", block_size: int | None = None,
-                 masks: Sequence[torch.Tensor] | None = None):
+                 masks: Sequence[torch.Tensor] | None = None, windows: Sequence[int | None] = ()):
         self.seq_lens = list(seq_lens)
         self.mode = mode
         self.block_size = block_size
         self.masks = masks  # optional explicit (len, len) bool masks, one per sequence
-        self._mask_cache: dict[tuple[int, str], torch.Tensor | None] = {}
+        self.windows = list(windows)  # per layer, causal mode: a token sees the W positions ending at itself
+        self._mask_cache: dict[tuple[int, str, int | None], torch.Tensor | None] = {}
 
-    def _mask(self, i: int, length: int, device) -> torch.Tensor | None:
+    def _mask(self, i: int, length: int, device, window: int | None = None) -> torch.Tensor | None:
         if self.masks is not None:
             return self.masks[i].to(device)
-        key = (length, str(device))
+        key = (length, str(device), window)
         if key not in self._mask_cache:
-            self._mask_cache[key] = mask_for(self.mode, length, self.block_size, device)
+            mask = mask_for(self.mode, length, self.block_size, device)
+            if window is not None and length > window:
+                pos = torch.arange(length, device=device)
+                mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+            self._mask_cache[key] = mask
         return self._mask_cache[key]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        window = self.windows[layer_idx] if self.windows and self.mode == "causal" else None
+        if window is not None and self.masks is None and max(self.seq_lens) > window:
+            outs, start = [], 0
+            for i, n in enumerate(self.seq_lens):
+                sl = slice(start, start + n)
+                outs.append(sdpa(q[sl], k[sl], v[sl], self._mask(i, n, q.device, window), False))
+                start += n
+            return torch.cat(outs, 0)
         causal = self.mode == "causal"
         lens = self.seq_lens
         if self.masks is None and len(set(lens)) == 1 and len(lens) > 1:

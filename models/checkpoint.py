@@ -147,8 +147,12 @@ def build(config: ModelConfig, state: dict[str, Weight], dtype: torch.dtype,
         done = _quantize_into(model, state, quantization, dtype, device)
     full = {k: (dequantize_portable(v) if isinstance(v, dict) else v).to(device=device, dtype=dtype)
             for k, v in state.items()}
+    if config.norm_offset:  # Gemma's norms multiply by 1 + w, added once here in fp32 as transformers does
+        full = {k: v + config.norm_offset if k.endswith("norm.weight") else v for k, v in full.items()}
     model.load_state_dict({**full, **done}, strict=True, assign=True)
     model.rotary.reset(device)
+    if model.rotary_local is not None:
+        model.rotary_local.reset(device)
     return model.eval().requires_grad_(False)
 
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-Family = Literal["llama", "qwen2", "qwen3", "mistral", "llada", "dream", "block_diffusion"]
+Family = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3", "llada", "dream", "block_diffusion"]
 
 # Fast-dLLM v2 (model_type "Fast_dLLM_Qwen") hard-codes its [MASK] id ("|<MASK>|") in generate;
 # its config.json has none.
@@ -45,9 +45,14 @@ class UnsupportedModel(ValueError):
     supported (the CLI prints it as one line)."""
 
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 # config.json model types the core reads; twins and block-diffusion checkpoints carry one of these too.
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "dream", "llada", "fast_dllm_qwen")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "dream", "llada", "fast_dllm_qwen")
+
+# Gemma 3: every sixth layer attends globally, the others within a sliding window, with their own
+# RoPE base (transformers' Gemma3TextConfig defaults, which llama.cpp hard-codes too).
+GEMMA3_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,19 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     max_position_embeddings: int = 4096
     attention_bias: bool = False
-    qk_norm: bool = False               # RMSNorm over each head's queries and keys before RoPE (Qwen3)
+    qk_norm: bool = False               # RMSNorm over each head's queries and keys before RoPE (Qwen3, Gemma 3)
+    # Gemma 3: GELU (tanh) instead of SiLU in the gated feed-forward; norms after attention and the
+    # feed-forward as well as before ("sandwich"); the embedding scaled by sqrt(hidden); norms that
+    # multiply by ``offset + w`` (HF stores w, GGUF stores 1 + w); per-layer sliding windows with
+    # their own RoPE base; an attention scale of query_pre_attn_scalar ** -0.5.
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    norm_offset: float = 0.0
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()  # per layer: attends within ``sliding_window``
+    rope_local_theta: float | None = None  # the sliding layers' RoPE base
+    attention_scale: float | None = None   # None: head_dim ** -0.5
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -76,6 +93,13 @@ class ModelConfig:
     diffusion_block_size: int | None = None
     shift_logits: bool = False
     diffusion_threshold: float | None = None  # measured best unmasking threshold, when the checkpoint says
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Per layer: the sliding window W (a token sees the W positions ending at itself) or None."""
+        if not self.sliding_layers:
+            return (None,) * self.num_layers
+        return tuple(self.sliding_window if sliding else None for sliding in self.sliding_layers)
 
     @property
     def is_diffusion(self) -> bool:
@@ -92,6 +116,11 @@ class ModelConfig:
         model_type = str(cfg.get("model_type", "llama")).lower()
         if model_type == "llada":
             return _llada_from_hf(cfg)
+        if model_type == "gemma3_text":
+            return _gemma3_from_hf(cfg)
+        if model_type == "gemma3":
+            raise UnsupportedModel("Gemma 3 checkpoints with a vision tower (model_type 'gemma3') are not supported; "
+                                   "text-only ones (model_type 'gemma3_text': 270M, 1B) are")
         if model_type == "sdar":
             raise UnsupportedModel("SDAR checkpoints need per-head q/k RMSNorm (Qwen3), which the transformer "
                                    "core lacks")
@@ -147,6 +176,8 @@ class ModelConfig:
         if arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModel(f"unsupported GGUF architecture {arch!r}; supported: "
                                    f"{', '.join(GGUF_ARCHITECTURES)}")
+        if arch == "gemma3":
+            return _gemma3_from_gguf(meta)
 
         def key(name: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{name}", default)
@@ -195,6 +226,93 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling:
     )
 
 
+def _gemma3_layers(num_layers: int, layer_types: list[str] | None) -> tuple[bool, ...]:
+    if layer_types:
+        return tuple(t == "sliding_attention" for t in layer_types)
+    return tuple((i + 1) % GEMMA3_PATTERN != 0 for i in range(num_layers))
+
+
+def _gemma3_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """Gemma 3 text (``Gemma3TextConfig``): RoPE bases per layer type, in ``rope_parameters``
+    (transformers 5) or ``rope_theta`` / ``rope_local_base_freq`` (4.x)."""
+    params = cfg.get("rope_parameters") or {}
+    full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
+        raise UnsupportedModel("Gemma checkpoints with logit soft-capping are not supported")
+    eos = cfg.get("eos_token_id")
+    return ModelConfig(
+        family="gemma3",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        intermediate_size=cfg["intermediate_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))),
+        rope_scaling=_rope_scaling(full if full.get("rope_type", "default") != "default" else cfg.get("rope_scaling")),
+        max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=True,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+        pad_token_id=cfg.get("pad_token_id"),
+        activation="gelu_tanh",
+        sandwich_norms=True,
+        scale_embeddings=True,
+        norm_offset=float(cfg.get("dualserve_norm_offset", 1.0)),
+        sliding_window=cfg.get("sliding_window"),
+        sliding_layers=_gemma3_layers(cfg["num_hidden_layers"], cfg.get("layer_types")),
+        rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", GEMMA3_LOCAL_ROPE_THETA))),
+        attention_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+    )
+
+
+def _gemma3_from_gguf(meta: dict[str, Any]) -> ModelConfig:
+    """llama.cpp's gemma3 keys. Its norms already hold 1 + w (``norm_offset`` 0); the attention scale
+    is 1/sqrt(hidden / heads) for the 27B shape and 1/sqrt(head_dim) otherwise, as llama.cpp sets it."""
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"gemma3.{name}", default)
+
+    hidden, heads, layers = int(key("embedding_length")), int(key("attention.head_count")), int(key("block_count"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    scaling = RopeScaling()
+    if key("rope.scaling.type") == "linear":
+        scaling = RopeScaling(kind="linear", factor=float(key("rope.scaling.factor", 1.0)))
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        family="gemma3",
+        vocab_size=int(key("vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])) or 262144),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        intermediate_size=int(key("feed_forward_length")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 1_000_000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(key("context_length", 32768)),
+        qk_norm=True,
+        tie_word_embeddings=False,  # the loader sets this when output.weight is absent
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        activation="gelu_tanh",
+        sandwich_norms=True,
+        scale_embeddings=True,
+        norm_offset=0.0,
+        sliding_window=int(key("attention.sliding_window", 512)),
+        sliding_layers=_gemma3_layers(layers, None),
+        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
+        attention_scale=(hidden / heads) ** -0.5 if (hidden, heads) == (5376, 32) else head_dim ** -0.5,
+    )
+
+
 def _llada_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """LLaDA's OLMo-style config (d_model, n_heads, mlp_hidden_size, ...)."""
     hidden = cfg["d_model"]
@@ -228,9 +346,12 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     than ``original_max / high_freq_factor`` are kept, and the band between is
     interpolated smoothly.
     """
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    s = config.rope_scaling
+    return rope_inv_freq_of(config.head_dim, config.rope_theta, config.rope_scaling)
+
+
+def rope_inv_freq_of(dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """``rope_inv_freq`` for a head size, base and scaling (Gemma 3's sliding layers have their own base)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if s.kind == "linear":
         inv_freq = inv_freq / s.factor
     elif s.kind == "llama3":

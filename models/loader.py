@@ -71,7 +71,19 @@ LLADA_NAMES: list[tuple[str, str]] = [
     (r"^model\.transformer\.blocks\.(\d+)\.ff_out\.weight$", r"model.layers.\1.mlp.down_proj.weight"),
 ]
 
+# Gemma 3's GGUF norms, before the common table: its ffn_norm leads the feed-forward, and two more
+# norms follow attention and the feed-forward (HF: post_attention_layernorm, post_feedforward_layernorm).
+GEMMA3_GGUF_NAMES: list[tuple[str, str]] = [
+    (r"^blk\.(\d+)\.post_attention_norm\.weight$", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"^blk\.(\d+)\.ffn_norm\.weight$", r"model.layers.\1.pre_feedforward_layernorm.weight"),
+    (r"^blk\.(\d+)\.post_ffw_norm\.weight$", r"model.layers.\1.post_feedforward_layernorm.weight"),
+]
+
 SOURCE_NAMES = {"gguf": GGUF_NAMES, "llada": LLADA_NAMES}
+
+
+def gguf_names(family: str) -> list[tuple[str, str]]:
+    return GEMMA3_GGUF_NAMES + GGUF_NAMES if family == "gemma3" else GGUF_NAMES
 
 def load_hf_state(path: Path, config: ModelConfig) -> dict[str, Weight]:
     table = SOURCE_NAMES.get(config.family)
@@ -112,8 +124,9 @@ def load_gguf_state(reader, config: ModelConfig) -> dict[str, Weight]:
     from gguf import quants
 
     canonical: dict[str, Weight] = {}
+    table = gguf_names(config.family)
     for t in reader.tensors:
-        name = rename(t.name, GGUF_NAMES)
+        name = rename(t.name, table)
         if name is None:
             continue  # e.g. rope_freqs: recomputed from the config
         if t.tensor_type.name in GGUF_PACKED and len(t.shape) == 2:
@@ -135,10 +148,17 @@ def load_gguf_state(reader, config: ModelConfig) -> dict[str, Weight]:
 
 def hf_config_dict(config: ModelConfig) -> dict:
     """A Hugging Face style config.json for a converted GGUF."""
+    gemma = {}
+    if config.family == "gemma3":
+        gemma = {"layer_types": ["sliding_attention" if s else "full_attention" for s in config.sliding_layers],
+                 "sliding_window": config.sliding_window, "rope_local_base_freq": config.rope_local_theta,
+                 "query_pre_attn_scalar": config.attention_scale ** -2, "hidden_activation": "gelu_pytorch_tanh",
+                 "dualserve_norm_offset": config.norm_offset}  # GGUF norms hold 1 + w already
     return {
-        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(config.family,
-                                                                                           "LlamaForCausalLM")],
-        "model_type": config.family,
+        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "gemma3": "Gemma3ForCausalLM"}.get(config.family, "LlamaForCausalLM")],
+        "model_type": "gemma3_text" if config.family == "gemma3" else config.family,
+        **gemma,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "num_hidden_layers": config.num_layers,

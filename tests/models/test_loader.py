@@ -40,7 +40,7 @@ VOCAB = 97
 def our_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     """(tokens, vocab) fp32 logits for one sequence starting at position 0."""
     tokens = torch.tensor(ids)
-    hidden, _ = loaded.model(tokens, torch.arange(len(ids)), DenseAttention([len(ids)]))
+    hidden, _ = loaded.model(tokens, torch.arange(len(ids)), DenseAttention([len(ids)], windows=loaded.config.windows))
     return loaded.model.logits(hidden)
 
 
@@ -156,6 +156,13 @@ def write_tiny(directory: Path, family: str, *, tied: bool = False, max_shard_si
         config = Qwen2Config(**sizes, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     elif family == "qwen3":  # a head size that is not hidden / heads, as in the real Qwen3 models
         config = Qwen3Config(**sizes, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    elif family == "gemma3":  # 3 layers: two sliding (window 8, shorter than the prompt), one global
+        from transformers import Gemma3TextConfig
+        config = Gemma3TextConfig(**{**sizes, "num_hidden_layers": 3, "tie_word_embeddings": True}, head_dim=32,
+                                  sliding_window=8, layer_types=["sliding_attention", "sliding_attention",
+                                                                 "full_attention"],
+                                  query_pre_attn_scalar=24, final_logit_softcapping=None,
+                                  attn_logit_softcapping=None)
     else:
         config = LlamaConfig(**sizes, rope_parameters=dict(LLAMA3_ROPE))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -193,6 +200,19 @@ def test_qwen3_with_qk_norm(tmp_path: Path) -> None:
     cfg = ours.config
     assert cfg.family == "qwen3" and cfg.qk_norm and not cfg.attention_bias and cfg.head_dim == 32
     assert ours.model.layers[0].self_attn.k_norm is not None
+
+
+def test_gemma3_with_sliding_layers_and_sandwich_norms(tmp_path: Path) -> None:
+    """Gemma 3: GELU-tanh gate, four norms a layer (1 + w), embedding times sqrt(hidden), q/k norms,
+    local layers with a window shorter than the prompt and their own RoPE base, a query scale that
+    is not head_dim ** -0.5."""
+    ref = write_tiny(tmp_path, "gemma3", seed=4)
+    ours = compare(tmp_path, ref)
+    cfg = ours.config
+    assert cfg.family == "gemma3" and cfg.windows == (8, 8, None) and cfg.norm_offset == 1.0
+    assert cfg.rope_local_theta == 10000.0 and cfg.rope_theta == 1000000.0 and cfg.tie_word_embeddings
+    written = json.loads(json.dumps(loader.hf_config_dict(cfg.replace(norm_offset=0.0))))
+    assert ModelConfig.from_hf(written) == cfg.replace(norm_offset=0.0)
 
 
 def test_llama_untied_with_llama3_rope(tmp_path: Path) -> None:
