@@ -2,7 +2,7 @@
 
 The generation endpoints share one path (``generate``): decode the body
 into a msgspec Struct, let the endpoint's handler (``completions``, ``chat``,
-``responses_api``, ``infill``) build a plan, submit it, and encode the result (JSON, or SSE from an
+``responses.handler``, ``infill``) build a plan, submit it, and encode the result (JSON, or SSE from an
 async generator). Every generation response names the decoder that served it
 and why in ``x-dualserve-decoder`` / ``x-dualserve-route-reason``. A client that
 disconnects aborts its engine requests, which frees their blocks within a step.
@@ -31,8 +31,8 @@ from .infill import InfillHandler
 from .metrics import Metrics
 from .protocol import (DECODER_HEADER, ROUTE_REASON_HEADER, ModelCard, ModelList, chat_decoder, completion_decoder,
                        encoder, infill_decoder, responses_decoder)
-from .response_store import ResponseStore
-from .responses_api import ResponsesHandler, delete_response, retrieve_response
+from .responses.handler import ResponsesHandler, delete_response, retrieve_response
+from .responses.store import ResponseStore
 from .router import Route
 from .service import Service
 from .status import render_page
@@ -170,7 +170,7 @@ async def chat_completions(request: Request, state: State) -> Response | Stream:
 
 @post("/v1/responses", status_code=200)
 async def responses(request: Request, state: State) -> Response | Stream:
-    """OpenAI's Responses API, served through the chat path (see ``responses_api``)."""
+    """OpenAI's Responses API, served through the chat path (see ``responses.handler``)."""
     handler = partial(ResponsesHandler, store=state.app_state.response_store)
     return await generate(request, state, responses_decoder, handler)
 

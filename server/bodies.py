@@ -1,4 +1,4 @@
-"""Engine results -> OpenAI response bodies and stream chunks (completions and chat).
+"""Engine results -> response bodies and stream chunks of /v1/completions, /v1/chat/completions, /infill.
 
 One place knows OpenAI's logprob formats, usage accounting and the rule that
 ``finish_reason`` rides on the last content chunk, before an optional usage

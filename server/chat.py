@@ -16,7 +16,7 @@ from dualserve.decoders.engine.grammar import GrammarSpec
 
 from .errors import bad_request
 from .protocol import ChatCompletion, ChatCompletionRequest
-from .responses import chat_body, chat_stream
+from .bodies import chat_body, chat_stream
 from .service import ChoiceResult, Job, Plan, Service
 from .shapes import check_depth, check_tool_calls, template_kwargs
 from .streaming import ended_cleanly

@@ -250,7 +250,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import AppState, create_app
-    from .response_store import ResponseStore
+    from .responses.store import ResponseStore
     from .lifecycle import DrainingServer, PortInUse, bind_port, startup_lines
     from .metrics import Metrics
     from .router import Router, load_policy

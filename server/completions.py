@@ -12,7 +12,7 @@ from typing import AsyncIterator
 
 from .errors import bad_request
 from .protocol import Completion, CompletionRequest
-from .responses import completion_body, completion_stream
+from .bodies import completion_body, completion_stream
 from .service import ChoiceResult, Job, Plan, Service
 from .streaming import ended_cleanly
 

@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator
 from .errors import bad_request
 from .fim import InfillPrompt
 from .protocol import InfillRequest, SamplingFields
-from .responses import infill_body, infill_stream
+from .bodies import infill_body, infill_stream
 from .service import ChoiceResult, Job, Plan, Service
 from .streaming import ended_cleanly
 

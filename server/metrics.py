@@ -3,8 +3,8 @@
 Request-level series (requests by decoder and status, tokens in and out,
 time to first token, inter-token latency, forward passes, tokens per forward,
 EAGLE acceptance length) are observed by the service as responses finish.
-Engine-level gauges (block pool usage, device utilisation) are sampled at
-scrape time from the engine.
+Engine-level gauges (block pool usage, running and waiting choices, device
+utilisation) are sampled at scrape time from the engine's ``snapshot()``.
 
 Unit economics: effective cost per token = node cost per hour / (throughput x
 utilisation), from ``--node-cost-per-hour``. Throughput is measured over a
@@ -112,14 +112,14 @@ class Metrics:
     def refresh(self, engine) -> dict:
         """Sample engine gauges and derived economics; returns a snapshot for the status page."""
         now = time.monotonic()
-        pool = engine.pool
-        self.pool_usage.set(pool.usage())
-        self.pool_blocks.set(pool.num_blocks)
-        self.running.set(len(engine.scheduler.running))
-        self.waiting.set(engine.num_queued())  # read under the engine's lock, as admission reads it
-        self.capacity.set(engine.capacity())
+        state = engine.snapshot()  # decoders.engine.engine.EngineSnapshot
+        self.pool_usage.set(state.pool_usage)
+        self.pool_blocks.set(state.pool_blocks)
+        self.running.set(state.running)
+        self.waiting.set(state.waiting)
+        self.capacity.set(state.capacity)
         last_at, last_busy = self._busy_mark
-        busy = engine.stats.busy_seconds
+        busy = state.busy_seconds
         util = min(1.0, (busy - last_busy) / (now - last_at)) if now - last_at > 0.5 else self._util
         if now - last_at > 0.5:
             self._busy_mark = (now, busy)
@@ -130,7 +130,7 @@ class Metrics:
         per_decoder: dict[str, float] = {}
         for s in self._recent:
             per_decoder[s.decoder] = per_decoder.get(s.decoder, 0) + s.tokens
-        snapshot = {"t": time.time(), "utilisation": round(util, 4), "pool_usage": round(pool.usage(), 4),
+        snapshot = {"t": time.time(), "utilisation": round(util, 4), "pool_usage": round(state.pool_usage, 4),
                     "decoders": {}}
         for decoder, tokens in per_decoder.items():
             # Throughput while busy (tokens per engine-busy second): the node's capacity.

@@ -138,7 +138,7 @@ class ResponsesText(Struct, kw_only=True):
 
 class ResponsesRequest(SamplingFields, kw_only=True):
     """POST /v1/responses. ``input`` items (messages, ``function_call``, ``function_call_output``)
-    and ``tools`` keep OpenAI's shapes and are checked item by item in ``server.responses_input``."""
+    and ``tools`` keep OpenAI's shapes and are checked item by item in ``server.responses.to_chat``."""
 
     input: str | bounded(list[dict[str, Any]], MAX_MESSAGES) | None = None
     instructions: str | None = None

@@ -72,6 +72,18 @@ class EngineStats:
     busy_seconds: float = 0.0           # read by the server's utilisation metric
 
 
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The numbers the server's metrics read, taken at once (``Engine.snapshot``)."""
+
+    running: int                        # choices running
+    waiting: int                        # choices submitted and not yet running
+    capacity: int                       # choices the engine lets run now
+    pool_blocks: int                    # KV blocks in the pool
+    pool_usage: float                   # share of them in use
+    busy_seconds: float                 # seconds spent in steps since the engine started
+
+
 class Engine:
     def __init__(self, config: EngineConfig, pool: BlockPool | None = None):
         self.config = config
@@ -201,6 +213,14 @@ class Engine:
         bound holds the queue's head back; safe from any thread."""
         with self._wake:
             return self._capacity
+
+    def snapshot(self) -> EngineSnapshot:
+        """What the server's metrics read (``EngineSnapshot``); safe from any thread."""
+        with self._wake:
+            waiting, capacity = self._num_queued, self._capacity
+        return EngineSnapshot(running=len(self.scheduler.running), waiting=waiting, capacity=capacity,
+                              pool_blocks=self.pool.num_blocks, pool_usage=self.pool.usage(),
+                              busy_seconds=self.stats.busy_seconds)
 
     def estimated_wait(self, n: int = 1) -> float:
         """Seconds until the last of ``n`` new choices would start (``admission.py``); any thread."""

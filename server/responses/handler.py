@@ -1,6 +1,6 @@
 """/v1/responses (OpenAI's Responses API): the handler, its typed stream events, and GET/DELETE by id.
 
-A request is translated into the chat request that serves it (``server.responses_input``) and
+A request is translated into the chat request that serves it (``responses.to_chat``) and
 planned by ``ChatHandler``, so routing, hints, the chat template, tools and grammars are the
 chat path's. What differs is the output: a ``message`` item with one ``output_text`` part, then
 one ``function_call`` item per parsed tool call, ``usage`` as input/output tokens (with the
@@ -27,15 +27,15 @@ from typing import Any, AsyncIterator
 from litestar import Response, delete, get
 from litestar.datastructures import State
 
-from .chat import ChatHandler
-from .errors import APIError, ErrorKind, bad_request
-from .protocol import (ChatTokenLogprob, FunctionCallItem, OutputMessage, OutputText, ResponseObject, ResponsesRequest,
-                       ResponsesUsage, encoder)
-from .response_store import ResponseStore
-from .responses import chat_logprobs
-from .responses_input import chat_request, echo_text_config, input_messages, refuse_unsupported
-from .service import ChoiceResult, Job, Plan, Service
-from .tools import ToolStream
+from ..bodies import chat_logprobs
+from ..chat import ChatHandler
+from ..errors import APIError, ErrorKind, bad_request
+from ..protocol import (ChatTokenLogprob, FunctionCallItem, OutputMessage, OutputText, ResponseObject,
+                        ResponsesRequest, ResponsesUsage, encoder)
+from ..service import ChoiceResult, Job, Plan, Service
+from ..tools import ToolStream
+from .store import ResponseStore
+from .to_chat import chat_request, echo_text_config, input_messages, refuse_unsupported
 
 log = logging.getLogger("dualserve.server")
 

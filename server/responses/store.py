@@ -19,8 +19,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import APIError, ErrorKind
-from .protocol import ResponseObject, encoder
+from ..errors import APIError, ErrorKind
+from ..protocol import ResponseObject, encoder
 
 DEFAULT_MAX_RESPONSES = 1024
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024

@@ -19,9 +19,9 @@ from typing import Any
 
 from msgspec import structs
 
-from .errors import APIError, ErrorKind, bad_request
-from .protocol import (MAX_CONTENT_PARTS, ChatCompletionRequest, ChatMessage, ResponseFormat, ResponsesRequest,
-                       SamplingFields)
+from ..errors import APIError, ErrorKind, bad_request
+from ..protocol import (MAX_CONTENT_PARTS, ChatCompletionRequest, ChatMessage, ResponseFormat, ResponsesRequest,
+                        SamplingFields)
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 ROLES = ("user", "assistant", "system", "developer")

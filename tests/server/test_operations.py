@@ -13,6 +13,7 @@ import pytest
 from litestar.testing import TestClient
 
 from dualserve.decoders.deployment import PoolSpec, build_deployment
+from dualserve.decoders.engine.engine import EngineSnapshot
 from dualserve.models.loader import load_model
 from dualserve.server.app import AppState, create_app
 from dualserve.server.metrics import Metrics
@@ -95,6 +96,21 @@ def test_metrics_cover_requests_tokens_latency_pool_and_cost(secured_app):
     status = secured_app.get("/status.json", headers=auth).json()
     assert "ar" in status["now"]["decoders"] and status["history"]
     assert secured_app.get("/").status_code == 200  # the page is open, and asks for the key
+
+
+def test_metrics_read_the_engine_snapshot_alone():
+    """Metrics see the engine through ``snapshot()`` only: a stand-in with nothing else renders."""
+    class Snapshotted:
+        def snapshot(self) -> EngineSnapshot:
+            return EngineSnapshot(running=3, waiting=5, capacity=7, pool_blocks=64, pool_usage=0.25,
+                                  busy_seconds=1.0)
+
+    metrics = Metrics()
+    text = metrics.render(Snapshotted()).decode()
+    assert metric(text, "dualserve_requests_running") == 3 and metric(text, "dualserve_requests_waiting") == 5
+    assert metric(text, "dualserve_running_capacity") == 7 and metric(text, "dualserve_kv_pool_blocks") == 64
+    assert metric(text, "dualserve_kv_pool_usage") == 0.25
+    assert metrics.refresh(Snapshotted())["pool_usage"] == 0.25
 
 
 def test_infill_llamacpp_shape(server_url):

@@ -18,8 +18,8 @@ from openai.types.responses import Response, ResponseStreamEvent
 from dualserve.decoders.engine.request import Delta, FailureKind
 from dualserve.server.errors import APIError, engine_error
 from dualserve.server.protocol import ResponseObject, ResponsesRequest, encoder
-from dualserve.server.response_store import ResponseStore
-from dualserve.server.responses_api import ResponsesHandler
+from dualserve.server.responses.handler import ResponsesHandler
+from dualserve.server.responses.store import ResponseStore
 from dualserve.server.service import ChoiceResult
 
 # The SDK's event classes by their ``type`` literal (its union is discriminated by the SDK, not by pydantic).
