@@ -69,7 +69,11 @@ def rename(name: str, table: list[tuple[str, str]]) -> str | None:
 
 
 def _concat(parts: list[Weight]) -> Weight:
-    return concat_portable(parts) if isinstance(parts[0], dict) else torch.cat(parts, 0)
+    """Fused parts: one portable entry when they share a layout, else float (a file may store q, k and v
+    in different block types)."""
+    if all(isinstance(p, dict) for p in parts) and all(p.keys() == parts[0].keys() for p in parts):
+        return concat_portable(parts)
+    return torch.cat([dequantize_portable(p) if isinstance(p, dict) else p for p in parts], 0)
 
 
 def to_module_names(canonical: dict[str, Weight]) -> dict[str, Weight]:

@@ -197,12 +197,17 @@ class SdpaPagedAttention:
     SDPA call each.
     """
 
-    def __init__(self, cache: KVCache, meta: AttentionMetadata):
+    def __init__(self, cache: KVCache, meta: AttentionMetadata, windows: Sequence[int | None] = ()):
         self.cache = cache
         self.meta = meta
+        # Per layer: None, or a sliding window W (Gemma 3's local layers: a token sees the W positions
+        # ending at itself). Only windows that some sequence outgrows this step change a mask.
+        longest = max((s.context_len + s.query_len for s in meta.seqs), default=0)
+        self.windows = [w if w is not None and longest > w else None for w in windows]
         self._masks: list[torch.Tensor | None] | None = None
         self._decode: DecodeBatch | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._windowed: dict[int, tuple] = {}  # window -> its rows form, or its per-sequence masks
         self._rest: list[int] = []
         self._starts: list[int] = []
 
@@ -212,8 +217,18 @@ class SdpaPagedAttention:
         if q.dtype == torch.float32 and device.type == "cpu" and q.shape[-1] % 16 == 0 and kernels.available():
             rows, context, mask = padded_rows(self.meta, range(len(seqs)))
             self._rows = (rows.to(device), context.to(device), mask.to(device))
+            for w in set(self.windows) - {None}:
+                self._windowed[w] = (self._rows[0], self._rows[1],
+                                     within_window(self.meta, range(len(seqs)), mask, w).to(device))
             self._rest = []
             self._masks = [None] * len(seqs)
+            return
+        if any(self.windows):  # without the rows kernel: every sequence takes SDPA with full masks
+            self._decode, self._rest = None, list(range(len(seqs)))
+            self._masks = [full_mask(s, device) for s in seqs]
+            for w in set(self.windows) - {None}:
+                self._windowed[w] = tuple(within_window(self.meta, [i], m[None], w, columns=s.context_len)[0]
+                                          for i, (s, m) in enumerate(zip(seqs, self._masks)))
             return
         singles = [i for i, s in enumerate(seqs) if s.query_len == 1]
         if len(singles) < 2:
@@ -232,8 +247,10 @@ class SdpaPagedAttention:
         k, v = as_stored(k, k_flat), as_stored(v, v_flat)
         if self._masks is None:
             self._plan(q)
+        window = self.windows[layer_idx] if self.windows else None
         if self._rows is not None:
-            out = torch.ops.dualserve.attend_rows(q, k, v, k_flat, v_flat, *self._rows, q.shape[-1] ** -0.5)
+            rows = self._rows if window is None else self._windowed[window]
+            out = torch.ops.dualserve.attend_rows(q, k, v, k_flat, v_flat, *rows, q.shape[-1] ** -0.5)
             if not self._rest:
                 return out
         elif self._decode is not None and not self._rest:
@@ -251,7 +268,7 @@ class SdpaPagedAttention:
             else:
                 kk = torch.cat([k_flat.index_select(0, idx).to(k.dtype), k[sl]], 0)
                 vv = torch.cat([v_flat.index_select(0, idx).to(v.dtype), v[sl]], 0)
-            mask = self._masks[i]
+            mask = self._masks[i] if window is None else self._windowed[window][i]
             causal = mask is None and seq.mask == "causal" and seq.context_len == 0
             res = sdpa(q[sl], kk, vv, mask, causal)
             if out is None:
@@ -287,6 +304,42 @@ def padded_rows(meta: AttentionMetadata, seq_ids: Sequence[int], sizes: tuple[in
         mask[r, s.query_len:, W + s.query_len - 1] = True
     mask[len(seq_ids):, :, W - 1] = True  # padded sequences (a bucket's) too
     return rows, context, mask
+
+
+def full_mask(seq: SeqAttention, device) -> torch.Tensor:
+    """(query_len, context_len + query_len) boolean mask of what each new token sees."""
+    mask = mask_tensor(seq, device)
+    if mask is None:
+        q, c = seq.query_len, seq.context_len
+        own = torch.ones(q, q, dtype=torch.bool, device=device)
+        mask = torch.cat([torch.ones(q, c, dtype=torch.bool, device=device), own], 1)
+    return mask
+
+
+def new_offsets(seq: SeqAttention) -> torch.Tensor:
+    """Each new token's position after the cached ones: its index, or its depth in a draft tree (a node
+    sees its ancestors and itself)."""
+    if isinstance(seq.mask, torch.Tensor):
+        return seq.mask.to(device="cpu", dtype=torch.long).sum(-1) - 1
+    return torch.arange(seq.query_len)
+
+
+def within_window(meta: AttentionMetadata, seq_ids: Sequence[int], mask: torch.Tensor, window: int,
+                  columns: int | None = None) -> torch.Tensor:
+    """``mask`` (S, Q, C + Q) with the keys a sliding window hides removed: a query at position p sees
+    keys at p - window < j <= p. Cached column j holds position j (C = ``columns``, else the padded
+    width); new column C + k holds the sequence's k-th new token. Padded query rows keep their slot."""
+    mask = mask.clone()
+    width = mask.shape[-1] - mask.shape[1] if columns is None else columns
+    for r, i in enumerate(seq_ids):
+        seq = meta.seqs[i]
+        off = new_offsets(seq)
+        query = seq.context_len + off                                           # (q,)
+        keys = torch.cat([torch.arange(width), seq.context_len + off,
+                          torch.full((mask.shape[-1] - width - seq.query_len,), -(1 << 40))])
+        visible = keys[None, :] > query[:, None] - window
+        mask[r, : seq.query_len] &= visible.to(mask.device)
+    return mask
 
 
 def query_starts(meta: AttentionMetadata) -> list[int]:

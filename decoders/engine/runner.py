@@ -25,6 +25,7 @@ are two entry points rather than one ``forward``: the runner's ``encode`` and
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -36,9 +37,12 @@ from dualserve.models.attention import AttentionBackend
 from dualserve.models.diffusion_gemma import DiffusionGemma, attend
 from dualserve.models.transformer import Transformer
 
-from .compiled import ROWS_MAX, CompiledStep, CompileWorker
+from .compile_worker import CompileWorker
+from .compiled import ROWS_MAX, CompiledStep
 from .paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache, SdpaPagedAttention, SeqAttention,
                               SeqMask, WindowedPagedAttention, flash_available)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,15 +78,23 @@ class ModelRunner:
             # flash-attn's paged kernel needs blocks of a multiple of 256 tokens (flash_attn_with_kvcache).
             flash = (use_flash if use_flash is not None else flash_available()) and block_size % 256 == 0
             self.backend = FlashPagedAttention if flash else SdpaPagedAttention
+            if any(w is not None for w in cfg.windows):  # sliding layers (Gemma 3): windowed masks
+                self.backend = partial(SdpaPagedAttention, windows=cfg.windows)
         self._scratch_block = num_blocks
         self.compiled: CompiledStep | None = None  # set by compile()
 
-    def compile(self, cache_dir: Path | None = None, worker: CompileWorker | None = None) -> CompiledStep:
+    def compile(self, cache_dir: Path | None = None, worker: CompileWorker | None = None,
+                attend_kernel: bool = True) -> CompiledStep | None:
         """Run steps through compiled graphs (``compiled.py``) once each shape's graph is built: on
-        ``worker``'s thread (eager until then), or, with no worker, on first use."""
+        ``worker``'s thread (eager until then), or, with no worker, on first use. ``attend_kernel``:
+        graph attention as the project's kernel where it is built (``compiled.ROWS_MAX``'s note)."""
         if not isinstance(self.model, Transformer):
             raise TypeError("compiled steps run the transformer core's forward only")
-        self.compiled = CompiledStep(self.model, self.kv, self.scratch_slots, cache_dir, worker)
+        if any(w is not None for w in self.config.windows):
+            log.info("%s has sliding-window layers, which compiled steps do not take yet: it runs eager",
+                     self.config.family)
+            return None
+        self.compiled = CompiledStep(self.model, self.kv, self.scratch_slots, cache_dir, worker, attend_kernel)
         return self.compiled
 
     @property
