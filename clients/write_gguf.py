@@ -370,8 +370,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                        ("context-length", "context_length key (default 32768)")):
         p.add_argument(f"--{flag}", type=int, help=what)
     p.add_argument("--rope-theta", type=float, help="rope.freq_base (default 500000 for llama, 1e6 for qwen)")
-    p.add_argument("--type", dest="matrix_type", choices=TYPES, default="Q4_0", help="block type of the layers' matrices")
-    p.add_argument("--embedding-type", choices=TYPES, default="Q8_0", help="block type of the embedding and untied head")
+    p.add_argument("--type", dest="matrix_type", choices=TYPES, default="Q4_0",
+                   help="block type of the layers' matrices")
+    p.add_argument("--embedding-type", choices=TYPES, default="Q8_0",
+                   help="block type of the embedding and of an untied head")
     p.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
                    help="share the embedding as the head (default: the shape's, else tied)")
     p.add_argument("--seed", type=int, default=0)
