@@ -3,8 +3,8 @@
 The same shape covers Llama, Mistral, Qwen2 and SmolLM (the AR families) and the
 diffusion families built on them (LLaDA, Dream, block diffusion). Family details
 that change the math are fields here (q/k/v bias, tied embeddings, rope scaling,
-logit shift, mask token); nothing else about a family lives outside this file
-and the tensor-name tables in ``loader.py``.
+logit shift, mask token, Gemma's norms and windows); how a family is recognised and
+named lives in ``families.py``.
 
 Constructors read Hugging Face ``config.json`` dicts and GGUF metadata, so the
 loader never has to know which source a config came from.
@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+
+from .families import GGUF_ARCHITECTURES, HF_MODEL_TYPES, UnsupportedModel, of_gguf
+
+__all__ = ["GGUF_ARCHITECTURES", "HF_MODEL_TYPES", "UnsupportedModel", "ModelConfig", "RopeScaling"]
 
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3", "llada", "dream", "block_diffusion"]
 
@@ -39,15 +43,6 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
 
-
-class UnsupportedModel(ValueError):
-    """A checkpoint of a family or format this build does not load; the message names it and what is
-    supported (the CLI prints it as one line)."""
-
-
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
-# config.json model types the core reads; twins and block-diffusion checkpoints carry one of these too.
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "dream", "llada", "fast_dllm_qwen")
 
 # Gemma 3: every sixth layer attends globally, the others within a sliding window, with their own
 # RoPE base (transformers' Gemma3TextConfig defaults, which llama.cpp hard-codes too).
@@ -172,10 +167,7 @@ class ModelConfig:
     @classmethod
     def from_gguf(cls, meta: dict[str, Any]) -> "ModelConfig":
         """Read GGUF metadata (``general.architecture`` in ``GGUF_ARCHITECTURES``)."""
-        arch = meta["general.architecture"]
-        if arch not in GGUF_ARCHITECTURES:
-            raise UnsupportedModel(f"unsupported GGUF architecture {arch!r}; supported: "
-                                   f"{', '.join(GGUF_ARCHITECTURES)}")
+        arch = of_gguf(meta["general.architecture"]).name
         if arch == "gemma3":
             return _gemma3_from_gguf(meta)
 

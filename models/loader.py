@@ -34,6 +34,7 @@ from .adapter import TwinSpec, apply_twin, is_twin_dir
 from .checkpoint import LoadedModel, Weight, safetensors_files, build, iter_weights, portable_tensors, rename, to_module_names
 from .config import ModelConfig
 from .diffusion_gemma import load_diffusion_gemma
+from .families import family, of_hf
 from .quant import GGUF_PACKED, Quantization, gguf_blocks
 from .tokenizer import Tokenizer
 
@@ -71,19 +72,12 @@ LLADA_NAMES: list[tuple[str, str]] = [
     (r"^model\.transformer\.blocks\.(\d+)\.ff_out\.weight$", r"model.layers.\1.mlp.down_proj.weight"),
 ]
 
-# Gemma 3's GGUF norms, before the common table: its ffn_norm leads the feed-forward, and two more
-# norms follow attention and the feed-forward (HF: post_attention_layernorm, post_feedforward_layernorm).
-GEMMA3_GGUF_NAMES: list[tuple[str, str]] = [
-    (r"^blk\.(\d+)\.post_attention_norm\.weight$", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"^blk\.(\d+)\.ffn_norm\.weight$", r"model.layers.\1.pre_feedforward_layernorm.weight"),
-    (r"^blk\.(\d+)\.post_ffw_norm\.weight$", r"model.layers.\1.post_feedforward_layernorm.weight"),
-]
-
 SOURCE_NAMES = {"gguf": GGUF_NAMES, "llada": LLADA_NAMES}
 
 
-def gguf_names(family: str) -> list[tuple[str, str]]:
-    return GEMMA3_GGUF_NAMES + GGUF_NAMES if family == "gemma3" else GGUF_NAMES
+def gguf_names(name: str) -> list[tuple[str, str]]:
+    """A family's own GGUF names (``families.py``), then the common table."""
+    return list(family(name).gguf_names) + GGUF_NAMES
 
 def load_hf_state(path: Path, config: ModelConfig) -> dict[str, Weight]:
     table = SOURCE_NAMES.get(config.family)
@@ -125,6 +119,7 @@ def load_gguf_state(reader, config: ModelConfig) -> dict[str, Weight]:
 
     canonical: dict[str, Weight] = {}
     table = gguf_names(config.family)
+    permuted = family(config.family).gguf_qk_permuted
     for t in reader.tensors:
         name = rename(t.name, table)
         if name is None:
@@ -135,9 +130,9 @@ def load_gguf_state(reader, config: ModelConfig) -> dict[str, Weight]:
             parts = {"w": np.require(quants.dequantize(t.data, t.tensor_type), np.float32, ["C", "W"])}
         # llama.cpp permutes q/k rows for the llama architecture (Mistral GGUFs use it too).
         heads = None
-        if config.family in ("llama", "mistral") and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = config.num_heads
-        elif config.family in ("llama", "mistral") and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = config.num_kv_heads
         if heads is not None:
             parts = {k: unpermute_rope(v, heads) for k, v in parts.items()}
@@ -155,9 +150,8 @@ def hf_config_dict(config: ModelConfig) -> dict:
                  "query_pre_attn_scalar": config.attention_scale ** -2, "hidden_activation": "gelu_pytorch_tanh",
                  "dualserve_norm_offset": config.norm_offset}  # GGUF norms hold 1 + w already
     return {
-        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "gemma3": "Gemma3ForCausalLM"}.get(config.family, "LlamaForCausalLM")],
-        "model_type": "gemma3_text" if config.family == "gemma3" else config.family,
+        "architectures": [family(config.family).hf_architecture],
+        "model_type": family(config.family).hf_model_type or config.family,
         **gemma,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
@@ -276,13 +270,15 @@ def load_model(path: Path | str, *, name: str | None = None, dtype: torch.dtype 
                          quantization=quantization)
     source = prepare_source(path, cache_dir)
     raw = json.loads((source / "config.json").read_text())
-    if raw.get("architectures") == ["DiffusionGemmaForBlockDiffusion"]:
+    if of_hf(raw).network == "diffusion_gemma":
         return load_diffusion_gemma(source, dtype, device, name=name)
     if quantization == "auto":
         quantization = stored_quantization(source)
     config = ModelConfig.from_hf(raw)
     model = build(config, load_hf_state(source, config), dtype, device, quantization)
     tokenizer = Tokenizer.from_hf_dir(source)
+    if tokenizer.chat_template is None:  # a file without one: the family's own turn format
+        tokenizer.chat_template = family(config.family).chat_template
     return LoadedModel(name=name or (path.stem if path.is_file() else path.name), path=path,
                        config=model.config, model=model, tokenizer=tokenizer,
                        load_seconds=time.perf_counter() - start, quantization=quantization)
