@@ -23,7 +23,7 @@ from .families import GGUF_ARCHITECTURES, HF_MODEL_TYPES, UnsupportedModel, of_g
 
 __all__ = ["GGUF_ARCHITECTURES", "HF_MODEL_TYPES", "UnsupportedModel", "ModelConfig", "RopeScaling"]
 
-Family = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3", "llada", "dream", "block_diffusion"]
+Family = Literal["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "llada", "dream", "block_diffusion"]
 
 # Fast-dLLM v2 (model_type "Fast_dLLM_Qwen") hard-codes its [MASK] id ("|<MASK>|") in generate;
 # its config.json has none.
@@ -63,6 +63,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # llama.cpp's per-frequency divisors (a GGUF's ``rope_freqs`` tensor: Llama 3.1+ scaling), if any.
+    rope_factors: tuple[float, ...] = ()
     max_position_embeddings: int = 4096
     attention_bias: bool = False
     qk_norm: bool = False               # RMSNorm over each head's queries and keys before RoPE (Qwen3, Gemma 3)
@@ -128,7 +130,7 @@ class ModelConfig:
             family = "dream"
         elif cfg.get("dualserve_diffusion") or cfg.get("bd_size") or cfg.get("block_size"):
             family = "block_diffusion"
-        elif model_type in ("qwen2", "qwen3", "mistral"):
+        elif model_type in ("qwen2", "qwen3", "mistral", "phi3"):
             family = model_type  # type: ignore[assignment]
         else:
             family = "llama"
@@ -136,6 +138,11 @@ class ModelConfig:
         hidden = cfg["hidden_size"]
         eos = cfg.get("eos_token_id")
         twin = cfg.get("dualserve_diffusion") or {}
+        rope = cfg.get("rope_parameters") or {}
+        if float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise UnsupportedModel(f"{model_type} checkpoints that rotate part of each head are not supported")
+        # Mistral (v0.1) and Phi-3 attend within a sliding window on every layer.
+        window = cfg.get("sliding_window") if family in ("mistral", "phi3") else None
         return cls(
             family=family,
             vocab_size=cfg["vocab_size"],
@@ -162,6 +169,9 @@ class ModelConfig:
             diffusion_block_size=twin.get("block_size") or cfg.get("bd_size") or cfg.get("block_size"),
             shift_logits=bool(twin.get("shift_logits", family == "dream" or fast_dllm_v2)),
             diffusion_threshold=twin.get("threshold"),
+            sliding_window=window,
+            sliding_layers=(True,) * cfg["num_hidden_layers"] if window else (),
+            rope_factors=tuple(cfg.get("dualserve_rope_factors") or ()),
         )
 
     @classmethod
@@ -181,6 +191,9 @@ class ModelConfig:
         if key("rope.scaling.type") == "linear":
             scaling = RopeScaling(kind="linear", factor=float(key("rope.scaling.factor", 1.0)))
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        window = key("attention.sliding_window") if arch == "phi3" else None
+        if key("rope.dimension_count") not in (None, int(key("attention.key_length", hidden // heads))):
+            raise UnsupportedModel(f"{arch} files that rotate part of each head are not supported")
         return cls(
             family=arch,
             vocab_size=int(vocab),
@@ -200,6 +213,8 @@ class ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+            sliding_window=int(window) if window else None,
+            sliding_layers=(True,) * int(key("block_count")) if window else (),
         )
 
 
@@ -338,7 +353,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     than ``original_max / high_freq_factor`` are kept, and the band between is
     interpolated smoothly.
     """
-    return rope_inv_freq_of(config.head_dim, config.rope_theta, config.rope_scaling)
+    inv_freq = rope_inv_freq_of(config.head_dim, config.rope_theta, config.rope_scaling)
+    if config.rope_factors:
+        inv_freq = inv_freq / torch.tensor(config.rope_factors, dtype=torch.float32)
+    return inv_freq
 
 
 def rope_inv_freq_of(dim: int, theta: float, s: RopeScaling) -> torch.Tensor:

@@ -59,6 +59,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("llama", ("llama",), "llama", gguf_qk_permuted=True),
     Family("mistral", ("mistral",), "mistral", gguf_qk_permuted=True),
     Family("qwen2", ("qwen2",), "qwen2", "Qwen2ForCausalLM"),
+    Family("phi3", ("phi3",), "phi3", "Phi3ForCausalLM",
+           gguf_names=(  # Phi-3 stores q/k/v and gate/up fused, in the order the core fuses them
+               (r"^blk\.(\d+)\.attn_qkv\.weight$", r"model.layers.\1.self_attn.qkv_proj.weight"),
+               (r"^blk\.(\d+)\.ffn_up\.weight$", r"model.layers.\1.mlp.gate_up_proj.weight"),
+           )),
     Family("qwen3", ("qwen3",), "qwen3", "Qwen3ForCausalLM"),
     Family("gemma3", ("gemma3_text",), "gemma3", "Gemma3ForCausalLM", "gemma3_text",
            gguf_names=(

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 
 from .adapter import TwinSpec, apply_twin, is_twin_dir
 from .checkpoint import LoadedModel, Weight, safetensors_files, build, iter_weights, portable_tensors, rename, to_module_names
-from .config import ModelConfig
+from .config import ModelConfig, UnsupportedModel
 from .diffusion_gemma import load_diffusion_gemma
 from .families import family, of_hf
 from .quant import GGUF_PACKED, Quantization, gguf_blocks
@@ -127,7 +127,12 @@ def load_gguf_state(reader, config: ModelConfig) -> dict[str, Weight]:
         if t.tensor_type.name in GGUF_PACKED and len(t.shape) == 2:
             parts = {k: v.numpy() for k, v in gguf_blocks(np.asarray(t.data), t.tensor_type.name).items()}
         else:
-            parts = {"w": np.require(quants.dequantize(t.data, t.tensor_type), np.float32, ["C", "W"])}
+            try:
+                parts = {"w": np.require(quants.dequantize(t.data, t.tensor_type), np.float32, ["C", "W"])}
+            except NotImplementedError:
+                raise UnsupportedModel(f"tensor {t.name} has GGUF type {t.tensor_type.name}, which this build "
+                                       f"does not read; packed: {', '.join(GGUF_PACKED)}; read as float: "
+                                       "F32, F16, BF16 and the other types the gguf package dequantizes") from None
         # llama.cpp permutes q/k rows for the llama architecture (Mistral GGUFs use it too).
         heads = None
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -146,7 +151,7 @@ def hf_config_dict(config: ModelConfig) -> dict:
     gemma = {}
     if config.family == "gemma3":
         gemma = {"layer_types": ["sliding_attention" if s else "full_attention" for s in config.sliding_layers],
-                 "sliding_window": config.sliding_window, "rope_local_base_freq": config.rope_local_theta,
+                 "rope_local_base_freq": config.rope_local_theta,
                  "query_pre_attn_scalar": config.attention_scale ** -2, "hidden_activation": "gelu_pytorch_tanh",
                  "dualserve_norm_offset": config.norm_offset}  # GGUF norms hold 1 + w already
     return {
@@ -164,6 +169,8 @@ def hf_config_dict(config: ModelConfig) -> dict:
         "rope_theta": config.rope_theta,
         "max_position_embeddings": config.max_position_embeddings,
         "attention_bias": config.attention_bias,
+        "sliding_window": config.sliding_window,
+        **({"dualserve_rope_factors": list(config.rope_factors)} if config.rope_factors else {}),
         "rope_scaling": None if config.rope_scaling.kind == "default" else {
             "rope_type": config.rope_scaling.kind, "factor": config.rope_scaling.factor,
             "low_freq_factor": config.rope_scaling.low_freq_factor,
@@ -186,6 +193,12 @@ def convert_gguf(path: Path, out_dir: Path) -> Path:
 
     reader = gguf.GGUFReader(str(path))
     config = ModelConfig.from_gguf(gguf_metadata(reader))
+    names = {t.name: t for t in reader.tensors}
+    if "rope_factors_long.weight" in names:
+        raise UnsupportedModel(f"{path.name}: LongRoPE scaling (rope_factors_long) is not supported")
+    if "rope_freqs.weight" in names:  # Llama 3.1+ scaling, as llama.cpp's divisors of each frequency
+        factors = np.asarray(names["rope_freqs.weight"].data, dtype=np.float32)
+        config = config.replace(rope_factors=tuple(float(f) for f in factors))
     canonical = load_gguf_state(reader, config)
     if "lm_head.weight" not in canonical:
         config = config.replace(tie_word_embeddings=True)

@@ -156,6 +156,12 @@ def write_tiny(directory: Path, family: str, *, tied: bool = False, max_shard_si
         config = Qwen2Config(**sizes, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     elif family == "qwen3":  # a head size that is not hidden / heads, as in the real Qwen3 models
         config = Qwen3Config(**sizes, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    elif family == "mistral":  # every layer within a window shorter than the prompt (Mistral v0.1)
+        from transformers import MistralConfig
+        config = MistralConfig(**sizes, sliding_window=12)
+    elif family == "phi3":  # q/k/v and gate/up stored fused; a sliding window on every layer
+        from transformers import Phi3Config
+        config = Phi3Config(**sizes, sliding_window=12, pad_token_id=0)
     elif family == "gemma3":  # 3 layers: two sliding (window 8, shorter than the prompt), one global
         from transformers import Gemma3TextConfig
         config = Gemma3TextConfig(**{**sizes, "num_hidden_layers": 3, "tie_word_embeddings": True}, head_dim=32,
@@ -213,6 +219,17 @@ def test_gemma3_with_sliding_layers_and_sandwich_norms(tmp_path: Path) -> None:
     assert cfg.rope_local_theta == 10000.0 and cfg.rope_theta == 1000000.0 and cfg.tie_word_embeddings
     written = json.loads(json.dumps(loader.hf_config_dict(cfg.replace(norm_offset=0.0))))
     assert ModelConfig.from_hf(written) == cfg.replace(norm_offset=0.0)
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_sliding_window_families(tmp_path: Path, family: str) -> None:
+    ref = write_tiny(tmp_path, family, seed=5)
+    if family == "phi3":
+        assert hasattr(ref.model.layers[0].self_attn, "qkv_proj"), "Phi-3 checkpoints store q/k/v fused"
+    ours = compare(tmp_path, ref)
+    assert ours.config.family == family and ours.config.windows == (12, 12)
+    written = json.loads(json.dumps(loader.hf_config_dict(ours.config)))
+    assert ModelConfig.from_hf(written) == ours.config
 
 
 def test_llama_untied_with_llama3_rope(tmp_path: Path) -> None:
