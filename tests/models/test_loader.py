@@ -321,3 +321,32 @@ def test_gguf_conversion_logs_its_progress(tmp_path: Path, monkeypatch, caplog) 
         assert re.fullmatch(r"converted m\.gguf in \d+\.\ds", lines[1]), lines
         caplog.clear()
         assert loader.prepare_source(source, tmp_path / "cache") == target and not caplog.records
+
+
+def test_gguf_rope_freqs_give_llama3_scaling() -> None:
+    """A Llama 3.1+ GGUF carries its RoPE scaling as ``rope_freqs`` (llama.cpp's convert: a divisor per
+    frequency); dividing by them gives the frequencies transformers computes from rope_scaling."""
+    import math
+
+    from dualserve.models.config import rope_inv_freq
+
+    scaled = ModelConfig(family="llama", rope_theta=500000.0, rope_scaling=RopeScaling(
+        kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64), **{**_BASE, "head_dim": 64})
+    s = scaled.rope_scaling
+    low, high = s.original_max_position_embeddings / s.low_freq_factor, s.original_max_position_embeddings / s.high_freq_factor
+    factors = []
+    for freq in rope_inv_freq(scaled.replace(rope_scaling=RopeScaling())).tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high:
+            factors.append(1.0)
+        elif wavelen > low:
+            factors.append(s.factor)
+        else:
+            smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+            factors.append(1 / ((1 - smooth) / s.factor + smooth))
+    from_file = scaled.replace(rope_scaling=RopeScaling(), rope_factors=tuple(factors))
+    assert 1.0 < max(factors) and min(factors) == 1.0
+    torch.testing.assert_close(rope_inv_freq(from_file), rope_inv_freq(scaled), rtol=1e-6, atol=0)
+    written = json.loads(json.dumps(loader.hf_config_dict(from_file)))
+    assert ModelConfig.from_hf(written) == from_file
