@@ -30,7 +30,7 @@ from dualserve.models.formats import FormatTable
 from dualserve.models.loader import LoadedModel
 
 from .ar import ARDecoder
-from .engine.compiled import CompileWorker
+from .engine.compile_worker import CompileWorker
 from .engine.engine import Engine, EngineConfig
 from .engine.heap import trim_heap
 from .engine.paged_attention import KVCache
@@ -44,10 +44,12 @@ class CompileSpec:
 
     cache_dir: Path | None = None      # inductor's caches, kept under the model cache
     background: bool = True            # eager until each step shape's graph is ready
-    worker: CompileWorker = field(default_factory=CompileWorker)  # one compile thread for every runner
+    attend_kernel: bool = True         # graph attention as the project's kernel where it is built
+    # One compile thread for every runner; a copy sent to another process is a fresh one there.
+    worker: CompileWorker = field(default_factory=CompileWorker, compare=False)
 
     def apply(self, runner: ModelRunner, prewarm: bool = True) -> None:
-        runner.compile(self.cache_dir, self.worker if self.background else None)
+        runner.compile(self.cache_dir, self.worker if self.background else None, self.attend_kernel)
         if prewarm:
             self.prewarm(runner)
 
@@ -86,6 +88,7 @@ class Deployment:
     runners: dict[str, ModelRunner] = field(default_factory=dict)
     format_table: FormatTable | None = None  # measured at start-up by --quantization auto, if it ran
     parallel: ParallelGroup | None = None    # the tensor-parallel group, when there is one
+    compile: CompileSpec | None = None       # how its runners compile, when they do
 
     def decoders(self, name: str) -> list[str]:
         return self.engine.decoders_for(name)
@@ -173,14 +176,16 @@ def register_eagle(engine: Engine, spec: ServedSpec, runner: ModelRunner, device
     from .eagle.budget import CostCurve
     from .eagle.decoder import EagleDecoder
 
-    base, head, block = spec.base, None, None
+    base = spec.base
     # Under tensor parallelism the models draft on rank 0 with the unsharded embedding and head.
     target = parallel.head_views.get(id(base.model), base.model) if parallel is not None else base.model
-    if isinstance(spec.eagle_head, Path):
-        load = load_dflash if is_dflash(spec.eagle_head) else load_eagle_head  # a DFlash drafter or an EAGLE head
-        head = load(spec.eagle_head, target, device=device)
-    if spec.dflash is not None:
-        block = load_dflash(spec.dflash, target, device=device)
+    # --eagle DIR names an EAGLE head or a DFlash drafter; --dflash DIR a drafter beside it.
+    paths = [p for p in (spec.eagle_head, spec.dflash) if isinstance(p, Path)]
+    drafters = [p for p in paths if p is spec.dflash or is_dflash(p)]
+    if len(drafters) > 1:
+        raise ValueError("eagle takes one EAGLE head and one DFlash drafter at most")
+    head = next((load_eagle_head(p, target, device=device) for p in paths if p not in drafters), None)
+    block = load_dflash(drafters[0], target, device=device) if drafters else None
     # Draft models beside a quantized target run in its kernel family, with 8-bit weights under dot8:
     # drafting then streams a quarter of the float bytes, and the bundled head's acceptance is unchanged.
     # A draft needs no more than one activation digit (w4a8): the target's verify decides every token.
@@ -231,7 +236,7 @@ def build_deployment(models: list[LoadedModel] | list[ServedSpec], engine_config
     cfg = dataclasses.replace(cfg, num_blocks=num_blocks, block_size=pool.block_size)
     engine = Engine(cfg)
     dep = Deployment(engine=engine, models={s.name: s.base for s in specs}, format_table=format_table,
-                     parallel=parallel)
+                     parallel=parallel, compile=compile)
     for spec in specs:
         register(engine, spec, num_blocks, pool.block_size, device, dep.runners, compile, parallel, format_table)
     if parallel is not None and parallel.shard.rank == 0:

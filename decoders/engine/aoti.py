@@ -36,6 +36,14 @@ alone raised the default deployment's resident memory from 0.7 to 1.7 GB, and gl
 freed: its first start held 1.5 GB after building its four packages, its later starts 0.65 GB.
 In a child all of it goes back to the machine when the child exits.
 
+**No temporaries outlive their build.** Each build works in a directory of its own next to the
+packages (``.build-<pid>-*``: the saved job, 130 MB on the default model, and the package being
+written). The child deletes the job once it has read it; the parent removes the directory when
+the build ends, fails, or its process exits (``atexit``, which also ends the child). A server
+killed outright runs no cleanup: its child notices its parent is gone, removes the directory and
+exits, and the next start in that cache removes whatever a dead process left (``sweep``). While
+the child runs, ``build`` reports its elapsed time every ``PROGRESS_SECONDS``.
+
 **Tracing runs alone** (``TRACING``). ``torch.export`` in non-strict mode traces by patching
 ``torch.nn.Module.__call__`` for the whole process: a module that runs on another thread while
 an export traces is caught by the tracer and fails. ``build`` exports in its child, where nothing
@@ -47,13 +55,17 @@ ends. The engine runs each step's model code through ``TRACING.step()``.
 from __future__ import annotations
 
 import ast
+import atexit
 import hashlib
 import inspect
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
 import threading
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,6 +77,12 @@ import torch.fx.experimental._config  # noqa: F401 - size_oblivious patches it
 FORMAT = 1  # bump when the package layout or the graph's signature changes
 STALE_DAYS = 14  # a package no process has loaded for this long is removed
 _pruned: set[Path] = set()  # directories pruned by this process
+PROGRESS_SECONDS = 60.0  # how often a running build reports its elapsed time
+# No build takes this long: a build's leftovers this old are stale whatever became of its process.
+STALE_BUILD_SECONDS = 86400.0
+_swept: set[Path] = set()  # directories swept of dead builds' leftovers by this process
+_builds: dict[Path, subprocess.Popen | None] = {}  # this process's build directories -> their child
+_builds_lock = threading.Lock()
 
 
 class TraceGate:
@@ -208,29 +226,127 @@ class PackagedGraph:
         return self._run([*inputs, *self.weights])
 
 
+class BuildCancelled(RuntimeError):
+    """The build was ended because its process is exiting (``atexit``); nothing to report."""
+
+
 def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: tuple[dict[int, object], ...],
-          path: Path, inductor: dict[str, object]) -> None:
+          path: Path, inductor: dict[str, object], inductor_cache: Path | None = None,
+          progress: Callable[[float], None] | None = None) -> None:
     """Build ``module``'s package at ``path`` in a child process (the module docstring): exported on
     ``example`` with ``dynamic`` dims (sizes of one included, ``size_oblivious``) and its weights as
-    inputs, then compiled. Written under a temporary name and renamed, so a reader never sees half
-    a file; raises with the child's last words if it fails."""
+    inputs, then compiled. Written in the build's own directory and renamed, so a reader never sees
+    half a file; raises with the child's last words if it fails.
+
+    ``inductor_cache``: the child's inductor cache, unless the environment names one;
+    ``progress``: called with the seconds elapsed every ``PROGRESS_SECONDS`` while the child runs."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    job = path.with_name(f".{path.stem}.{os.getpid()}.job.pt")
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
+    sweep(path.parent)
+    work = Path(tempfile.mkdtemp(prefix=f".build-{os.getpid()}-", dir=path.parent))
+    with _builds_lock:
+        _builds[work] = None
+    job, tmp = work / "job.pt", work / "package.pt2"
     try:
         torch.save({"module": module, "example": [_shape_only(t) for t in example], "dynamic": dynamic,
                     "inductor": dict(inductor)}, job)
         # The child unpickles the module's classes, so it imports what this process can.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        done = subprocess.run([sys.executable, "-m", __name__, str(job), str(tmp)], capture_output=True, text=True,
-                              env=env)
-        if done.returncode != 0:
-            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-12:])
-            raise RuntimeError(f"building {path.name} failed in its child process (exit {done.returncode}):\n{tail}")
+        if inductor_cache is not None:
+            env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
+        child = subprocess.Popen([sys.executable, "-m", __name__, str(job), str(tmp), str(os.getpid())],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        with _builds_lock:
+            ended = work not in _builds  # the process began exiting while the child started
+            if not ended:
+                _builds[work] = child
+        if ended:
+            child.kill()
+            child.wait()
+            raise BuildCancelled(f"building {path.name} was ended: the process is exiting")
+        out, err = _wait(child, progress)
+        with _builds_lock:
+            if work not in _builds:
+                raise BuildCancelled(f"building {path.name} was ended: the process is exiting")
+        if child.returncode != 0:
+            tail = "\n".join((err or out).strip().splitlines()[-12:])
+            raise RuntimeError(f"building {path.name} failed in its child process (exit {child.returncode}):\n{tail}")
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
-        job.unlink(missing_ok=True)
+        _end_build(work)
+
+
+def _wait(child: subprocess.Popen, progress: Callable[[float], None] | None) -> tuple[str, str]:
+    """The child's output once it exits, reporting the time elapsed while it runs."""
+    start = time.monotonic()
+    while True:
+        try:
+            return child.communicate(timeout=PROGRESS_SECONDS)
+        except subprocess.TimeoutExpired:  # retried, nothing of the output is lost
+            if progress is not None:
+                progress(time.monotonic() - start)
+
+
+def _end_build(work: Path) -> None:
+    """End a build of this process: its child, if still running, and its directory."""
+    with _builds_lock:
+        child = _builds.pop(work, None)
+    if child is not None and child.poll() is None:
+        child.kill()
+        child.wait()
+    shutil.rmtree(work, ignore_errors=True)
+
+
+@atexit.register
+def _end_builds() -> None:
+    """A process that exits mid-build (a server stopped during its first start) ends its children
+    and removes their directories: the compile thread is a daemon, and no ``finally`` of its runs."""
+    with _builds_lock:
+        running = list(_builds)
+    for work in running:
+        _end_build(work)
+
+
+# What a build leaves next to the packages, and the id of the process that made it: a build's
+# directory, or the single files of the layout before build directories.
+_LEFTOVER = re.compile(r"^\.build-(\d+)-|^\..+\.(\d+)\.(?:job\.pt|tmp\.pt2)$")
+
+
+def sweep(directory: Path) -> None:
+    """Remove, once per process and directory, what builds of processes now gone left in
+    ``directory`` (killed outright, they ran no cleanup): build directories and partial files
+    whose process no longer runs, or older than ``STALE_BUILD_SECONDS`` (a pid may be reused)."""
+    if directory in _swept:
+        return
+    _swept.add(directory)
+    now = time.time()
+    for entry in directory.glob(".*"):
+        found = _LEFTOVER.match(entry.name)
+        if found is None:
+            continue
+        pid = int(found.group(1) or found.group(2))
+        try:
+            age = now - entry.stat().st_mtime
+        except OSError:  # removed meanwhile
+            continue
+        if pid != os.getpid() and (age > STALE_BUILD_SECONDS or not _running(pid)):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs. Only POSIX can ask without side effects (Windows's
+    ``os.kill`` ends the process); elsewhere every process counts as running, and age decides."""
+    if os.name != "posix":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 # Example inputs of at least this many elements (the KV pool) travel to the child as their shape:
@@ -286,12 +402,38 @@ def matches(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], tolerance
     return None
 
 
-def _child(job: str, package: str) -> None:
-    """``build``'s child process: the saved job, exported and compiled into ``package``."""
-    spec = torch.load(job, weights_only=False)
-    example = tuple(_example(saved) for saved in spec["example"])
-    build_here(spec["module"], example, spec["dynamic"], Path(package), spec["inductor"])
+def _child(job: str, package: str, parent: str | None = None) -> None:
+    """``build``'s child process: the saved job, exported and compiled into ``package``. The job is
+    deleted once read; a package not finished is deleted on the way out; and when ``parent`` exits
+    first (killed), the build's directory goes with this process."""
+    if parent is not None:
+        _exit_with(int(parent), Path(job).parent)
+    done = False
+    try:
+        spec = torch.load(job, weights_only=False)
+        Path(job).unlink(missing_ok=True)  # the module's weights: not needed past here
+        example = tuple(_example(saved) for saved in spec["example"])
+        build_here(spec["module"], example, spec["dynamic"], Path(package), spec["inductor"])
+        done = True
+    finally:
+        if not done:
+            Path(package).unlink(missing_ok=True)
+
+
+def _exit_with(parent: int, work: Path) -> None:
+    """Watch the parent (POSIX: a child whose parent died is handed to another); when it is gone,
+    remove the build's directory and exit. Elsewhere the next start's ``sweep`` removes it."""
+    if os.name != "posix":
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        shutil.rmtree(work, ignore_errors=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="dualserve-build-watch", daemon=True).start()
 
 
 if __name__ == "__main__":
-    _child(*sys.argv[1:3])
+    _child(*sys.argv[1:4])

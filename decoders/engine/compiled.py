@@ -37,18 +37,17 @@ a verify row runs. W is padded to at least 2. On the CPU each graph is an AOTInd
 (``aoti.py``), built once per host and model under the model cache (minutes on 2 cores) and
 loaded in well under a second on later starts; elsewhere it is a ``torch.compile``'d graph,
 and on CUDA a rows step replays a CUDA graph captured for its bucket of sizes (``cuda_graphs``).
-Either way the work happens on a background thread: until a shape's graph is ready, that shape
-runs eagerly, and every shape's build or load is logged with its time.
+Either way the work happens on a background thread (``compile_worker``): until a shape's graph
+is ready, that shape runs eagerly, and every shape's build or load is logged with its place in
+the queue ("graph 2 of 4") and its time; a build also logs its elapsed time while it runs.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import os
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -58,7 +57,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir as default_cache_d
 
 from dualserve.models import kernels
 from . import aoti
-from .heap import trim_heap
+from .compile_worker import CompileWorker
 from .paged_attention import AttentionMetadata, KVCache, SeqAttention, as_stored, padded_rows
 
 if TYPE_CHECKING:
@@ -71,18 +70,18 @@ GRAPH_LIMIT = 64  # compiled graphs per code object (dynamo's recompile_limit), 
 # verify trees (at most 21 tokens) and diffusion canvases. Above it the matmuls are cheaper (on
 # the default model, 128 cached tokens: 16 rows cost 35.9 ms as rows and 29.7 ms as matmuls).
 ROWS_MAX = 24
-# The rows form's attention runs as the project's kernel (``models.kernels``: ``attend_rows``)
-# where it is built; DUALSERVE_ATTEND_KERNEL=0 keeps inductor's loops (for comparison).
-ATTEND_KERNEL = os.environ.get("DUALSERVE_ATTEND_KERNEL", "1") != "0"
+# Graph attention runs as the project's kernel (``models.kernels``: ``attend_rows``) where it is
+# built, unless a step is made with ``attend_kernel=False`` (``CompileSpec.attend_kernel``, from
+# DUALSERVE_ATTEND_KERNEL=0: inductor's loops, for comparison).
 
 
-def bit_exact(model: torch.nn.Module) -> bool:
+def bit_exact(model: torch.nn.Module, attend_kernel: bool = True) -> bool:
     """Whether every step of ``model`` runs the project's ops alone on the CPU (dot8 layers, the
     attention kernel, the pointwise ops), so an eager step and a compiled graph give the same bits."""
     from dualserve.models.quant import Dot8Linear
 
     linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Dot8Linear))]
-    return (ATTEND_KERNEL and kernels.available() and bool(linears)
+    return (attend_kernel and kernels.available() and bool(linears)
             and all(isinstance(m, Dot8Linear) for m in linears)
             and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters()))
 
@@ -91,8 +90,9 @@ class PaddedPagedAttention:
     """Paged attention over a padded step; tensors only, so it traces into one graph."""
 
     def __init__(self, stacked: torch.Tensor, slot_mapping: torch.Tensor | None, rows: torch.Tensor,
-                 context: torch.Tensor, mask: torch.Tensor, chunks: bool):
+                 context: torch.Tensor, mask: torch.Tensor, chunks: bool, attend_kernel: bool = True):
         self.chunks = chunks                       # the form: matmuls (prefill chunks) or rows
+        self.attend_kernel = attend_kernel         # attend_rows where the kernels are built
         self.stacked = stacked                     # (2 * layers, slots, kv_heads, head_dim): keys, then values
         self.layers = stacked.shape[0] // 2
         self.slot_mapping = slot_mapping           # (T,); None inside the graph (the caller stores)
@@ -123,7 +123,7 @@ class PaddedPagedAttention:
         self.new_k.append(k.to(kc.dtype))
         self.new_v.append(v.to(vc.dtype))
         k, v = as_stored(k, kc), as_stored(v, vc)
-        if (ATTEND_KERNEL and q.device.type == "cpu" and q.dtype == torch.float32
+        if (self.attend_kernel and q.device.type == "cpu" and q.dtype == torch.float32
                 and q.shape[-1] % 16 == 0 and kernels.available()):
             # the same sums as ``_rows`` (each row over its visible keys alone), vectorised in C++, in
             # both forms: a prompt's rows then get the bits an eager step or a decode would give them
@@ -234,54 +234,19 @@ class ForwardWithFeatures(torch.nn.Module):
     hidden (T, hidden), one (T, hidden) per feature layer, then the new keys and the new values
     (layers, T, kv_heads, head_dim) for the caller to store."""
 
-    def __init__(self, model: torch.nn.Module, aux_layers: tuple[int, ...], chunks: bool = False):
+    def __init__(self, model: torch.nn.Module, aux_layers: tuple[int, ...], chunks: bool = False,
+                 attend_kernel: bool = True):
         super().__init__()
         self.model = model
         self.aux_layers = aux_layers
         self.chunks = chunks
+        self.attend_kernel = attend_kernel
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, context: torch.Tensor,
                 mask: torch.Tensor, stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        attn = PaddedPagedAttention(stacked, None, rows, context, mask, self.chunks)
+        attn = PaddedPagedAttention(stacked, None, rows, context, mask, self.chunks, self.attend_kernel)
         hidden, aux = self.model(ids, pos, attn, aux_layers=self.aux_layers)
         return (hidden, *aux, torch.stack(attn.new_k), torch.stack(attn.new_v))
-
-
-class CompileWorker:
-    """One background thread that runs compile jobs in the order they were asked for.
-
-    Shared by every runner of a deployment, so compiles never compete with each other for the cores.
-    The thread exits as soon as its queue is empty (and a new one starts with the next job): a thread
-    that ran torch work keeps an OpenMP worker pool while it lives, and an extra pool throttles the
-    engine's OpenMP spinning (see ``openmp``)."""
-
-    def __init__(self) -> None:
-        self._queue: deque[Callable[[], None]] = deque()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            self._queue.append(job)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="dualserve-compile", daemon=True)
-                self._thread.start()
-
-    @property
-    def busy(self) -> bool:
-        with self._lock:
-            return self._thread is not None
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                job = self._queue.popleft() if self._queue else None
-                if job is None:
-                    self._thread = None
-            if job is None:
-                trim_heap()  # what tracing and code generation freed
-                return
-            job()
 
 
 class CompiledStep:
@@ -292,18 +257,22 @@ class CompiledStep:
     guards. Elsewhere it is a ``torch.compile``'d graph."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, scratch: Callable[[int], torch.Tensor],
-                 cache_dir: Path | None = None, worker: CompileWorker | None = None):
-        """``worker``: compile in the background on it (eager until ready); None: compile on first use."""
-        if cache_dir is not None:
-            # Inductor reads its cache location from the environment; set once, before any compile.
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+                 cache_dir: Path | None = None, worker: CompileWorker | None = None, attend_kernel: bool = True):
+        """``cache_dir``: the compile cache (packages under its ``aoti/``, and a build child's inductor
+        cache unless TORCHINDUCTOR_CACHE_DIR names one; the command line sets that once at start-up);
+        ``worker``: compile in the background on it (eager until ready), None: compile on first use;
+        ``attend_kernel``: see ``ROWS_MAX``."""
         self.model = model
         self.cache = cache
         self.scratch = scratch
         self.worker = worker
+        self.attend_kernel = attend_kernel
         self.device = cache.stacked.device
         self.packaged = aoti.available(self.device)
+        self.cache_dir = cache_dir
         self.package_dir = Path(cache_dir or default_cache_dir()) / "aoti"
+        if self.packaged:
+            aoti.sweep(self.package_dir)  # what builds of killed processes left there
         self._fns: dict[tuple[bool, tuple[int, ...]], Callable] = {}  # torch.compile: one per form and feature set
         self._graphs: dict[tuple[StepShape, tuple[int, ...]], Callable[..., Sequence[torch.Tensor]]] = {}
         self.ready: set[tuple[StepShape, tuple[int, ...]]] = set()
@@ -324,7 +293,8 @@ class CompiledStep:
         key = (shape.chunks, aux_layers)
         with self._lock:
             if key not in self._fns:
-                self._fns[key] = torch.compile(ForwardWithFeatures(self.model, aux_layers, shape.chunks), dynamic=True,
+                forward = ForwardWithFeatures(self.model, aux_layers, shape.chunks, self.attend_kernel)
+                self._fns[key] = torch.compile(forward, dynamic=True,
                                                options={"emulate_precision_casts": True})  # see PACKAGE_INDUCTOR
             return self._fns[key]
 
@@ -374,7 +344,8 @@ class CompiledStep:
 
     def _request(self, key: tuple[StepShape, tuple[int, ...]]) -> None:
         with self._lock:
-            if self.failed or key in self._pending:
+            # Steps without features run the feature variant once there is one (``prewarm``).
+            if self.failed or key in self._pending or (not key[1] and self.features):
                 return
             self._pending.add(key)
         if self.worker is None:
@@ -409,8 +380,11 @@ class CompiledStep:
                 self._pending.discard(key)
             return
         start = time.perf_counter()
+        where = self._where()
         try:
-            graph, how = self._package(key) if self.packaged else (self._torch_compile(key), "compiled")
+            graph, how = self._package(key, where) if self.packaged else (self._torch_compile(key), "compiled")
+        except aoti.BuildCancelled:  # the process is exiting
+            return
         except Exception:  # noqa: BLE001 - any compiler failure leaves eager mode in charge
             log.warning("compiling the %s forward failed; staying eager", shape.name, exc_info=True)
             with self._lock:
@@ -418,35 +392,47 @@ class CompiledStep:
             return
         self.seconds[shape.name] = time.perf_counter() - start
         self.how[shape.name] = how
-        log.info("%s the %s forward in %.1f s", how, shape.name, self.seconds[shape.name])
+        log.info("%s the %s forward in %.1f s%s", how, shape.name, self.seconds[shape.name], where)
         with self._lock:
             self._graphs[key] = graph
             self.ready.add(key)
 
-    def _package(self, key: tuple[StepShape, tuple[int, ...]]) -> tuple[Callable[..., Sequence[torch.Tensor]], str]:
+    def _where(self) -> str:
+        """The running job's place in the compile queue, for the log (" (graph 2 of 4)")."""
+        if self.worker is None:
+            return ""
+        k, n = self.worker.position()
+        return f" (graph {k} of {n})"
+
+    def _package(self, key: tuple[StepShape, tuple[int, ...]],
+                 where: str = "") -> tuple[Callable[..., Sequence[torch.Tensor]], str]:
         """This shape's AOTInductor package: loaded from the cache, or built there first; used
         only once it matches the eager forward at two sizes."""
         shape, aux = key
-        module = ForwardWithFeatures(self.model, aux, shape.chunks)
+        module = ForwardWithFeatures(self.model, aux, shape.chunks, self.attend_kernel)
         # The code the graph is traced from: the model's own modules, and the step's classes here.
         sources = [*sorted({inspect.getmodule(type(m)) for m in self.model.modules()
                             if type(m).__module__.startswith("dualserve.")}, key=lambda m: m.__name__),
                    PaddedPagedAttention, ForwardWithFeatures]
         # A rows graph calls the attention kernel where it is built, and loading a package that calls
         # it needs the kernels' library loaded first (a model without dot8 layers has not loaded it).
-        uses_kernel = ATTEND_KERNEL and kernels.available()
+        uses_kernel = self.attend_kernel and kernels.available()
         digest = aoti.package_key(self.model, sources, self.cache.dtype, shape, aux, sorted(PACKAGE_INDUCTOR.items()),
                                   uses_kernel, kernels.library_path().name if kernels.available() else None)
         path = self.package_dir / f"step-{shape.name.replace('/', '-')}-{digest}.pt2"
         how = "loaded"
         if not path.exists():
-            aoti.build(module, self._inputs(shape, 5), shape.dynamic_dims(), path, PACKAGE_INDUCTOR)
+            log.info("building the %s forward%s in a child process: once per host and model, minutes on a "
+                     "small CPU; its steps run eagerly until it is ready", shape.name, where)
+            aoti.build(module, self._inputs(shape, 5), shape.dynamic_dims(), path, PACKAGE_INDUCTOR,
+                       inductor_cache=self.cache_dir,
+                       progress=lambda s: log.info("building the %s forward%s: %.0f s so far", shape.name, where, s))
             how = "built"
         aoti.mark_used(path)
         graph = aoti.PackagedGraph(path, module)
         # A model computed by the project's ops alone must match bit for bit (docs/numerics.md): a
         # package that does not would answer differently from the eager steps it replaces.
-        tolerance = 0.0 if bit_exact(self.model) else 0.2
+        tolerance = 0.0 if bit_exact(self.model, self.attend_kernel) else 0.2
         with torch.inference_mode():
             for n in (3, 6):
                 inputs = self._inputs(shape, n)

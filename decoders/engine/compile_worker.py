@@ -1,0 +1,85 @@
+"""The compile thread: one background thread that builds or loads every runner's step graphs in turn.
+
+Shared by every runner of a deployment (``deployment.CompileSpec``), so compiles never compete
+with each other for the cores. It counts its jobs, so a job can say where it stands ("graph 2
+of 4") and a start-up line can say how many graphs are still to come.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from .heap import trim_heap
+
+log = logging.getLogger("dualserve.compile")
+
+
+class CompileWorker:
+    """One background thread that runs compile jobs in the order they were asked for.
+
+    The thread exits as soon as its queue is empty (and a new one starts with the next job): a thread
+    that ran torch work keeps an OpenMP worker pool while it lives, and an extra pool throttles the
+    engine's OpenMP spinning (see ``openmp``)."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Callable[[], None]] = deque()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        # Since the queue last ran dry: jobs asked for, jobs finished, and when the first was asked for.
+        self._asked = 0
+        self._finished = 0
+        self._since = 0.0
+
+    def __reduce__(self):
+        """A worker is its process's own: a copy sent to another process (a tensor-parallel rank's
+        settings) is a fresh worker there."""
+        return CompileWorker, ()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            self._queue.append(job)
+            if not self._asked:
+                self._since = time.monotonic()
+            self._asked += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="dualserve-compile", daemon=True)
+                self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return self._thread is not None
+
+    @property
+    def pending(self) -> int:
+        """Jobs asked for and not finished (the running one included)."""
+        with self._lock:
+            return self._asked - self._finished
+
+    def position(self) -> tuple[int, int]:
+        """(k, n): the running job is the k-th of the n asked for since the queue last ran dry."""
+        with self._lock:
+            return self._finished + 1, self._asked
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                job = self._queue.popleft() if self._queue else None
+                if job is None:
+                    self._thread = None
+                    done, seconds = self._finished, time.monotonic() - self._since
+                    self._asked = self._finished = 0
+            if job is None:
+                if done > 1:
+                    log.info("compile jobs done: %d graphs in %.1f s", done, seconds)
+                trim_heap()  # what tracing and code generation freed
+                return
+            try:
+                job()
+            finally:
+                with self._lock:
+                    self._finished += 1

@@ -1,0 +1,128 @@
+"""A package build leaves nothing behind however its process ends, and says where it stands.
+
+The builds here are real (a one-layer module through ``aoti.build``'s child process), stopped
+while the child runs: by the process exiting (``atexit``), or by SIGKILL, when only the child's
+watch on its parent can clean up. Leftovers of dead processes are swept at the next start.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from dualserve.decoders.engine import aoti
+from dualserve.decoders.engine.compile_worker import CompileWorker
+
+posix = pytest.mark.skipif(os.name != "posix", reason="process liveness is asked of POSIX only")
+
+# A script that starts a build of a tiny module on a daemon thread (as the compile worker does),
+# prints the child's pid and the build directory once the child runs, then does what it is told.
+BUILDER = textwrap.dedent("""
+    import sys, threading, time
+    from pathlib import Path
+    import torch
+    from dualserve.decoders.engine import aoti
+
+    out, then = Path(sys.argv[1]), sys.argv[2]
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    example = (torch.randn(3, 8),)
+    dims = ({0: torch.export.Dim.AUTO},)
+    threading.Thread(target=aoti.build, args=(module, example, dims, out / "step.pt2", {}), daemon=True).start()
+    while not any(child is not None for child in aoti._builds.values()):
+        time.sleep(0.05)
+    work, child = next(iter(aoti._builds.items()))
+    print(child.pid, work, flush=True)
+    if then == "exit":
+        time.sleep(0.5)
+        sys.exit(0)
+    time.sleep(600)
+""")
+
+
+def start_builder(tmp_path: Path, then: str) -> tuple[subprocess.Popen, int, Path]:
+    proc = subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path), then], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().split()
+    assert line, f"the builder ended early (exit {proc.wait()})"
+    return proc, int(line[0]), Path(line[1])
+
+
+def gone(pid: int) -> bool:
+    """Not running: absent, or a zombie no one has reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def until(condition, seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+@posix
+def test_a_process_exiting_mid_build_ends_its_child_and_removes_the_build(tmp_path):
+    proc, child, work = start_builder(tmp_path, "exit")
+    assert proc.wait(timeout=60) == 0
+    assert not work.exists() and gone(child)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@posix
+def test_a_killed_server_s_child_removes_the_build_and_exits(tmp_path):
+    proc, child, work = start_builder(tmp_path, "wait")
+    proc.kill()
+    proc.wait()
+    assert until(lambda: not work.exists() and gone(child)), "the orphaned child kept running or left its files"
+    assert list(tmp_path.iterdir()) == []
+
+
+@posix
+def test_the_next_start_sweeps_what_dead_processes_left(tmp_path, monkeypatch):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    live = str(os.getppid())
+    made = {
+        f".build-{dead}-x1": True, f".build-{live}-x2": True,            # build directories
+        f".step-rows-abc.{dead}.job.pt": False, f".step-rows-abc.{dead}.tmp.pt2": False,  # the older layout
+        f".step-rows-abc.{live}.job.pt": False, "step-rows-abc.pt2": False, ".hidden": False,
+    }
+    for name, is_dir in made.items():
+        (tmp_path / name).mkdir() if is_dir else (tmp_path / name).write_bytes(b"x")
+    old = tmp_path / f".build-{live}-x3"  # alive, but older than any build: its pid was reused
+    old.mkdir()
+    os.utime(old, (time.time() - 2 * aoti.STALE_BUILD_SECONDS,) * 2)
+    monkeypatch.setattr(aoti, "_swept", set())
+    aoti.sweep(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f".build-{live}-x2", f".step-rows-abc.{live}.job.pt", "step-rows-abc.pt2", ".hidden"])
+
+
+def test_a_running_build_reports_its_elapsed_time(monkeypatch):
+    monkeypatch.setattr(aoti, "PROGRESS_SECONDS", 0.2)
+    seen: list[float] = []
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1); print('done')"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, _ = aoti._wait(child, seen.append)
+    assert out.strip() == "done" and len(seen) >= 2 and seen == sorted(seen)
+
+
+def test_the_compile_worker_says_which_job_of_how_many_runs():
+    worker = CompileWorker()
+    seen: list[tuple[int, int]] = []
+    for _ in range(3):
+        worker.submit(lambda: (time.sleep(0.05), seen.append(worker.position())))
+    assert worker.pending == 3
+    assert until(lambda: not worker.busy, 10)
+    assert seen == [(1, 3), (2, 3), (3, 3)] and worker.pending == 0
+    worker.submit(lambda: seen.append(worker.position()))  # a later burst counts afresh
+    assert until(lambda: not worker.busy, 10) and seen[-1] == (1, 1)
