@@ -30,8 +30,9 @@ Servers this command started are stopped when it exits, also on Ctrl-C or SIGTER
 
 - ``--dualserve-args "--quantization int4"``: extra arguments for ``dualserve serve``;
 - ``--llamacpp-args "..."``: extra arguments for ``python -m llama_cpp.server``;
-- ``--gguf PATH``: the GGUF file for llama.cpp (default: the default model's file in the model
-  cache; dualserve serves its default model unless ``--dualserve-args`` says ``--model``);
+- ``--gguf PATH``: the GGUF file both servers serve (default: the default model's file in the
+  model cache), any Llama / Qwen GGUF such as one from ``clients/write_gguf.py``; a ``--model`` in
+  ``--dualserve-args`` overrides dualserve's;
 - ``--json out.json``: every request, summary and ratio.
 
 llama.cpp is not a dependency of the project. Its server comes from ``llama-cpp-python``; the
@@ -100,7 +101,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="CPU threads for both servers (default: all cores)")
     p.add_argument("--gguf", type=Path, default=None,
-                   help="GGUF file for llama.cpp (default: the default model's file in the cache)")
+                   help="GGUF file for both servers (default: the default model's file in the cache)")
     p.add_argument("--cache-dir", default=None, help="dualserve model cache (to find the default GGUF)")
     p.add_argument("--dualserve-url", help="target a running dualserve (…/v1) instead of starting one")
     p.add_argument("--llamacpp-url", help="target a running llama.cpp server (…/v1) instead of starting one")
@@ -140,6 +141,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.llamacpp_argv = shlex.split(args.llamacpp_args)
     except ValueError as exc:
         p.error(f"could not split extra server arguments: {exc}")
+    if args.gguf and not any(a.split("=")[0] in ("--model", "--ar") for a in args.dualserve_argv):
+        args.dualserve_argv = ["--model", str(args.gguf), *args.dualserve_argv]
     return args
 
 

@@ -254,3 +254,13 @@ def test_llama_cpp_loads_and_generates(tiny_files) -> None:
         assert results[path][1:3] == [4, "length"], path
     assert results[str(tiny_files["llama-full-vocab"])][3] == 49152
     assert {v[3] for p, v in results.items() if p != str(tiny_files["llama-full-vocab"])} == {512}
+
+
+def test_bench_llamacpp_serves_the_written_file_on_both_sides() -> None:
+    """``bench_llamacpp --gguf`` hands the file to dualserve too, unless its own args name a model."""
+    from dualserve.clients import bench_llamacpp as bl
+
+    assert bl.parse_args(["--gguf", "/b/x.gguf"]).dualserve_argv == ["--model", "/b/x.gguf"]
+    args = bl.parse_args(["--gguf", "/b/x.gguf", "--dualserve-args", "--model=/b/y.gguf --no-compile"])
+    assert args.dualserve_argv == ["--model=/b/y.gguf", "--no-compile"]
+    assert bl.parse_args([]).dualserve_argv == []
