@@ -7,10 +7,10 @@ types and readers at the bottom, family loaders above, one dispatch at the top
 (``loader.load_model``).
 
 A state dict here maps names to tensors, or, for a weight stored quantized in
-the model cache, to a *portable* entry ``{"qweight", "scales"[, "zeros"]}``
-(see ``quant.py``). On disk the entry is three tensors beside each other,
-``<module>.qweight``, ``<module>.scales``, ``<module>.zeros``, with int4 values
-packed two to a byte (even column in the low nibble).
+the model cache, to a *portable* entry ``{"qweight", "scales"[, "zeros", "scale_mult",
+"zero_mult"]}`` (see ``portable.py``). On disk the entry is its tensors beside each other,
+``<module>.qweight``, ``<module>.scales`` ..., with int4 values (a uint8 ``qweight`` with
+``zeros``) packed two to a byte (even column in the low nibble); int8 values are stored as they are.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import ModelConfig
-from .quant import (PORTABLE_KEYS, QuantEmbedding, Quantization, concat_portable, dequantize_portable,
-                    float_to_linear, head_linear, to_linear)
+from .portable import PORTABLE_KEYS, concat_portable, dequantize_portable, portable_kind
+from .quant import QuantEmbedding, Quantization, float_to_linear, head_linear, to_linear
 from .tokenizer import Tokenizer
 from .transformer import Transformer
 
@@ -69,9 +69,9 @@ def rename(name: str, table: list[tuple[str, str]]) -> str | None:
 
 
 def _concat(parts: list[Weight]) -> Weight:
-    """Fused parts: one portable entry when they share a layout, else float (a file may store q, k and v
-    in different block types)."""
-    if all(isinstance(p, dict) for p in parts) and all(p.keys() == parts[0].keys() for p in parts):
+    """Fused parts: one portable entry when all are (a file may store q, k and v in different block
+    types: ``concat_portable`` widens them to one kind exactly), else float."""
+    if all(isinstance(p, dict) for p in parts):
         return concat_portable(parts)
     return torch.cat([dequantize_portable(p) if isinstance(p, dict) else p for p in parts], 0)
 
@@ -117,11 +117,10 @@ def _quantize_into(model: Transformer, state: dict[str, Weight], fmt: Quantizati
     emb = state.pop("embed_tokens.weight")
     head = state.pop("lm_head.weight", emb)
     swapped["lm_head"] = head_linear(head, fmt, dtype, device)
-    if isinstance(emb, dict) and "zeros" not in emb:  # GGUF Q8_0: the exact grouped int8 layout
-        swapped["embed_tokens"] = QuantEmbedding(emb["qweight"].to(device), emb["scales"].to(device), dtype)
+    if isinstance(emb, dict):  # a GGUF table: its int8 groups as they are (Q8_0, Q6_K ...), else quantized again
+        swapped["embed_tokens"] = QuantEmbedding.from_portable({k: v.to(device) for k, v in emb.items()}, dtype)
     else:
-        table = dequantize_portable(emb) if isinstance(emb, dict) else emb
-        swapped["embed_tokens"] = QuantEmbedding.from_float(table.to(device), dtype)
+        swapped["embed_tokens"] = QuantEmbedding.from_float(emb.to(device), dtype)
     done: dict[str, torch.Tensor] = {}
     for name, module in swapped.items():
         if "." in name:
@@ -190,7 +189,7 @@ def iter_weights(path: Path) -> Iterator[tuple[str, Weight]]:
         else:
             yield name, tensor
     for module, parts in groups.items():
-        if "zeros" in parts:  # int4 stored two to a byte
+        if portable_kind(parts) == "int4":  # stored two to a byte
             packed = parts["qweight"]
             parts["qweight"] = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
         yield f"{module}.weight", parts
@@ -200,7 +199,7 @@ def portable_tensors(name: str, entry: dict) -> dict[str, torch.Tensor]:
     """The on-disk tensors of one portable entry named ``<module>.weight``."""
     module = name.removesuffix(".weight")
     out = {f"{module}.{k}": v.contiguous() for k, v in entry.items()}
-    if "zeros" in entry:
+    if portable_kind(entry) == "int4":
         q = entry["qweight"].to(torch.uint8)
         out[f"{module}.qweight"] = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
     return out

@@ -15,9 +15,11 @@ decoding streams 4 to 8 times fewer bytes than fp32:
     on any CPU; float GEMMs are not (MKL picks kernels by row count and splits long
     reductions across threads). The twin's adapter uses it for that reason.
   * ``Dot8Linear``: int4 groups (``w = q * scale + min``, GGUF's Q4_1) or int8 groups
-    (``w = q * scale``, Q8_0) of 32 inputs, times activations quantized per row to int8
-    groups of 32 at run time, as llama.cpp multiplies: the project's ``dot8`` kernel
-    (``models.kernels``). Two formats use it, int4 layers and a Q8_0 head as it is:
+    (``w = q * scale``, Q8_0, or ``+ min``, Q5_1) of 32 inputs, optionally with integer
+    multipliers of the scale per half group and of the minimum (the K-quants, IQ4_XS), times
+    activations quantized per row to int8 groups of 32 at run time, as llama.cpp multiplies:
+    the project's ``dot8`` kernel (``models.kernels``). Every GGUF type in ``GGUF_PACKED`` is
+    one of these exactly. Two formats use it, the file's blocks and head as they are:
     ``w4a8`` quantizes each activation group to one int8 digit, as llama.cpp does;
     ``w4a16`` to two (the second digit quantizes what the first left over), about 15 bits
     of activation for one more row of integer work. The activations' rounding is the
@@ -26,8 +28,8 @@ decoding streams 4 to 8 times fewer bytes than fp32:
   * ``QuantEmbedding``: int8 rows with one scale per group of 32 columns (GGUF's
     Q8_0 exactly); a lookup dequantizes only the rows it gathers.
 
-The portable layout (what the model cache stores, ``PORTABLE_KEYS``) is plain
-integers and float scales; the kernels' packed layouts are built at load time
+The portable layout (what the model cache stores, ``PORTABLE_KEYS``; ``portable.py``) is
+plain integers and float scales; the kernels' packed layouts are built at load time
 because they differ between CPU and CUDA builds.
 
 The kernels take bf16 activations: on CPU both are about 10x faster with bf16
@@ -39,23 +41,22 @@ so the residual stream, norms and attention keep the model's compute dtype
 same arithmetic for any number of rows, so greedy output does not depend on how
 requests are batched.
 
-GGUF blocks map onto these layouts without re-quantizing: Q4_0
-(``w = d * (q - 8)``) and Q4_1 (``w = d * q + m``) are int4 groups of 32
-(``scale = d``, ``zero = -8d`` or ``m``); Q8_0 (``w = d * q``) is the
-``QuantEmbedding`` layout. Only a Q8_0 matrix used as an output head is
-re-expressed per channel (``Int8Linear.from_grouped``), because the int8 kernel
-takes one scale per channel; the cosine of its logits against the Q8_0 values is
-tested.
+GGUF blocks map onto the portable layout without re-quantizing (``portable.gguf_blocks``).
+Under the dot8 formats every packed type is a ``Dot8Linear`` exactly; under ``int4`` the
+int4 kinds (Q4_0, Q4_1, Q4_K) keep their integers with their scales rounded to bf16; other
+kinds and formats dequantize and quantize again (an output head to int8 per channel, whose
+logits' cosine against the file's values is tested).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .portable import (GGUF_PACKED, PORTABLE_KEYS, concat_portable, dequantize_portable,  # noqa: F401 (the loader's)
+                       gguf_blocks, portable_kind)
 
 Quantization = Literal["none", "int8", "int4", "w4a8", "w4a16"]
 QUANTIZATIONS: tuple[Quantization, ...] = ("none", "int8", "int4", "w4a8", "w4a16")
@@ -63,7 +64,6 @@ QUANTIZATIONS: tuple[Quantization, ...] = ("none", "int8", "int4", "w4a8", "w4a1
 DOT8_DIGITS: dict[str, int] = {"w4a8": 1, "w4a16": 2}
 GROUP = 32  # GGUF's block size, and the int4 group size
 INT8_K = 16  # aten._weight_int8pack_mm on CPU needs an input width that is a multiple of this (else it crashes)
-PORTABLE_KEYS = ("qweight", "scales", "zeros")
 
 
 def _act(x: torch.Tensor) -> torch.Tensor:
@@ -141,11 +141,6 @@ class Int8Linear(nn.Module):
         scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
         return cls((w / scales[:, None]).round().clamp(-127, 127), scales, bias)
 
-    @classmethod
-    def from_grouped(cls, q: torch.Tensor, scales: torch.Tensor) -> "Int8Linear":
-        """Per-channel int8 from int8 groups (Q8_0): one scale per row, rounding once."""
-        return cls.from_float(dequantize_grouped(q, scales))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = torch.ops.aten._weight_int8pack_mm(_act(x).reshape(-1, self.in_features), self.qweight, self.scales)
@@ -211,25 +206,44 @@ class W8A8Linear(nn.Module):
 
 class Dot8Linear(nn.Module):
     """y = x @ W^T (+ b) with W in groups of 32 (int4 with scale and minimum, or int8 with a
-    scale: GGUF's Q4_1 / Q8_0 blocks) and x quantized per row to int8 groups of 32 at run
-    time, multiplied in exact integer sums by ``dualserve::dot8_linear`` (``models.kernels``).
+    scale and optionally a minimum; optionally with integer multipliers: every GGUF type in
+    ``GGUF_PACKED``) and x quantized per row to int8 groups of 32 at run time, multiplied in
+    exact integer sums by ``dualserve::dot8_linear`` (``models.kernels``).
     """
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int,
-                 bias: torch.Tensor | None = None, digits: int = 1):
-        """q (out, in): 0..15 with w = q * scale + min (bits 4), or -127..127 with w = q * scale (bits 8);
+                 bias: torch.Tensor | None = None, digits: int = 1, scale_mult: torch.Tensor | None = None,
+                 zero_mult: torch.Tensor | None = None):
+        """q (out, in): 0..15 (bits 4) or -128..127 (bits 8), in groups of 32 inputs with scales and mins
+        (out, in // 32): w = scale * q (+ min; int4 always has mins). With scale_mult (out, in // 32, 2) int8
+        (inputs 0..15 and 16..31) and, beside mins, zero_mult (out, in // 32) int8:
+        w = (scale * scale_mult) * q + min * zero_mult. Scales and mins are held in fp16.
         digits: int8 digits per activation group (1: w4a8, 2: w4a16)."""
         super().__init__()
         from . import kernels
         if not kernels.available():
             raise RuntimeError(f"the dot8 kernel is not available here: {kernels.unavailable_reason()}")
+        if bits == 4 and mins is None:
+            raise ValueError("int4 dot8 weights have minimums")
+        if scale_mult is None and zero_mult is not None or (
+                scale_mult is not None and (zero_mult is None) != (mins is None)):
+            raise ValueError("zero_mult goes with scale_mult and mins")
+        if scale_mult is not None and kernels.multiplied_bound(q, scale_mult) > kernels.MAX_MULTIPLIED:
+            raise ValueError(f"dot8's integer sums stay exact while a group's max|q s| over its two halves "
+                             f"add up to at most {kernels.MAX_MULTIPLIED}")
         self.out_features, self.in_features = q.shape
         self.bits = bits
         self.digits = digits
+        self.minimum = mins is not None
         packed, d, m = kernels.pack(q.cpu(), scales.cpu(), None if mins is None else mins.cpu(), bits)
+        s = mn = None
+        if scale_mult is not None:
+            s, mn = kernels.pack_multipliers(scale_mult.cpu(), None if zero_mult is None else zero_mult.cpu())
         self.register_buffer("packed", packed.to(q.device))
         self.register_buffer("d", d.to(q.device))
         self.register_buffer("m", m.to(q.device))
+        self.register_buffer("s", None if s is None else s.to(q.device))
+        self.register_buffer("mn", None if mn is None else mn.to(q.device))
         self.register_buffer("bias", None if bias is None else bias.float())
 
     def __setstate__(self, state):  # an unpickled layer (a build's child process) needs the library too
@@ -238,13 +252,11 @@ class Dot8Linear(nn.Module):
         super().__setstate__(state)
 
     @classmethod
-    def from_int4(cls, q, scales, zeros, bias=None, digits: int = 1) -> "Dot8Linear":
-        return cls(q, scales, zeros, 4, bias, digits)
-
-    @classmethod
-    def from_grouped(cls, q: torch.Tensor, scales: torch.Tensor, digits: int = 1) -> "Dot8Linear":
-        """Q8_0 groups as they are: no rounding."""
-        return cls(q, scales, None, 8, digits=digits)
+    def from_portable(cls, parts: dict[str, torch.Tensor], bias: torch.Tensor | None = None,
+                      digits: int = 1) -> "Dot8Linear":
+        """A portable weight (``portable.py``) of any kind, exactly: no rounding."""
+        return cls(parts["qweight"], parts["scales"], parts.get("zeros"), 4 if portable_kind(parts) == "int4" else 8,
+                   bias, digits, parts.get("scale_mult"), parts.get("zero_mult"))
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, bits: int = 4,
@@ -262,18 +274,35 @@ class Dot8Linear(nn.Module):
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
         y = torch.ops.dualserve.dot8_linear(x2.contiguous(), self.packed, self.d, self.m, self.out_features, self.bits,
-                                            0, self.digits)
+                                            0, self.digits, self.s, self.mn, self.minimum)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
+    def portable(self) -> dict[str, torch.Tensor]:
+        """The weight in the portable layout, exactly (scales and mins as the fp16 values the kernel reads)."""
+        from .kernels import unpack_integers, unpack_multipliers
+        q, scales, mins = unpack_integers(self.packed.cpu(), self.d.cpu(), self.m.cpu(), self.out_features,
+                                          self.in_features, self.bits)
+        parts = {"qweight": q.to(torch.uint8 if self.bits == 4 else torch.int8), "scales": scales}
+        if self.minimum:
+            parts["zeros"] = mins
+        if self.s is not None:
+            scale_mult, zero_mult = unpack_multipliers(self.s.cpu(), None if self.mn is None else self.mn.cpu(),
+                                                       self.out_features)
+            parts["scale_mult"] = scale_mult
+            if zero_mult is not None:
+                parts["zero_mult"] = zero_mult
+        return parts
+
     def dequantize(self) -> torch.Tensor:
-        """The float weight (out, in) this layer multiplies by (for tests and references)."""
-        from .kernels import unpack
-        return unpack(self.packed.cpu(), self.d.cpu(), self.m.cpu(), self.out_features, self.in_features, self.bits)
+        """The float weight (out, in) this layer multiplies by, as gguf.quants gives it (for tests and references)."""
+        return dequantize_portable(self.portable())
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, bits={self.bits}, "
+        kind = f"bits={self.bits}" + (", minimum" if self.minimum and self.bits == 8 else "") + (
+            ", multipliers" if self.s is not None else "")
+        return (f"in={self.in_features}, out={self.out_features}, {kind}, "
                 f"activations={self.digits} int8 digit(s) per group of 32")
 
 
@@ -286,6 +315,17 @@ class QuantEmbedding(nn.Module):
         self.dtype = dtype
         self.register_buffer("qweight", q.to(torch.int8).contiguous())
         self.register_buffer("scales", scales.float().contiguous())  # (rows, dim // group)
+
+    @classmethod
+    def from_portable(cls, parts: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> "QuantEmbedding":
+        """A file's table: int8 groups (Q8_0, Q5_0, IQ4_NL; Q6_K and IQ4_XS with a scale per 16 columns,
+        their multipliers folded in, exact in fp32) as they are; other kinds dequantized and quantized again."""
+        if portable_kind(parts) != "int8_grouped":
+            return cls.from_float(dequantize_portable(parts), dtype)
+        scales = parts["scales"].float()
+        if "scale_mult" in parts:
+            scales = (scales[..., None] * parts["scale_mult"].float()).flatten(-2)  # (rows, dim // 16)
+        return cls(parts["qweight"], scales, dtype)
 
     @classmethod
     def from_float(cls, w: torch.Tensor, dtype: torch.dtype = torch.float32) -> "QuantEmbedding":
@@ -320,86 +360,44 @@ def quantize_int4(w: torch.Tensor, group_size: int = GROUP) -> tuple[torch.Tenso
     return q.to(torch.uint8), scales, lo
 
 
-# ---- GGUF blocks (ggml-common.h: block_q4_0, block_q4_1, block_q8_0) -------------
-
-# GGUF block types kept in their own integers (``gguf_blocks``); the loader dequantizes the others.
-GGUF_PACKED = ("Q4_0", "Q4_1", "Q8_0")
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """(rows, blocks, 16) bytes -> (rows, blocks * 32): low nibbles are elements 0..15, high 16..31."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(qs.shape[0], -1)
-
-
-def gguf_blocks(data: np.ndarray, kind: str) -> dict[str, torch.Tensor]:
-    """Raw GGUF rows (rows, bytes) of a Q4_0, Q4_1 or Q8_0 tensor -> the portable layout, no rounding."""
-    rows = data.shape[0]
-    if kind == "Q4_0":  # 2-byte d, 16 bytes of nibbles; w = d * (q - 8)
-        b = data.reshape(rows, -1, 18)
-        d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-        return {"qweight": torch.from_numpy(_nibbles(b[..., 2:])), "scales": torch.from_numpy(d),
-                "zeros": torch.from_numpy(-8 * d)}
-    if kind == "Q4_1":  # 2-byte d, 2-byte m, 16 bytes of nibbles; w = d * q + m
-        b = data.reshape(rows, -1, 20)
-        d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        return {"qweight": torch.from_numpy(_nibbles(b[..., 4:])), "scales": torch.from_numpy(d),
-                "zeros": torch.from_numpy(m)}
-    if kind == "Q8_0":  # 2-byte d, 32 int8; w = d * q
-        b = data.reshape(rows, -1, 34)
-        d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-        q = b[..., 2:].copy().view(np.int8).reshape(rows, -1)
-        return {"qweight": torch.from_numpy(q), "scales": torch.from_numpy(d)}
-    raise ValueError(f"no direct layout for GGUF {kind}")
-
-
-def portable_kind(parts: dict[str, torch.Tensor]) -> Literal["int4", "int8_grouped"]:
-    return "int4" if "zeros" in parts else "int8_grouped"
-
-
-def dequantize_portable(parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The float32 weight a portable entry stands for."""
-    q, scales = parts["qweight"], parts["scales"]
-    if "zeros" in parts:
-        zeros = parts["zeros"]
-        w = q.float().unflatten(-1, (scales.shape[-1], -1)) * scales.float()[..., None] + zeros.float()[..., None]
-        return w.flatten(-2)
-    return dequantize_grouped(q, scales)
-
-
-def concat_portable(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack several portable weights along the output dimension (fused q/k/v, gate/up)."""
-    return {k: torch.cat([p[k] for p in parts], 0) for k in parts[0]}
-
-
 def to_linear(parts: dict[str, torch.Tensor], fmt: Quantization, bias: torch.Tensor | None,
               dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-    """A portable weight as a linear layer in ``fmt``: int4 stays exact when it came as int4."""
+    """A portable weight as a linear layer in ``fmt``: exact under the dot8 formats (every kind), the
+    file's integers under ``int4`` when it came as int4; else dequantized, then ``fmt``."""
     parts = {k: v.to(device) for k, v in parts.items()}
     digits = DOT8_DIGITS.get(fmt)
-    if digits and portable_kind(parts) == "int4" and parts["qweight"].shape[1] % GROUP == 0:
-        return Dot8Linear.from_int4(parts["qweight"], parts["scales"], parts["zeros"], bias, digits)
-    if digits and portable_kind(parts) == "int8_grouped" and parts["qweight"].shape[1] % GROUP == 0:
-        return Dot8Linear.from_grouped(parts["qweight"], parts["scales"], digits)
+    if digits and parts["qweight"].shape[1] % GROUP == 0:
+        return Dot8Linear.from_portable(parts, bias, digits)
     if fmt == "int4" and portable_kind(parts) == "int4":
-        return Int4Linear(parts["qweight"], parts["scales"], parts["zeros"], bias)
-    if fmt == "int8" and portable_kind(parts) == "int8_grouped":
-        return Int8Linear.from_grouped(parts["qweight"], parts["scales"])
-    w = dequantize_portable(parts)
-    return float_to_linear(w, bias, fmt, dtype)
+        scales, zeros = int4_group_scales(parts)
+        if scales is not None:
+            return Int4Linear(parts["qweight"], scales, zeros, bias)
+    return float_to_linear(dequantize_portable(parts), bias, fmt, dtype)
+
+
+def int4_group_scales(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """An int4 entry's scale and zero per group of 32 (fp32, exact), its multipliers folded in; None
+    where a group's two halves have different multipliers (no layout of one scale a group holds it)."""
+    scales, zeros = parts["scales"].float(), parts["zeros"].float()
+    if "scale_mult" not in parts:
+        return scales, zeros
+    mult = parts["scale_mult"]
+    if not torch.equal(mult[..., 0], mult[..., 1]):
+        return None, None
+    return scales * mult[..., 0].float(), zeros * parts["zero_mult"].float()
 
 
 def head_linear(weight: dict[str, torch.Tensor] | torch.Tensor, fmt: Quantization, dtype: torch.dtype,
                 device: torch.device | str) -> nn.Module:
-    """The output head of a quantized model: 8 bits whatever the layers use (checkpoint.HEAD_QUANTIZATION),
-    in the layers' kernel family: int8 groups of 32 under the dot8 formats (a Q8_0 head exactly), else int8
-    per channel."""
+    """The output head of a quantized model, in the layers' kernel family: under the dot8 formats a
+    file's head as its blocks are (a Q8_0 or Q6_K head exactly) and a float head as int8 groups of 32;
+    else int8 per channel (checkpoint.HEAD_QUANTIZATION: 8 bits whatever the layers use)."""
     width = weight["qweight"].shape[1] if isinstance(weight, dict) else weight.shape[1]
     if fmt in DOT8_DIGITS and width % GROUP == 0:
         digits = DOT8_DIGITS[fmt]
-        if isinstance(weight, dict) and portable_kind(weight) == "int8_grouped":
-            return Dot8Linear.from_grouped(weight["qweight"].to(device), weight["scales"].to(device), digits)
-        w = dequantize_portable(weight) if isinstance(weight, dict) else weight
-        return Dot8Linear.from_float(w.to(device), bits=8, digits=digits)
+        if isinstance(weight, dict):
+            return Dot8Linear.from_portable({k: v.to(device) for k, v in weight.items()}, digits=digits)
+        return Dot8Linear.from_float(weight.to(device), bits=8, digits=digits)
     if isinstance(weight, dict):
         return to_linear(weight, "int8", None, dtype, device)
     return Int8Linear.from_float(weight.to(device))

@@ -105,10 +105,13 @@ def int4_from(q: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tenso
     return layer
 
 
-def dot8_parts(layer: Dot8Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A dot8 layer's integers (out, in) and fp16-exact scales and minimums (out, in // 32)."""
-    from .kernels import unpack_integers
-    return unpack_integers(layer.packed, layer.d, layer.m, layer.out_features, layer.in_features, layer.bits)
+def dot8_parts(layer: Dot8Linear, rows: torch.Tensor | slice = slice(None), lo: int = 0,
+               hi: int | None = None) -> dict[str, torch.Tensor]:
+    """Output rows ``rows`` and input columns lo..hi (whole groups of 32) of a dot8 layer in its exact
+    portable form: integers, fp16 scales and minimums, multipliers."""
+    hi = layer.in_features if hi is None else hi
+    groups = slice(lo // GROUP, hi // GROUP)
+    return {k: v[rows][:, lo:hi] if k == "qweight" else v[rows][:, groups] for k, v in layer.portable().items()}
 
 
 def float_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -131,8 +134,7 @@ def take_rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
     if isinstance(layer, Int4Linear):
         return int4_from(int4_values(layer)[rows], layer.scales_and_zeros[:, rows], bias, layer.group_size)
     if isinstance(layer, Dot8Linear):
-        q, d, m = dot8_parts(layer)
-        return Dot8Linear(q[rows], d[rows], m[rows] if layer.bits == 4 else None, layer.bits, bias, layer.digits)
+        return Dot8Linear.from_portable(dot8_parts(layer, rows), bias, layer.digits)
     raise TypeError(f"cannot shard {type(layer).__name__}")
 
 
@@ -153,10 +155,7 @@ def take_cols(layer: nn.Module, lo: int, hi: int, keep_bias: bool) -> nn.Module:
     if isinstance(layer, Dot8Linear):
         if lo % GROUP or hi % GROUP:
             raise ValueError(f"dot8 columns {lo}..{hi} do not fall on groups of {GROUP}")
-        q, d, m = dot8_parts(layer)
-        cols = slice(lo // GROUP, hi // GROUP)
-        return Dot8Linear(q[:, lo:hi], d[:, cols], m[:, cols] if layer.bits == 4 else None, layer.bits, bias,
-                          layer.digits)
+        return Dot8Linear.from_portable(dot8_parts(layer, lo=lo, hi=hi), bias, layer.digits)
     raise TypeError(f"cannot shard {type(layer).__name__}")
 
 

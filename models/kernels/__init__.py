@@ -30,19 +30,22 @@ import fcntl
 import functools
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import torch
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("dot8.cpp", "attend.cpp", "pointwise.cpp"))
-HEADERS = (Path(__file__).with_name("exp.h"),)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("exp.h", "dot8_tiles.h", "dot8_acts.h"))
 TILE = 16
 GROUP = 32
 _loaded: bool | None = None
 _error: str | None = None
+_build_seconds: float | None = None  # set when this process compiled the library (else it was cached)
 
 
 def _cache_dir() -> Path:
@@ -63,13 +66,18 @@ def _compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
+@functools.cache  # the compiler does not change within a process
+def _compiler_version() -> str:
+    try:
+        return subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise RuntimeError(f"no C++ compiler ({_compiler()}): {e}") from e
+
+
 @functools.cache  # the sources and the compiler do not change within a process
 def library_path() -> Path:
     """Where this source, compiler and torch build's library lives (built or not)."""
-    try:
-        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise RuntimeError(f"no C++ compiler ({_compiler()}): {e}") from e
+    version = _compiler_version()
     texts = [s.read_text() for s in SOURCES + HEADERS]
     key = hashlib.sha256("\n".join([*texts, version, torch.__version__, sys.version,
                                     " ".join(_flags())]).encode()).hexdigest()[:16]
@@ -78,6 +86,7 @@ def library_path() -> Path:
 
 def build() -> Path:
     """Compile the kernel if this machine has not yet (one process at a time, atomically)."""
+    global _build_seconds
     so = library_path()
     if so.exists():
         return so
@@ -87,10 +96,13 @@ def build() -> Path:
         if not so.exists():
             tmp = so.with_suffix(f".{os.getpid()}.tmp")
             cmd = [_compiler(), *map(str, SOURCES), "-o", str(tmp), *_flags()]
+            start = time.monotonic()
             done = subprocess.run(cmd, capture_output=True, text=True)
+            _build_seconds = time.monotonic() - start
             if done.returncode:
                 tmp.unlink(missing_ok=True)
-                raise RuntimeError(f"building the kernels failed:\n{done.stderr[-4000:]}")
+                first = next((line for line in done.stderr.splitlines() if "error" in line), "")
+                raise RuntimeError(f"building the kernels failed: {first.strip()}\n{done.stderr[-4000:]}")
             tmp.rename(so)
     return so
 
@@ -123,13 +135,26 @@ def code_path() -> str:
     return torch.ops.dualserve.dot8_path()
 
 
+def describe() -> str:
+    """One line for a start-up log: the kernels and the dot8 code path in use, or why there are none."""
+    if not available():
+        reason = str(_error).splitlines()[0][:200] if _error else "unknown"
+        return f"kernels unavailable: {reason}; w4a8/w4a16 not offered, attention uses SDPA"
+    first = _compiler_version().splitlines()[0] if _compiler_version() else _compiler()
+    version = re.search(r"(\d+\.\d+)(\.\d+)*\s*$", first)
+    compiler = Path(_compiler()).name + (f" {version.group(1)}" if version else "")
+    how = "cached" if _build_seconds is None else f"compiled now, {_build_seconds:.0f} s"
+    return f"dot8 {code_path()}, attend_rows, pointwise; built by {compiler} ({how})"
+
+
 def _register_fake() -> None:
     @torch.library.register_fake("dualserve::dot8_linear")
-    def _(x, q, d, m, n, bits, force_scalar=0, digits=1):
+    def _(x, q, d, m, n, bits, force_scalar=0, digits=1, s=None, mn=None, minimum=False):
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
     @torch.library.register_fake("dualserve::dot8_lora")
-    def _(x, q, d, m, n, bits, qa, da, ma, rank, qb, db, mb, force_scalar=0, digits=1):
+    def _(x, q, d, m, n, bits, qa, da, ma, rank, qb, db, mb, force_scalar=0, digits=1, s=None, mn=None,
+          minimum=False):
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
     @torch.library.register_fake("dualserve::attend_rows")
@@ -162,20 +187,40 @@ def pointwise(x: torch.Tensor) -> bool:
 
 # ---- the packed layout (dot8.cpp's header) ----------------------------------------
 
+# With multipliers a group's integer s_lo dot_lo + s_hi dot_hi stays below 2^24, so exact in fp32,
+# while 16 * 127 * (max|q_lo| |s_lo| + max|q_hi| |s_hi|) < 2^24 (Q6_K: 32 * 128 * 2 = 8192).
+MAX_MULTIPLIED = 8256
+
+
+def multiplied_bound(q: torch.Tensor, scale_mult: torch.Tensor) -> int:
+    """The largest max|q_lo| |s_lo| + max|q_hi| |s_hi| over the groups of q (out, in)."""
+    if not q.numel():
+        return 0
+    half = q.to(torch.int32).abs().view(q.shape[0], -1, 2, GROUP // 2).amax(-1)   # (out, groups, 2)
+    return int((half * scale_mult.to(torch.int32).abs()).sum(-1).max())
+
+
+def _tiles(v: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(out, ...) padded with zero rows to whole tiles of 16 channels: (tiles, 16, ...), tiles."""
+    out = v.shape[0]
+    tiles = -(-out // TILE)
+    pad = torch.zeros((tiles * TILE - out, *v.shape[1:]), dtype=v.dtype)
+    return torch.cat([v, pad]).view(tiles, TILE, *v.shape[1:]), tiles
+
+
 def pack(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (out, in): 0..15 (bits 4, w = d q + m) or -127..127 (bits 8, w = d q), in groups of
-    32 along the input with scales/mins (out, in // 32). Returns the kernel's (q, d, m)."""
+    """q (out, in): 0..15 (bits 4, w = d q + m) or -128..127 (bits 8, w = d q, or d q + m with mins),
+    in groups of 32 along the input with scales/mins (out, in // 32). Returns the kernel's (q, d, m)."""
     out, inp = q.shape
     if inp % GROUP:
         raise ValueError(f"dot8 needs an input width divisible by {GROUP}, not {inp}")
-    tiles, groups = -(-out // TILE), inp // GROUP
-    pad = tiles * TILE - out
+    groups = inp // GROUP
     q = q.to(torch.int16)
     if bits == 8:
         q = q + 128
         mins = torch.zeros_like(scales) if mins is None else mins
-    q = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(tiles, TILE, groups, GROUP)
+    q, tiles = _tiles(q.view(out, groups, GROUP))                         # (tiles, 16, groups, 32)
     if bits == 4:
         # chunk j: lane c byte b = q[c, 8j + b] | q[c, 8j + 4 + b] << 4
         g = q.view(tiles, TILE, groups, 4, 2, 4)
@@ -185,33 +230,45 @@ def pack(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits:
     packed = packed.permute(0, 2, 3, 1, 4).contiguous().to(torch.uint8)  # (tiles, groups, chunk, 16, 4)
 
     def per_tile(v: torch.Tensor) -> torch.Tensor:
-        v = torch.nn.functional.pad(v.float(), (0, 0, 0, pad)).view(tiles, TILE, groups)
-        return v.permute(0, 2, 1).contiguous().half()
+        return _tiles(v.float())[0].permute(0, 2, 1).contiguous().half()  # (tiles, groups, 16)
     return packed.flatten(), per_tile(scales), per_tile(mins)
 
 
+def pack_multipliers(scale_mult: torch.Tensor, zero_mult: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """scale_mult (out, groups, 2) and zero_mult (out, groups) int8 -> the kernel's s [tile][group][2][16]
+    and mn [tile][group][16]."""
+    s = _tiles(scale_mult.to(torch.int8))[0].permute(0, 2, 3, 1).contiguous()
+    mn = None if zero_mult is None else _tiles(zero_mult.to(torch.int8))[0].permute(0, 2, 1).contiguous()
+    return s, mn
+
+
 def reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-              bits: int, digits: int = 1) -> torch.Tensor:
-    """What ``dot8_linear`` computes, in float64 from the unpacked weight (for tests)."""
+              bits: int, digits: int = 1, scale_mult: torch.Tensor | None = None,
+              zero_mult: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``dot8_linear`` computes, in float64 from the unpacked weight (for tests): per group
+    ``d * (s_lo dot_lo + s_hi dot_hi) + m * mn * asum`` (s, mn 1 without multipliers; m 0 without mins)."""
     rest = x.float().view(x.shape[0], -1, GROUP)
     d = scales.half().double()
     m = (torch.zeros_like(scales) if mins is None else mins).half().double()
-    qg = q.double().view(q.shape[0], -1, GROUP)
+    qg = q.double().view(q.shape[0], -1, 2, GROUP // 2)
+    s = torch.ones(*d.shape, 2, dtype=torch.float64) if scale_mult is None else scale_mult.double()
+    mn = torch.ones_like(d) if zero_mult is None else zero_mult.double()
     total = 0
     for _ in range(digits):
         sx = rest.abs().amax(-1) / 127
         a = torch.where(sx[..., None] > 0, torch.round(rest / sx[..., None]), torch.zeros_like(rest))
         rest = rest - a * sx[..., None]
         a = a.double()
-        dot = torch.einsum("rgk,ngk->rng", a, qg)
-        y = dot * d[None] + (m[None] * a.sum(-1)[:, None, :] if bits == 4 else 0)
+        dot = (torch.einsum("rghk,nghk->rngh", a.view(*a.shape[:2], 2, -1), qg) * s[None]).sum(-1)
+        y = dot * d[None] + m[None] * mn[None] * a.sum(-1)[:, None, :]
         total = total + (y * sx.double()[:, None, :]).sum(-1)
     return total
 
 
 def unpack_integers(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, out: int, inp: int, bits: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``pack`` inverted, exactly: q (out, in) as packed (0..15, or -127..127 for bits 8), and the
+    """``pack`` inverted, exactly: q (out, in) as packed (0..15, or -128..127 for bits 8), and the
     scales and minimums (out, in // 32) as the fp16 values the kernel reads, in fp32."""
     tiles, groups = -(-out // TILE), inp // GROUP
     b = packed.view(tiles, groups, -1, TILE, 4).to(torch.int16)
@@ -225,8 +282,9 @@ def unpack_integers(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, out:
     return q[:out], scale[:out], low[:out]
 
 
-def unpack(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, out: int, inp: int, bits: int) -> torch.Tensor:
-    """The float weight (out, in) a packed layer stands for (``pack`` inverted)."""
-    q, scale, low = unpack_integers(packed, d, m, out, inp, bits)
-    w = q.float().view(out, -1, GROUP) * scale[..., None] + (low[..., None] if bits == 4 else 0)
-    return w.view(out, inp)
+def unpack_multipliers(s: torch.Tensor, mn: torch.Tensor | None, out: int
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``pack_multipliers`` inverted: scale_mult (out, groups, 2) and zero_mult (out, groups)."""
+    scale_mult = s.permute(0, 3, 1, 2).flatten(0, 1)[:out]
+    zero_mult = None if mn is None else mn.permute(0, 2, 1).flatten(0, 1)[:out]
+    return scale_mult, zero_mult

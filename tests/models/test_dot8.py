@@ -33,7 +33,13 @@ def test_pack_and_unpack_round_trip(bits: int, shape) -> None:
         mins = None
         want = q.float().view(shape[0], -1, 32) * scales[..., None]
     packed = kernels.pack(q, scales, mins, bits)
-    assert torch.equal(kernels.unpack(*packed, shape[0], shape[1], bits), want.view(shape))
+    got_q, got_scales, got_mins = kernels.unpack_integers(*packed, shape[0], shape[1], bits)
+    assert torch.equal(got_q, q.to(got_q.dtype)) and torch.equal(got_scales, scales.half().float())
+    if bits == 4:
+        assert torch.equal(got_mins, mins.half().float())
+    layer = Dot8Linear(q, scales, mins, bits)
+    assert torch.equal(layer.dequantize(), want.view(shape))
+    assert torch.equal(Dot8Linear.from_portable(layer.portable()).packed, layer.packed)
 
 
 @pytest.mark.parametrize("digits", [1, 2])
@@ -52,7 +58,7 @@ def test_dot8_computes_the_documented_sum(bits: int, rows: int, digits: int) -> 
     want = kernels.reference(x, q, scales, mins, bits, digits)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     # and it stays near the float product: the activations keep about 8 bits per group, 15 with two digits
-    exact = x @ kernels.unpack(*packed, 72, 96, bits).t()
+    exact = x @ Dot8Linear(q, scales, mins, bits).dequantize().t()
     torch.testing.assert_close(got, exact, rtol=0.05 if digits == 1 else 1e-3, atol=0.1 if digits == 1 else 1e-3)
 
 
