@@ -29,8 +29,7 @@ weights: the cost of a step depends on the shapes and the block types alone. Des
   (``blk.N.attn_q`` ... ``ffn_down``, ``token_embd``, ``output``; ``attn_{q,k,v}.bias`` for qwen2,
   ``attn_{q,k}_norm`` for qwen3); a row length a block type cannot hold falls back as llama.cpp's
   quantizer does (``src/llama-quant.cpp``: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, then F16).
-  No ``rope_freqs`` tensor: Llama 3's rope scaling changes no cost, and dualserve would not read
-  it, so both engines compute the same function.
+  No ``rope_freqs`` tensor (Llama 3's rope scaling): it changes no step's cost.
 """
 
 from __future__ import annotations
