@@ -31,13 +31,10 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Li
 
 
 def model_args(argv: list[str], tp: int):
-    from dualserve.server.cli import add_model_args
+    """The settings ``dualserve generate`` builds from these model flags, at ``tp`` ranks."""
+    from dualserve.server.cli import model_settings
 
-    p = argparse.ArgumentParser()
-    add_model_args(p)
-    args = p.parse_args([*argv, "--no-compile", "--tensor-parallel-size", str(tp)])
-    args.command = "generate"
-    return args
+    return model_settings([*argv, "--no-compile", "--tensor-parallel-size", str(tp)])
 
 
 def run(dep, decoder: str, batch: int, max_tokens: int) -> tuple[list[list[int]], float]:
@@ -90,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     one = run_on_own_thread(load_deployment, model_args(model_argv, 1))
     base = measure(one, known.decoders, known.batch, known.max_tokens, known.repeats)
     del one
-    args = model_args(model_argv, known.tp)
-    group = tensor_parallel.start(args, force=known.group)
+    settings = model_args(model_argv, known.tp)
+    group = tensor_parallel.start(settings, force=known.group)
     try:
-        dep = run_on_own_thread(load_deployment, args, group)
+        dep = run_on_own_thread(load_deployment, settings, group)
         par = measure(dep, known.decoders, known.batch, known.max_tokens, known.repeats)
     finally:
         if group is not None:
@@ -101,12 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"decoder": d, "tp1_tok_s": round(base[d][1], 2), f"tp{known.tp}_tok_s": round(par[d][1], 2),
              "ratio": round(par[d][1] / base[d][1], 3), "identical": base[d][0] == par[d][0]}
             for d in known.decoders]
-    info = {"host_threads": torch.get_num_threads(), "device": args.device, "tp": known.tp,
-            "reduction": args.tp_reduction, "batch": known.batch, "max_tokens": known.max_tokens, "rows": rows}
+    device, reduction = settings.model.device, settings.parallel.reduction
+    info = {"host_threads": torch.get_num_threads(), "device": device, "tp": known.tp, "reduction": reduction,
+            "batch": known.batch, "max_tokens": known.max_tokens, "rows": rows}
     if known.json:
         print(json.dumps(info))
         return 0
-    print(f"device {args.device}, tp {known.tp} ({args.tp_reduction}), batch {known.batch} x {known.max_tokens} tokens")
+    print(f"device {device}, tp {known.tp} ({reduction}), batch {known.batch} x {known.max_tokens} tokens")
     print(f"{'decoder':<10} {'tp1 tok/s':>10} {'tp' + str(known.tp) + ' tok/s':>10} {'ratio':>6}  identical")
     for r in rows:
         tp = r[f"tp{known.tp}_tok_s"]

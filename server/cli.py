@@ -1,13 +1,14 @@
 """The ``dualserve`` command: serve, pull, generate (and the training tools).
 
-Configuration is read here, once, from flags (with ``DUALSERVE_CACHE`` as the
-only environment fallback, for the model cache) and passed down as frozen
-objects; nothing deeper reads the environment.
+The flags are parsed here and turned into frozen settings once (``settings.Settings.from_args``,
+the one place that also reads the environment's documented knobs); everything below receives
+its own frozen object, and no ``argparse.Namespace`` goes past this module.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -22,8 +23,11 @@ from dualserve.models.config import UnsupportedModel
 from dualserve.models.hub import ModelFetchError, default_cache_dir, pull_default_model, resolve_model
 from dualserve.models.quant import QUANTIZATIONS
 
+from .settings import ModelSpec, Settings
+
 if TYPE_CHECKING:
     from dualserve.decoders.engine.decoder import Decoder
+    from dualserve.decoders.engine.parallel import ParallelGroup
 
     from .router import DecoderTraits
     from .service import ServedModel
@@ -101,6 +105,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="idle seconds between tensor-parallel liveness checks")
 
 
+def model_settings(argv: list[str], command: str = "generate") -> Settings:
+    """The settings of ``add_model_args``' flags alone (tests and benchmarks that load a deployment
+    as ``command`` would: ``serve`` builds compiled graphs in the background, ``generate`` on use)."""
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    args = p.parse_args(argv)
+    args.command = command
+    return Settings.from_args(args)
+
+
 def bundled(choice: str, model_name: str, finder) -> Path | None:
     """Resolve --eagle / --twin: a path, 'none', or 'auto' (the bundled artifact for this model, if any)."""
     if choice == "none":
@@ -113,74 +127,70 @@ def bundled(choice: str, model_name: str, finder) -> Path | None:
     return path
 
 
-def load_deployment(args: argparse.Namespace, parallel=None):
-    from dualserve.decoders.deployment import CompileSpec, PoolSpec, ServedSpec, build_deployment
-    from dualserve.decoders.engine.engine import EngineConfig
+def load_deployment(settings: Settings, parallel: ParallelGroup | None = None):
+    """Load the models ``settings.model`` names and build their deployment. Under tensor parallelism
+    each rank loads onto its group's device (``tensor_parallel.init``: its own GPU)."""
+    from dualserve.decoders.deployment import ServedSpec, build_deployment
     from dualserve.models.assets import default_eagle_head, default_twin
     from dualserve.models.loader import load_model, load_twin
 
     log = logging.getLogger("dualserve")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cache = default_cache_dir(args.cache_dir)
-    if not args.no_compile:
+    spec = settings.model if parallel is None else dataclasses.replace(settings.model, device=str(parallel.device))
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    cache = spec.cache_dir
+    if settings.compile is not None and settings.compile.cache_dir is not None:
         # Inductor reads its cache location once, when it first needs it (loading may already
         # do): set it before anything loads, unless the environment names one.
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "compile"))
-    dtype = pick_dtype(args.dtype, args.device)
-    name, path = resolve_model(args.model, cache)
-    quantization, dtype, table = pick_format(args, Path(path), cache, dtype)
-    loaded = load_model(path, name=name, dtype=dtype, device=args.device, cache_dir=cache,
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(settings.compile.cache_dir))
+    dtype = pick_dtype(spec.dtype, spec.device)
+    name, path = resolve_model(spec.model, cache)
+    quantization, dtype, table = pick_format(spec, Path(path), cache, dtype)
+    loaded = load_model(path, name=name, dtype=dtype, device=spec.device, cache_dir=cache,
                         quantization=quantization)
     log.info("loaded %s in %.2fs (weights: %s)", name, loaded.load_seconds, loaded.quantization)
     specs = [ServedSpec(name, loaded)]
     if not loaded.config.is_diffusion:
-        specs[0].eagle_head = "suffix" if args.eagle == "suffix" else bundled(args.eagle, name, default_eagle_head)
+        specs[0].eagle_head = "suffix" if spec.eagle == "suffix" else bundled(spec.eagle, name, default_eagle_head)
         if specs[0].eagle_head is not None:
             log.info("EAGLE head %s", specs[0].eagle_head)
-        if args.dflash != "none":
-            specs[0].dflash = bundled(args.dflash, name, lambda _: None)
+        if spec.dflash != "none":
+            specs[0].dflash = bundled(spec.dflash, name, lambda _: None)
             log.info("DFlash drafter %s (eagle's draft: \"block\")", specs[0].dflash)
-        twin_path = bundled(args.twin, name, default_twin)
+        twin_path = bundled(spec.twin, name, default_twin)
         if twin_path is not None:
             specs[0].twin = load_twin(twin_path, name=name, base=loaded)
             log.info("loaded diffusion twin %s in %.2fs", twin_path, specs[0].twin.load_seconds)
-    if args.diffusion:
-        dname, dpath = resolve_model(args.diffusion, cache)
-        diff = load_model(dpath, name=dname, dtype=dtype, device=args.device, cache_dir=cache)
+    if spec.diffusion:
+        dname, dpath = resolve_model(spec.diffusion, cache)
+        diff = load_model(dpath, name=dname, dtype=dtype, device=spec.device, cache_dir=cache)
         log.info("loaded %s in %.2fs", dname, diff.load_seconds)
         specs.append(ServedSpec(dname, diff))
-    cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-                       max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
-                       max_queue_wait=args.max_queue_wait or None, max_run_time=args.max_run_time or None,
-                       min_token_rate=args.min_token_rate)
-    block_size = args.block_size or (256 if args.device.startswith("cuda") else 16)
-    pool = PoolSpec(block_size=block_size, num_blocks=args.num_blocks, memory_gb=kv_memory_gb(args.kv_memory_gb))
-    compile_spec = None if args.no_compile else CompileSpec(cache_dir=cache / "compile",
-                                                            background=args.command == "serve")
-    dep = build_deployment(specs, cfg, pool, device=args.device, compile=compile_spec, parallel=parallel,
-                           format_table=table)
-    log.info("KV pool: %d blocks of %d tokens (%.2f GB)", dep.engine.config.num_blocks, block_size, pool.memory_gb)
+    pool = settings.pool
+    dep = build_deployment(specs, settings.engine, pool, device=spec.device, compile=settings.compile,
+                           parallel=parallel, format_table=table)
+    log.info("KV pool: %d blocks of %d tokens (%.2f GB)", dep.engine.config.num_blocks, pool.block_size,
+             pool.memory_gb)
     return dep
 
 
-def pick_format(args: argparse.Namespace, path: Path, cache: Path, dtype: torch.dtype):
-    """--quantization, or with ``auto`` on a CPU, the decode format measured fastest on this host
-    (``models.formats``). Returns (quantization, dtype, the measured table or None)."""
+def pick_format(model: ModelSpec, path: Path, cache: Path, dtype: torch.dtype):
+    """``model.quantization``, or with ``auto`` on a CPU, the decode format measured fastest on this
+    host (``models.formats``). Returns (quantization, dtype, the measured table or None)."""
     import json
 
     from dualserve.models.config import ModelConfig
     from dualserve.models.formats import cached_measure, choose
     from dualserve.models.loader import is_twin_dir, prepare_source, stored_quantization
 
-    if args.quantization != "auto" or is_twin_dir(path):
-        return args.quantization, dtype, None
+    if model.quantization != "auto" or is_twin_dir(path):
+        return model.quantization, dtype, None
     source = prepare_source(path, cache)
     raw = json.loads((source / "config.json").read_text())
     if raw.get("architectures") == ["DiffusionGemmaForBlockDiffusion"]:
         return "none", dtype, None
     stored = stored_quantization(source)
-    if not args.device.startswith("cpu") or args.dtype != "auto":
+    if not model.device.startswith("cpu") or model.dtype != "auto":
         return stored, dtype, None
     table = cached_measure(ModelConfig.from_hf(raw), cache / "host")
     quantization, candidate = choose(table, stored)
@@ -193,34 +203,22 @@ def pick_format(args: argparse.Namespace, path: Path, cache: Path, dtype: torch.
     return quantization, torch.bfloat16 if candidate == "bf16" else dtype, table
 
 
-def settle_format(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` with ``--quantization auto`` resolved once, here, under tensor parallelism: every rank
-    then loads the format rank 0 picked (the one a single rank picks on this host), never one it
-    measured for itself beside the others."""
-    if args.quantization != "auto" or args.tensor_parallel_size <= 1:
-        return args
-    cache = default_cache_dir(args.cache_dir)
-    _, path = resolve_model(args.model, cache)
-    quantization, dtype, _ = pick_format(args, Path(path), cache, pick_dtype(args.dtype, args.device))
-    settled = argparse.Namespace(**vars(args))
-    settled.quantization = quantization
-    if quantization == "none" and dtype == torch.bfloat16:
-        settled.dtype = "bfloat16"
-    return settled
+def settle_format(settings: Settings) -> Settings:
+    """``settings`` with ``--quantization auto`` resolved once, here, under tensor parallelism: every
+    rank then loads the format rank 0 picked (the one a single rank picks on this host), never one
+    it measured for itself beside the others."""
+    model = settings.model
+    if model.quantization != "auto" or settings.parallel.size <= 1:
+        return settings
+    _, path = resolve_model(model.model, model.cache_dir)
+    quantization, dtype, _ = pick_format(model, Path(path), model.cache_dir, pick_dtype(model.dtype, model.device))
+    bf16 = quantization == "none" and dtype == torch.bfloat16
+    return dataclasses.replace(settings, model=dataclasses.replace(
+        model, quantization=quantization, dtype="bfloat16" if bf16 else model.dtype))
 
 
 def dtype_of(loaded) -> torch.dtype:
     return next(loaded.model.parameters()).dtype
-
-
-def kv_memory_gb(choice: float | None) -> float:
-    """The KV pool's memory: as given, else 1/64 of this machine's memory, between 0.25 and 1 GB."""
-    if choice is not None:
-        return choice
-    import os
-
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return min(1.0, max(0.25, total / 64))
 
 
 def decoder_traits(decoder: Decoder) -> DecoderTraits:
@@ -246,22 +244,18 @@ def served_models(dep, max_model_len: int) -> dict[str, ServedModel]:
     return served
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(settings: Settings) -> int:
     import uvicorn
 
-    from .app import AppState, create_app
-    from .responses.store import ResponseStore
+    from .app import create_app
     from .lifecycle import DrainingServer, PortInUse, bind_port, startup_lines
-    from .metrics import Metrics
-    from .router import Router, load_policy
-    from .service import Service, ServiceLimits
-
     from .tensor_parallel import exit_on_failure, start as start_group
 
-    args = settle_format(args)
-    group = start_group(args)  # a torchrun rank other than 0 replays rank 0's steps here, then exits
+    cfg = settings.server
+    settings = settle_format(settings)
+    group = start_group(settings)  # a torchrun rank other than 0 replays rank 0's steps here, then exits
     try:  # before loading: a busy port fails in a moment, not after the model has loaded
-        sock = bind_port(args.host, args.port)
+        sock = bind_port(cfg.host, cfg.port)
     except PortInUse as e:
         print(f"dualserve: {e}", file=sys.stderr)
         if group is not None:
@@ -269,38 +263,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     # Torch work before serving runs on a thread that exits, so the engine's thread owns the one
     # long-lived OpenMP pool and its teams spin (decoders/engine/openmp.py).
-    dep = run_on_own_thread(load_deployment, args, *([group] if group is not None else []))
-    served = served_models(dep, args.max_model_len)
-    metrics = Metrics(node_cost_per_hour=args.node_cost_per_hour)
-    metrics.record_formats(dep.format_table, {n: m.quantization for n, m in dep.models.items()})
-    policy = load_policy(args.router_policy)
-    if dep.format_table is not None and args.router_policy is None:
-        from .calibrate import fit_to_forward_costs
-
-        name = next(iter(dep.models))
-        fmt = dep.models[name].quantization
-        fmt = fmt if fmt != "none" else ("bf16" if dtype_of(dep.models[name]) == torch.bfloat16 else "fp32")
-        policy = fit_to_forward_costs(policy, dep.format_table, fmt, dep.engine.decoders_for(name))
-    if args.calibrate_router:
-        from .calibrate import calibrate
-
-        name = next(iter(dep.models))
-        policy, _ = run_on_own_thread(calibrate, dep.engine, name, dep.models[name].tokenizer, policy)
-    router = Router(policy)
-    service = Service(dep.engine, served, router, ServiceLimits(request_timeout=args.request_timeout), metrics)
+    dep = run_on_own_thread(load_deployment, settings, *([group] if group is not None else []))
+    app_state = serving_state(settings, dep)
     dep.engine.start()
-    if args.device == "cpu":
+    device = str(group.device) if group is not None else settings.model.device
+    if device == "cpu":
         SpinGovernor().start()
-    app_state = AppState(service=service, metrics=metrics, api_key=args.api_key, on_shutdown=[dep.engine.shutdown],
-                         body_limit=int(args.max_body_mb * 2**20),
-                         response_store=ResponseStore.sized(args.response_store_size, args.response_store_mb))
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    for line in startup_lines(dep, served, f"http://{host}:{args.port}", args.device, torch.get_num_threads(),
-                              args.shutdown_timeout):
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    for line in startup_lines(dep, app_state.service.models, f"http://{host}:{cfg.port}", device,
+                              torch.get_num_threads(), cfg.shutdown_timeout, kernels_in_use()):
         print(f"dualserve: {line}", file=sys.stderr)
     # uvicorn's graceful timeout only bounds the last flush: the drain has already ended every stream.
-    config = uvicorn.Config(create_app(app_state), log_level=args.log_level, loop="auto", timeout_graceful_shutdown=5)
-    server = DrainingServer(config, app_state, args.shutdown_timeout)
+    config = uvicorn.Config(create_app(app_state), log_level=cfg.log_level, loop="auto", timeout_graceful_shutdown=5)
+    server = DrainingServer(config, app_state, cfg.shutdown_timeout)
     if group is not None:  # a failed rank: /health says so, in-flight requests fail, then the server exits 1
         app_state.on_shutdown.append(group.shutdown)
         exit_on_failure(group, app_state, server)
@@ -311,44 +286,83 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def serving_state(settings: Settings, dep):
+    """The app's state over a loaded deployment: its models as the API shows them, metrics, the
+    router (its policy fitted to this host's measured costs unless a file gives it), the service."""
+    from .app import AppState
+    from .metrics import Metrics
+    from .responses.store import ResponseStore
+    from .router import Router, load_policy
+    from .service import Service, ServiceLimits
+
+    cfg = settings.server
+    served = served_models(dep, cfg.max_model_len)
+    metrics = Metrics(node_cost_per_hour=cfg.node_cost_per_hour)
+    metrics.record_formats(dep.format_table, {n: m.quantization for n, m in dep.models.items()})
+    policy = load_policy(cfg.router_policy)
+    name = next(iter(dep.models))
+    if dep.format_table is not None and cfg.router_policy is None:
+        from .calibrate import fit_to_forward_costs
+
+        fmt = dep.models[name].quantization
+        fmt = fmt if fmt != "none" else ("bf16" if dtype_of(dep.models[name]) == torch.bfloat16 else "fp32")
+        policy = fit_to_forward_costs(policy, dep.format_table, fmt, dep.engine.decoders_for(name))
+    if cfg.calibrate_router:
+        from .calibrate import calibrate
+
+        policy, _ = run_on_own_thread(calibrate, dep.engine, name, dep.models[name].tokenizer, policy)
+    service = Service(dep.engine, served, Router(policy), ServiceLimits(request_timeout=cfg.request_timeout), metrics)
+    return AppState(service=service, metrics=metrics, api_key=cfg.api_key, on_shutdown=[dep.engine.shutdown],
+                    body_limit=int(cfg.max_body_mb * 2**20),
+                    response_store=ResponseStore.sized(cfg.response_store_size, cfg.response_store_mb))
+
+
+def kernels_in_use() -> str | None:
+    """The project's CPU kernels as ``models.kernels.describe`` reports them (which kernels and
+    instruction set run, or why none do), where that report exists."""
+    from dualserve.models import kernels
+
+    describe = getattr(kernels, "describe", None)
+    return describe() if describe is not None else None
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
     path = pull_default_model(default_cache_dir(args.cache_dir))
     print(path)
     return 0
 
 
-def generate_loads(args: argparse.Namespace) -> argparse.Namespace:
+def generate_loads(settings: Settings) -> Settings:
     """What ``generate`` loads: the model and only the part its --decoder uses (the diffusion twin
     for ``diffusion``, the EAGLE head for ``eagle``), never a second --diffusion model."""
-    trimmed = argparse.Namespace(**vars(args))
-    if args.decoder != "diffusion":
-        trimmed.twin = "none"
-    if args.decoder != "eagle":
-        trimmed.eagle = trimmed.dflash = "none"
-    trimmed.diffusion = None
-    return trimmed
+    decoder, model = settings.generate.decoder, settings.model
+    trimmed = dataclasses.replace(model, diffusion=None, twin=model.twin if decoder == "diffusion" else "none")
+    if decoder != "eagle":
+        trimmed = dataclasses.replace(trimmed, eagle="none", dflash="none")
+    return dataclasses.replace(settings, model=trimmed)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def cmd_generate(settings: Settings) -> int:
     from dualserve.decoders.engine.sampling import SamplingParams
 
     from .tensor_parallel import start as start_group
 
-    args = settle_format(generate_loads(args))
-    group = start_group(args)  # every rank loads what rank 0 loads
-    dep = load_deployment(args) if group is None else load_deployment(args, group)
+    gen = settings.generate
+    settings = settle_format(generate_loads(settings))
+    group = start_group(settings)  # every rank loads what rank 0 loads
+    dep = load_deployment(settings) if group is None else load_deployment(settings, group)
     name = next(iter(dep.models))
     tok = dep.models[name].tokenizer
-    if args.device == "cpu":
+    if (str(group.device) if group is not None else settings.model.device) == "cpu":
         SpinGovernor().start()
-    if args.chat:
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    if gen.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": gen.prompt}], add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False)
     else:
-        ids = tok.encode(args.prompt, add_special_tokens=True)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        ids = tok.encode(gen.prompt, add_special_tokens=True)
+    params = SamplingParams(max_tokens=gen.max_tokens, temperature=gen.temperature, seed=gen.seed)
     # A two-token run first: it builds (or loads) the compiled graphs, so the timing below is decoding only.
-    dep.engine.submit(name, args.decoder, ids, SamplingParams(max_tokens=2, ignore_eos=True), lambda *_: None)
+    dep.engine.submit(name, gen.decoder, ids, SamplingParams(max_tokens=2, ignore_eos=True), lambda *_: None)
     dep.engine.run_until_idle()
     start = time.perf_counter()
     out = []
@@ -358,11 +372,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(delta.text)
         sys.stdout.flush()
 
-    dep.engine.submit(name, args.decoder, ids, params, sink)
+    dep.engine.submit(name, gen.decoder, ids, params, sink)
     dep.engine.run_until_idle()
     elapsed = time.perf_counter() - start
     n = sum(len(d.token_ids) for d in out)
-    print(f"\n[{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s, decoder={args.decoder}]", file=sys.stderr)
+    print(f"\n[{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s, decoder={gen.decoder}]", file=sys.stderr)
     if group is not None:
         group.shutdown()
     return 0
@@ -429,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     try:
-        return args.func(args)
+        if args.command == "pull":
+            return cmd_pull(args)
+        return args.func(Settings.from_args(args))
     except (ModelFetchError, UnsupportedModel) as e:
         print(f"dualserve: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@
   fails in a moment with one line instead of after loading. Connections that arrive while the
   model loads wait in the listen backlog and are served once it is ready.
 * ``startup_lines`` tell the operator what runs: model and weight format, decoders, device,
-  dtype and threads, the KV pool, the URL, and how to stop.
+  dtype and threads, the KV pool, the project's CPU kernels, the compiled graphs still to be
+  built (and how long a first start's building takes), the URL, and how to stop.
 * ``DrainingServer`` is uvicorn's server with its own signal handling. The first SIGTERM or
   SIGINT starts ``Drain``: new requests get 503 with Retry-After (``/health`` too, so a load
   balancer stops sending work), running requests finish for up to ``--shutdown-timeout``
@@ -52,8 +53,10 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def startup_lines(dep, served: dict, url: str, device: str, threads: int, shutdown_timeout: float) -> list[str]:
-    """What runs, in a few lines: ``dep`` is the loaded deployment, ``served`` the API's models."""
+def startup_lines(dep, served: dict, url: str, device: str, threads: int, shutdown_timeout: float,
+                  kernels: str | None = None) -> list[str]:
+    """What runs, in a few lines: ``dep`` is the loaded deployment, ``served`` the API's models,
+    ``kernels`` the kernels' own report (``models.kernels.describe``), if there is one."""
     lines = []
     for name, loaded in dep.models.items():
         dtype = next((p.dtype for p in loaded.model.parameters() if p.is_floating_point()), None)
@@ -68,9 +71,30 @@ def startup_lines(dep, served: dict, url: str, device: str, threads: int, shutdo
     lines.append(f"device {device}, {threads} torch threads; KV pool {cfg.num_blocks} blocks of "
                  f"{cfg.block_size} tokens ({kv_bytes / 2**20:.0f} MB of {'/'.join(dtypes)} over "
                  f"{len(dep.runners)} runner{'s' if len(dep.runners) != 1 else ''})")
+    if kernels:
+        lines.append(f"kernels: {kernels}")
+    note = compile_note(dep)
+    if note:
+        lines.append(note)
     lines.append(f"serving {url}/v1 (status page {url}/, health {url}/health)")
     lines.append(f"stop with Ctrl+C or SIGTERM: running requests get up to {shutdown_timeout:g} s to finish")
     return lines
+
+
+def compile_note(dep) -> str | None:
+    """The compiled graphs still queued at start-up and what they cost (``decoders/engine/compiled.py``),
+    or None when there are none."""
+    spec = dep.compile
+    pending = spec.worker.pending if spec is not None and spec.background else 0
+    if not pending:
+        return None
+    graphs = f"{pending} graph{'s' if pending != 1 else ''}"
+    if any(r.compiled is not None and r.compiled.packaged for r in dep.runners.values()):
+        cost = ("a first start on this host builds each once, about 3-6 minutes per graph on 2 cores (logged "
+                "as it goes: graph k of n, elapsed), and later starts load them in seconds")
+    else:
+        cost = "torch.compile compiles them on every start"
+    return f"compiled steps: {graphs} to build or load in the background; {cost}; until then steps run eagerly"
 
 
 class Drain:

@@ -7,19 +7,19 @@ Two launch forms, one code path after the rendezvous:
     Rank 0 watches their processes, so a rank that exits is noticed at once.
   * ``torchrun --nnodes M --nproc-per-node K ... -m dualserve.server.cli serve
     --tensor-parallel-size M*K``: torchrun's rendezvous sets RANK, WORLD_SIZE, MASTER_ADDR and
-    MASTER_PORT (``env://``); rank 0 serves, every other rank runs ``run_worker`` and exits with
-    the server. Liveness then rests on the collectives and the heartbeat alone.
+    MASTER_PORT (``env://``; the settings read RANK, WORLD_SIZE and LOCAL_RANK,
+    ``settings.ParallelSpec``); rank 0 serves, every other rank runs ``run_worker`` and exits
+    with the server. Liveness then rests on the collectives and the heartbeat alone.
 
-Every rank loads the same models from the same arguments, shards them (``models/sharding.py``)
-and builds the same deployment; the ranks other than 0 then replay rank 0's steps
-(``decoders/engine/parallel.py``). The backend is NCCL on CUDA and gloo on the CPU;
-``--tp-timeout`` bounds every collective, so a hung rank is noticed within it; meeting at start-up
-may take longer (``START_SECONDS``).
+Every rank loads the same models from the same settings (rank 0's, sent to spawned ranks),
+shards them (``models/sharding.py``) and builds the same deployment; the ranks other than 0 then
+replay rank 0's steps (``decoders/engine/parallel.py``). The backend is NCCL on CUDA and gloo on
+the CPU; ``--tp-timeout`` bounds every collective, so a hung rank is noticed within it; meeting at
+start-up may take longer (``START_SECONDS``).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -34,6 +34,8 @@ import torch.distributed as dist
 from dualserve.decoders.engine.parallel import ParallelGroup, serve_steps
 from dualserve.models.sharding import Shard
 
+from .settings import Settings
+
 log = logging.getLogger("dualserve.parallel")
 START_SECONDS = 120.0  # the least time the ranks get to start and meet (imports, a cold disk)
 
@@ -42,25 +44,22 @@ def backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def torchrun_env() -> tuple[int, int] | None:
-    """(rank, world size) when launched by torchrun (or any env:// launcher), else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return None
-
-
-def init(args: argparse.Namespace, rank: int, world: int, init_method: str | None,
-         store: dist.TCPStore | None = None) -> Shard:
-    if args.device.startswith("cuda"):
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-        args.device = f"cuda:{torch.cuda.current_device()}"
+def init(settings: Settings, rank: int, world: int, init_method: str | None,
+         store: dist.TCPStore | None = None) -> tuple[Shard, str]:
+    """Join the group as ``rank``: (this rank's shard, its device). On CUDA each rank takes its
+    own GPU, torchrun's LOCAL_RANK or else its rank, modulo the GPUs here."""
+    device, parallel = settings.model.device, settings.parallel
+    if device.startswith("cuda"):
+        local = parallel.local_rank if parallel.local_rank is not None else rank
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        device = f"cuda:{torch.cuda.current_device()}"
     try:
         # The rendezvous waits for every rank's start-up (a spawned interpreter importing torch on a
         # loaded host can take longer than a collective may); the collectives get their own group,
         # bounded by --tp-timeout.
-        dist.init_process_group(backend_for(args.device), init_method=init_method, store=store, rank=rank,
-                                world_size=world, timeout=start_timeout(args))
-        group = dist.new_group(list(range(world)), timeout=timedelta(seconds=args.tp_timeout))
+        dist.init_process_group(backend_for(device), init_method=init_method, store=store, rank=rank,
+                                world_size=world, timeout=start_timeout(settings))
+        group = dist.new_group(list(range(world)), timeout=timedelta(seconds=parallel.timeout))
     except Exception:
         # A failed rendezvous leaves c10d's module-global group counter advanced: a later group in this
         # process would then wait for store keys that no freshly started rank writes.
@@ -68,48 +67,48 @@ def init(args: argparse.Namespace, rank: int, world: int, init_method: str | Non
             dist.destroy_process_group()
         dist.distributed_c10d._world.group_count = 0
         raise
-    if not args.threads and args.device == "cpu":  # the ranks share this host's cores
+    if not settings.threads and device == "cpu":  # the ranks share this host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // min(world, os.cpu_count() or 1)))
-    return Shard(rank, world, group=group, reduction=args.tp_reduction)
+    return Shard(rank, world, group=group, reduction=parallel.reduction), device
 
 
-def start_timeout(args: argparse.Namespace) -> timedelta:
+def start_timeout(settings: Settings) -> timedelta:
     """How long the ranks may take to meet: --tp-timeout, but never less than START_SECONDS."""
-    return timedelta(seconds=max(args.tp_timeout, START_SECONDS))
+    return timedelta(seconds=max(settings.parallel.timeout, START_SECONDS))
 
 
-def start(args: argparse.Namespace, force: bool = False) -> ParallelGroup | None:
+def start(settings: Settings, force: bool = False) -> ParallelGroup | None:
     """Join or create the group for rank 0 (None without tensor parallelism; ``force``: a group even
     of one rank, to run its path on a single device). A torchrun rank other than 0 never returns:
     it serves steps, then exits the process."""
-    world = args.tensor_parallel_size
-    env = torchrun_env()
-    if env is not None and env[1] > 1:
-        rank, env_world = env
+    parallel = settings.parallel
+    world = parallel.size
+    if parallel.launched is not None and parallel.launched[1] > 1:
+        rank, env_world = parallel.launched
         if env_world != world:
             raise SystemExit(f"dualserve: --tensor-parallel-size {world} but torchrun started {env_world} ranks")
-        shard = init(args, rank, world, "env://")
+        shard, device = init(settings, rank, world, "env://")
         if rank != 0:
-            sys.exit(run_worker(args, shard))
-        return ParallelGroup(shard, args.device, args.tp_heartbeat)
+            sys.exit(run_worker(settings, shard, device))
+        return ParallelGroup(shard, device, parallel.heartbeat)
     if world <= 1 and not force:
         return None
     # The store listens before any rank starts, on a port the OS picks as it binds: a port chosen
     # first and bound later can be taken meanwhile by another process on a busy host.
-    store = dist.TCPStore("127.0.0.1", 0, world, True, start_timeout(args), wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, world, True, start_timeout(settings), wait_for_workers=False)
     ctx = torch.multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=worker_main, args=(args, r, world, store.port), name=f"dualserve-rank{r}",
+    procs = [ctx.Process(target=worker_main, args=(settings, r, world, store.port), name=f"dualserve-rank{r}",
                          daemon=True) for r in range(1, world)]
     for p in procs:
         p.start()
     try:
-        shard = init(args, 0, world, None, store)
+        shard, device = init(settings, 0, world, None, store)
     except BaseException:
         for p in procs:  # ranks that never met rank 0 must not outlive it
             p.kill()
             p.join(5)
         raise
-    group = ParallelGroup(shard, args.device, args.tp_heartbeat)
+    group = ParallelGroup(shard, device, parallel.heartbeat)
     group.processes = procs
     threading.Thread(target=watch, args=(group,), name="dualserve-tp-watch", daemon=True).start()
     return group
@@ -125,21 +124,21 @@ def watch(group: ParallelGroup) -> None:
             group.fail(f"tensor-parallel rank {rank} exited (code {p.exitcode})")
 
 
-def worker_main(args: argparse.Namespace, rank: int, world: int, port: int) -> None:
+def worker_main(settings: Settings, rank: int, world: int, port: int) -> None:
     """A spawned rank: meet rank 0 at its store, load and shard, replay steps; exits non-zero on a failure."""
     logging.basicConfig(level=logging.INFO, format=f"rank{rank} %(name)s: %(message)s")
-    store = dist.TCPStore("127.0.0.1", port, world, False, start_timeout(args))
-    code = run_worker(args, init(args, rank, world, None, store))
+    store = dist.TCPStore("127.0.0.1", port, world, False, start_timeout(settings))
+    code = run_worker(settings, *init(settings, rank, world, None, store))
     sys.exit(code)
 
 
-def run_worker(args: argparse.Namespace, shard: Shard) -> int:
+def run_worker(settings: Settings, shard: Shard, device: str) -> int:
     """Build the same deployment as rank 0 over this rank's shards (its engine never runs), then
     replay rank 0's steps on its runners, which are registered in the same order."""
     from .cli import load_deployment
 
     try:
-        dep = load_deployment(args, ParallelGroup(shard, args.device, args.tp_heartbeat))
+        dep = load_deployment(settings, ParallelGroup(shard, device, settings.parallel.heartbeat))
         serve_steps(list(dep.runners.values()), shard)
     except Exception:  # noqa: BLE001 - rank 0 died, hung or failed: this rank's work is over
         log.exception("rank %d stopped", shard.rank)

@@ -1,10 +1,16 @@
-"""The ``dualserve`` command loads what each subcommand uses."""
+"""The ``dualserve`` command: the settings it builds from its flags, and what each subcommand loads."""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+
 import pytest
 
+from dualserve.decoders.deployment import PoolSpec
 from dualserve.server import cli
+from dualserve.server.cli import model_settings
+from dualserve.server.settings import GenerateSettings, ParallelSpec
 
 
 class Loaded(Exception):
@@ -13,9 +19,9 @@ class Loaded(Exception):
 
 @pytest.fixture
 def loads(monkeypatch):
-    """The arguments ``load_deployment`` would receive for a command line."""
-    def capture(args):
-        raise Loaded(args)
+    """The settings ``load_deployment`` would receive for a command line."""
+    def capture(settings, *_):
+        raise Loaded(settings)
 
     monkeypatch.setattr(cli, "load_deployment", capture)
 
@@ -32,16 +38,51 @@ def loads(monkeypatch):
     ("diffusion", "auto", "none"),   # diffusion: the twin only
 ])
 def test_generate_loads_only_what_its_decoder_uses(loads, decoder, twin, eagle):
-    args = loads("generate", "hi", "--decoder", decoder, "--diffusion", "some-llada")
-    assert (args.twin, args.eagle, args.diffusion) == (twin, eagle, None)
+    model = loads("generate", "hi", "--decoder", decoder, "--diffusion", "some-llada").model
+    assert (model.twin, model.eagle, model.diffusion) == (twin, eagle, None)
 
 
 def test_generate_keeps_an_explicit_twin_for_diffusion(loads, tmp_path):
-    args = loads("generate", "hi", "--decoder", "diffusion", "--twin", str(tmp_path))
-    assert args.twin == str(tmp_path) and args.eagle == "none"
+    model = loads("generate", "hi", "--decoder", "diffusion", "--twin", str(tmp_path)).model
+    assert model.twin == str(tmp_path) and model.eagle == "none"
 
 
 def test_serve_loads_everything_as_before(loads, monkeypatch):
     monkeypatch.setattr("dualserve.server.lifecycle.bind_port", lambda host, port: None)
-    args = loads("serve", "--port", "0", "--diffusion", "some-llada")
-    assert (args.twin, args.eagle, args.diffusion) == ("auto", "auto", "some-llada")
+    model = loads("serve", "--port", "0", "--diffusion", "some-llada").model
+    assert (model.twin, model.eagle, model.diffusion) == ("auto", "auto", "some-llada")
+
+
+def test_settings_are_frozen_and_built_once_from_the_flags(loads, tmp_path):
+    settings = loads("generate", "hi", "--device", "cpu", "--cache-dir", str(tmp_path), "--num-blocks", "64",
+                     "--max-num-seqs", "3", "--max-queue-wait", "0", "--no-compile", "--tp-timeout", "9",
+                     "--max-tokens", "5", "--chat")
+    assert settings.model.cache_dir == tmp_path and settings.model.device == "cpu"
+    assert settings.pool == PoolSpec(block_size=16, num_blocks=64, memory_gb=settings.pool.memory_gb)
+    assert settings.engine.max_num_seqs == 3 and settings.engine.max_queue_wait is None
+    assert settings.compile is None and settings.parallel.timeout == 9 and settings.server is None
+    assert settings.generate == GenerateSettings(prompt="hi", max_tokens=5, chat=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.model.device = "cuda"
+
+
+def test_serve_settings_and_the_environment_s_documented_knobs(loads, monkeypatch, tmp_path):
+    monkeypatch.setattr("dualserve.server.lifecycle.bind_port", lambda host, port: None)
+    monkeypatch.setenv("DUALSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("DUALSERVE_ATTEND_KERNEL", "0")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    settings = loads("serve", "--port", "0", "--api-key", "k", "--device", "cpu")
+    assert settings.server.api_key == "k" and settings.server.port == 0 and settings.generate is None
+    assert settings.model.cache_dir == tmp_path and settings.compile.cache_dir == tmp_path / "compile"
+    assert settings.compile.background and not settings.compile.attend_kernel
+    assert settings.parallel.launched is None
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    assert ParallelSpec.from_env(env, size=2) == ParallelSpec(size=2, launched=(1, 2), local_rank=1)
+
+
+def test_settings_travel_to_another_process(tmp_path):
+    """Spawned tensor-parallel ranks receive rank 0's settings; the compile worker is each process's own."""
+    settings = model_settings(["--device", "cpu", "--cache-dir", str(tmp_path)], command="serve")
+    copy = pickle.loads(pickle.dumps(settings))
+    assert copy == settings and copy.compile.worker is not settings.compile.worker

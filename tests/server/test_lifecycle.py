@@ -3,7 +3,7 @@ SIGTERM drain, on real ``dualserve serve`` processes.
 
 * A second server on a busy port fails before loading, with one line and exit status 2.
 * The start-up log names the model and format, decoders, device, dtype/threads, the KV pool
-  in blocks and MB, the URL and how to stop.
+  in blocks and MB, the kernels, the compiled graphs still to come, the URL and how to stop.
 * SIGTERM with streams running: new requests get 503 with Retry-After, short streams finish
   normally, long ones are ended after --shutdown-timeout with a final chunk and [DONE], and
   the process exits 0.
@@ -20,9 +20,17 @@ import threading
 import time
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import httpx
 import pytest
+import torch
 from server_fixture import free_port, log_tail, wait_healthy
+
+from dualserve.decoders.deployment import CompileSpec
+from dualserve.decoders.engine.compile_worker import CompileWorker
+from dualserve.decoders.engine.engine import EngineConfig
+from dualserve.server.lifecycle import compile_note, startup_lines
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -51,6 +59,31 @@ def test_busy_port_fails_at_once_with_one_line(default_gguf: Path, cache_dir: Pa
     assert len(lines) == 1 and "cannot listen on 127.0.0.1:" in lines[0] and "--port" in lines[0], done.stderr
     assert "loaded" not in done.stderr  # it failed before loading the model
     assert time.monotonic() - started < 60
+
+
+def test_startup_lines_name_the_kernels_and_the_graphs_still_to_build() -> None:
+    worker, release = CompileWorker(), threading.Event()
+    worker.submit(lambda: release.wait(10))
+    worker.submit(lambda: None)
+    runner = SimpleNamespace(kv=SimpleNamespace(k=[torch.zeros(4)], v=[torch.zeros(4)], dtype=torch.float32),
+                             compiled=SimpleNamespace(packaged=True))
+    loaded = SimpleNamespace(model=torch.nn.Linear(2, 2), path=Path("m.gguf"), quantization="int4")
+    dep = SimpleNamespace(models={"m": loaded}, runners={"m": runner}, compile=CompileSpec(worker=worker),
+                          engine=SimpleNamespace(config=EngineConfig(num_blocks=8)))
+    served = {"m": SimpleNamespace(decoders=["ar"], max_model_len=64)}
+    try:
+        lines = startup_lines(dep, served, "http://h:1", "cpu", 2, 30.0, "dot8 and attend_rows (AVX-512)")
+    finally:
+        release.set()
+    assert "kernels: dot8 and attend_rows (AVX-512)" in lines
+    note = next(line for line in lines if line.startswith("compiled steps:"))
+    assert note.startswith("compiled steps: 2 graphs to build or load") and "minutes per graph" in note, note
+    deadline = time.monotonic() + 10
+    while worker.busy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert compile_note(dep) is None  # nothing left to build: no note
+    dep.compile = None
+    assert not any(line.startswith(("kernels", "compiled")) for line in startup_lines(dep, served, "u", "cpu", 1, 1))
 
 
 def stream(url: str, max_tokens: int, out: list, first: threading.Event) -> None:
@@ -123,7 +156,7 @@ def test_an_unsupported_architecture_is_one_line(tmp_path: Path, command: str) -
     import numpy as np
 
     path = tmp_path / "other.gguf"
-    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer = gguf.GGUFWriter(str(path), "falcon")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     writer.write_header_to_file()
@@ -135,5 +168,5 @@ def test_an_unsupported_architecture_is_one_line(tmp_path: Path, command: str) -
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("dualserve: unsupported GGUF architecture 'gemma3'") and "llama" in last
+    assert last.startswith("dualserve: unsupported GGUF architecture 'falcon'") and "llama" in last
     assert "Traceback" not in done.stderr

@@ -8,7 +8,6 @@ encoding and the exact slicing of quantized layers are checked without ranks.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import time
@@ -25,7 +24,8 @@ from dualserve.decoders.engine.sampling import SamplingParams
 from dualserve.models.quant import Int4Linear, Int8Linear
 from dualserve.models.sharding import sharded_bytes, split_sizes, take_cols, take_rows
 from dualserve.server import tensor_parallel
-from dualserve.server.cli import add_model_args, load_deployment
+from dualserve.server.cli import load_deployment, model_settings
+from dualserve.server.settings import Settings
 from tiny_checkpoints import write_tiny_llada
 from tiny_twin import write_chat_tokenizer, write_tiny_llama
 
@@ -35,24 +35,20 @@ PROMPTS = [[1, 5, 7, 9, 11], [1, 3, 4, 20, 21, 22, 23, 30, 31], [1, 12, 13]]
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 
 
-def model_args(*argv: str, tp: int = 1) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_model_args(p)
+def settings_for(*argv: str, tp: int = 1) -> Settings:
     # Admission by places only: on a slow host a queued request must wait its turn, not end in a 429.
-    args = p.parse_args(["--device", "cpu", "--no-compile", "--threads", "1", "--tensor-parallel-size", str(tp),
-                         "--tp-timeout", "120", "--tp-heartbeat", "2", "--max-queue-wait", "0",
-                         "--max-run-time", "0", *argv])
-    args.command = "generate"
-    return args
+    return model_settings(["--device", "cpu", "--no-compile", "--threads", "1", "--tensor-parallel-size", str(tp),
+                           "--tp-timeout", "120", "--tp-heartbeat", "2", "--max-queue-wait", "0",
+                           "--max-run-time", "0", *argv])
 
 
 @contextmanager
 def ranks(*argv: str) -> Iterator:
     """A 2-rank deployment; the spawned rank is stopped (or killed) however the test ends."""
-    args = model_args(*argv, tp=2)
-    group = tensor_parallel.start(args)
+    settings = settings_for(*argv, tp=2)
+    group = tensor_parallel.start(settings)
     try:
-        yield load_deployment(args, group)
+        yield load_deployment(settings, group)
     finally:
         group.shutdown(timeout=10)
         for p in group.processes:
@@ -146,14 +142,14 @@ def test_tiny_models_greedy_identical(family, reduction, llama, qwen2):
     path = str(llama if family == "llama" else qwen2)
     argv = ("--model", path, "--eagle", "none", "--twin", "none", "--quantization", "none",
             "--num-blocks", "64", "--tp-reduction", reduction)
-    want = generate(load_deployment(model_args(*argv)), PROMPTS)
+    want = generate(load_deployment(settings_for(*argv)), PROMPTS)
     with ranks(*argv) as dep:
         assert generate(dep, PROMPTS) == want
 
 
 def test_each_rank_holds_its_share_of_the_weights(llama):
     argv = ("--model", str(llama), "--eagle", "none", "--twin", "none", "--quantization", "none", "--num-blocks", "16")
-    whole = sharded_bytes(next(iter(load_deployment(model_args(*argv)).models.values())).model)
+    whole = sharded_bytes(next(iter(load_deployment(settings_for(*argv)).models.values())).model)
     with ranks(*argv) as dep:
         model = next(iter(dep.models.values())).model
         # 4 heads / 2 KV heads, MLP 48, vocab 64: everything splits evenly, so exactly half
@@ -172,7 +168,7 @@ def llada(tmp_path_factory) -> Path:
 
 def test_tiny_llada_diffusion_greedy_identical(llada):
     argv = ("--model", str(llada), "--quantization", "none", "--num-blocks", "64")
-    want = generate(load_deployment(model_args(*argv)), PROMPTS, max_tokens=16)
+    want = generate(load_deployment(settings_for(*argv)), PROMPTS, max_tokens=16)
     with ranks(*argv) as dep:
         assert dep.engine.decoders_for(next(iter(dep.models))) == ["diffusion"]
         assert generate(dep, PROMPTS, max_tokens=16) == want
@@ -185,7 +181,7 @@ def test_abort_and_preemption_free_every_block(llama):
     argv = ("--model", str(llama), "--eagle", "none", "--twin", "none", "--quantization", "none",
             "--num-blocks", "6", "--block-size", "4")
     prompts = PROMPTS * 2
-    want = generate(load_deployment(model_args(*argv)), prompts, max_tokens=10)
+    want = generate(load_deployment(settings_for(*argv)), prompts, max_tokens=10)
     with ranks(*argv) as dep:
         pool = dep.engine.pool
         name = next(iter(dep.models))
@@ -253,7 +249,7 @@ def test_dflash_drafter_greedy_identical(llama, tmp_path):
                       num_target_layers=2, block_size=4, mask_token_id=VOCAB - 1)
     argv = ("--model", str(llama), "--eagle", "none", "--dflash", str(tmp_path), "--twin", "none",
             "--quantization", "none", "--num-blocks", "64")
-    one = load_deployment(model_args(*argv))
+    one = load_deployment(settings_for(*argv))
     want = generate(one, PROMPTS, 48, "eagle")
     del one
     with ranks(*argv) as dep:
@@ -267,7 +263,7 @@ def test_default_model_greedy_identical_for_every_decoder():
     from dualserve.models import kernels
 
     argv = ("--quantization", "w4a16" if kernels.available() else "int4", "--num-blocks", "128")
-    one = load_deployment(model_args(*argv))
+    one = load_deployment(settings_for(*argv))
     want = {d: generate(one, CHATS, 24, d, chat=True) for d in ("ar", "eagle", "diffusion")}
     del one
     with ranks(*argv) as dep:
@@ -293,7 +289,7 @@ def test_tiny_diffusion_gemma_greedy_identical(reduction, diffusion_gemma):
     """Encoder, denoiser with self-conditioning, experts: the one-rank canvases, at temperature 0
     (deterministic noise), with prompts batched into one step."""
     argv = ("--model", str(diffusion_gemma), "--num-blocks", "64", "--tp-reduction", reduction)
-    want = generate(load_deployment(model_args(*argv)), PROMPTS, max_tokens=16)
+    want = generate(load_deployment(settings_for(*argv)), PROMPTS, max_tokens=16)
     assert all(len(w) == 16 for w in want)
     with ranks(*argv) as dep:
         assert dep.engine.decoders_for(next(iter(dep.models))) == ["diffusion"]
