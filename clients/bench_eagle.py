@@ -131,9 +131,9 @@ def served_format(quantization: str, path: Path, cache: Path):
     """(quantization, dtype, format table) as ``dualserve serve --quantization ...`` picks them on this
     host: with auto, the format the host's measured table picks."""
     from dualserve.server.cli import pick_format
+    from dualserve.server.settings import ModelSpec
 
-    served = argparse.Namespace(quantization=quantization, device="cpu", dtype="auto", tensor_parallel_size=1)
-    return pick_format(served, path, cache, torch.float32)
+    return pick_format(ModelSpec(cache_dir=cache, quantization=quantization), path, cache, torch.float32)
 
 
 def deploy(args: argparse.Namespace):

@@ -170,9 +170,9 @@ def resolve_formats(formats: Sequence[str], path: Path, cache: Path, log: Callab
 def auto_format(path: Path, cache: Path) -> str:
     """The format ``--quantization auto`` (a CPU, ``--dtype auto``) serves ``path`` in."""
     from dualserve.server.cli import pick_format
+    from dualserve.server.settings import ModelSpec
 
-    args = argparse.Namespace(quantization="auto", device="cpu", dtype="auto", tensor_parallel_size=1)
-    quantization, dtype, _ = pick_format(args, path, cache, torch.float32)
+    quantization, dtype, _ = pick_format(ModelSpec(cache_dir=cache), path, cache, torch.float32)
     if quantization == "none":
         return "bf16" if dtype == torch.bfloat16 else "fp32"
     return quantization
