@@ -21,7 +21,7 @@ torch build, and loaded with ``torch.ops.load_library``. Without a compiler (or 
 ``DUALSERVE_NO_KERNELS=1``) the kernels are reported unavailable: the formats that need
 them are not offered and attention keeps inductor's loops.
 The code path is chosen at run time from the CPU's flags, never at compile time,
-so one build serves every CPU.
+so one build serves every CPU; ``describe()`` says which, in one line for a start-up log.
 """
 
 from __future__ import annotations

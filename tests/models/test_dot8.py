@@ -135,3 +135,12 @@ def test_the_narrower_paths_a_host_may_take_give_the_same_bits(tmp_path, path: s
     got = torch.load(tmp_path / "out.pt")
     for bits, layer in layers.items():
         assert torch.equal(got[bits], layer(x)), bits
+
+
+def test_describe_names_the_path_or_why_there_is_none(monkeypatch) -> None:
+    line = kernels.describe()
+    assert line.startswith(f"dot8 {kernels.code_path()}, attend_rows, pointwise; built by ") and "\n" not in line
+    monkeypatch.setattr(kernels, "_loaded", False)
+    monkeypatch.setattr(kernels, "_error", "building the kernels failed: x.cpp:1: error: boom\nmore")
+    assert kernels.describe() == ("kernels unavailable: building the kernels failed: x.cpp:1: error: boom; "
+                                  "w4a8/w4a16 not offered, attention uses SDPA")
