@@ -161,7 +161,7 @@ class LoRA(nn.Module):
             b, a, u = self.base, self.down, self.up
             y = torch.ops.dualserve.dot8_lora(x.reshape(-1, b.in_features).contiguous(), b.packed, b.d, b.m,
                                                b.out_features, b.bits, a.packed, a.d, a.m, a.out_features,
-                                               u.packed, u.d, u.m, 0, b.digits)
+                                               u.packed, u.d, u.m, 0, b.digits, b.s, b.mn, b.minimum)
             return y.view(*x.shape[:-1], b.out_features)
         return self.base(x) + self.up(self.down(x))
 

@@ -26,7 +26,10 @@ so one build serves every CPU; ``describe()`` says which, in one line for a star
 
 from __future__ import annotations
 
-import fcntl
+try:
+    import fcntl  # the build lock; a platform without it builds without one
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
 import functools
 import hashlib
 import os
@@ -92,7 +95,8 @@ def build() -> Path:
         return so
     so.parent.mkdir(parents=True, exist_ok=True)
     with open(so.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if not so.exists():
             tmp = so.with_suffix(f".{os.getpid()}.tmp")
             cmd = [_compiler(), *map(str, SOURCES), "-o", str(tmp), *_flags()]
