@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 
 ENGINE = ["dualserve.decoders.engine." + m for m in (
     "admission", "aoti", "blocks", "compile_worker", "compiled", "cuda_graphs", "decoder", "detokenize", "engine",
@@ -52,8 +51,6 @@ def test_the_engine_s_own_modules_need_no_fcntl():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="models/kernels/__init__.py imports fcntl at module level, and the runner "
-                   "reaches it through models.transformer; its build lock needs a lazy import with a fallback")
 def test_every_engine_module_imports_without_fcntl():
     done = imports_without_fcntl(ENGINE)
     assert done.returncode == 0, done.stdout + done.stderr
