@@ -19,7 +19,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Union
+from typing import TYPE_CHECKING, Iterable, Iterator, Union
 
 import torch
 from safetensors import safe_open
@@ -76,11 +76,11 @@ def _concat(parts: list[Weight]) -> Weight:
     return torch.cat([dequantize_portable(p) if isinstance(p, dict) else p for p in parts], 0)
 
 
-def to_module_names(canonical: dict[str, Weight]) -> dict[str, Weight]:
-    """Canonical HF names -> our parameter names, concatenating fused projections."""
-    out: dict[str, Weight] = {}
+def stream_module_names(canonical: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+    """Canonical HF names -> our parameter names, concatenating fused projections as soon as their
+    last part arrives, so a checkpoint streams through with only a layer's parts held at once."""
     pending: dict[str, dict[str, Weight]] = {}
-    for name, tensor in canonical.items():
+    for name, tensor in canonical:
         short = name.removeprefix("model.")
         for parts, fused in FUSED:
             hit = next((p for p in parts if f".{p}." in f".{short}"), None)
@@ -90,64 +90,90 @@ def to_module_names(canonical: dict[str, Weight]) -> dict[str, Weight]:
                 pending.setdefault(key, {})[hit] = tensor
                 if len(pending[key]) == len(parts):
                     got = pending.pop(key)
-                    out[key] = _concat([got[p] for p in parts])
+                    yield key, _concat([got[p] for p in parts])
                 break
         else:
-            out[short] = tensor
+            yield short, tensor
     if pending:
         raise ValueError(f"incomplete fused projections in checkpoint: {sorted(pending)[:4]}")
-    return out
 
 
-def _quantize_into(model: Transformer, state: dict[str, Weight], fmt: Quantization, dtype: torch.dtype,
-                   device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Swap the meta model's linear layers, head and embedding for ``fmt`` modules built from ``state``.
+def to_module_names(canonical: dict[str, Weight]) -> dict[str, Weight]:
+    """``stream_module_names`` over a whole state dict."""
+    return dict(stream_module_names(canonical.items()))
 
-    Consumes their entries from ``state``; returns the new modules' tensors, by name, for the strict load.
+
+def _quantize_into(model: Transformer, weights: Iterable[tuple[str, Weight]], fmt: Quantization,
+                   dtype: torch.dtype, device: torch.device | str) -> tuple[dict[str, torch.Tensor], dict[str, Weight], bool]:
+    """Swap the meta model's linear layers, head and embedding for ``fmt`` modules, each built as soon
+    as its weight (and bias) arrives from ``weights`` and its source tensors then dropped: a checkpoint
+    streams through with one layer's source held at once beside the model being built.
+
+    Returns the new modules' tensors, by name, for the strict load, the other entries (norms), and
+    whether the checkpoint had no head of its own (tied to the embedding).
     """
-    swapped: dict[str, nn.Module] = {}
-    for name, module in list(model.layers.named_modules()):
-        if isinstance(module, nn.Linear):
-            full = f"layers.{name}"
-            bias = state.pop(f"{full}.bias", None)
-            bias = None if bias is None else bias.to(device)
-            weight = state.pop(f"{full}.weight")
-            swapped[full] = (to_linear(weight, fmt, bias, dtype, device) if isinstance(weight, dict)
-                             else float_to_linear(weight.to(device), bias, fmt, dtype))
-    emb = state.pop("embed_tokens.weight")
-    head = state.pop("lm_head.weight", emb)
-    swapped["lm_head"] = head_linear(head, fmt, dtype, device)
-    if isinstance(emb, dict):  # a GGUF table: its int8 groups as they are (Q8_0, Q6_K ...), else quantized again
-        swapped["embed_tokens"] = QuantEmbedding.from_portable({k: v.to(device) for k, v in emb.items()}, dtype)
-    else:
-        swapped["embed_tokens"] = QuantEmbedding.from_float(emb.to(device), dtype)
+    linears = {f"layers.{n}": m.bias is not None for n, m in model.layers.named_modules() if isinstance(m, nn.Linear)}
     done: dict[str, torch.Tensor] = {}
-    for name, module in swapped.items():
+    rest: dict[str, Weight] = {}
+    waiting: dict[str, dict[str, Weight]] = {}
+
+    def place(name: str, module: nn.Module) -> None:
         if "." in name:
             model.set_submodule(name, module)
         else:  # lm_head may be None on a tied model, which set_submodule refuses to replace
             setattr(model, name, module)
         done.update({f"{name}.{k}": t for k, t in module.state_dict().items()})
-    return done
+
+    for name, weight in weights:
+        module, _, leaf = name.rpartition(".")
+        if module not in linears or leaf not in ("weight", "bias"):
+            rest[name] = weight
+            continue
+        got = waiting.setdefault(module, {})
+        got[leaf] = weight
+        if "weight" in got and ("bias" in got or not linears[module]):
+            got = waiting.pop(module)
+            bias = None if got.get("bias") is None else got["bias"].to(device)
+            w = got["weight"]
+            place(module, to_linear(w, fmt, bias, dtype, device) if isinstance(w, dict)
+                  else float_to_linear(w.to(device), bias, fmt, dtype))
+    if waiting:
+        raise ValueError(f"linear layers without their weights in the checkpoint: {sorted(waiting)[:4]}")
+    emb = rest.pop("embed_tokens.weight")
+    tied = "lm_head.weight" not in rest
+    place("lm_head", head_linear(rest.pop("lm_head.weight", emb), fmt, dtype, device))
+    if isinstance(emb, dict):  # a GGUF table: its int8 groups as they are (Q8_0, Q6_K ...), else quantized again
+        place("embed_tokens", QuantEmbedding.from_portable({k: v.to(device) for k, v in emb.items()}, dtype))
+    else:
+        place("embed_tokens", QuantEmbedding.from_float(emb.to(device), dtype))
+    return done, rest, tied
 
 
-def build(config: ModelConfig, state: dict[str, Weight], dtype: torch.dtype,
+def build(config: ModelConfig, weights: dict[str, Weight] | Iterable[tuple[str, Weight]], dtype: torch.dtype,
           device: torch.device | str, quantization: Quantization = "none") -> Transformer:
     """Build on meta, then assign real tensors; strict, so a missing or extra tensor is an error.
 
-    With ``quantization`` int8 or int4 the linear layers, the output head and the
-    embedding are quantized (exactly, when the state already holds that layout);
-    everything else (norms, residual stream, attention) computes in ``dtype``.
+    ``weights``: a state dict, or (name, weight) pairs as a checkpoint streams them. With a quantized
+    format the linear layers, the output head and the embedding become that format's modules as they
+    arrive (exactly, when the source already holds that layout); everything else (norms, residual
+    stream, attention) computes in ``dtype``.
     """
-    if "lm_head.weight" not in state and not config.tie_word_embeddings:
-        config = config.replace(tie_word_embeddings=True)
-    if config.tie_word_embeddings and quantization == "none":
-        state.pop("lm_head.weight", None)
+    pairs = weights.items() if isinstance(weights, dict) else weights
     with torch.device("meta"):
         model = Transformer(config)
     done: dict[str, torch.Tensor] = {}
     if quantization != "none":
-        done = _quantize_into(model, state, quantization, dtype, device)
+        done, state, tied = _quantize_into(model, pairs, quantization, dtype, device)
+    else:
+        state = dict(pairs)
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        tied = "lm_head.weight" not in state
+        if tied:
+            model.lm_head = None
+    if tied and not config.tie_word_embeddings:  # a checkpoint without a head ties it to the embedding
+        config = config.replace(tie_word_embeddings=True)
+    model.config = config
     full = {k: (dequantize_portable(v) if isinstance(v, dict) else v).to(device=device, dtype=dtype)
             for k, v in state.items()}
     if config.norm_offset:  # Gemma's norms multiply by 1 + w, added once here in fp32 as transformers does
@@ -173,26 +199,38 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor, one file after another, in name order within a file (a module's tensors are then
+    next to each other). Each is a copy: a tensor safetensors returns shares the file's memory map, and
+    one kept in the model (a norm) would keep the whole file's pages resident."""
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+            for name in sorted(f.keys()):
+                yield name, f.get_tensor(name).clone()
 
 
 def iter_weights(path: Path) -> Iterator[tuple[str, Weight]]:
-    """Like ``iter_safetensors``, with stored portable entries regrouped under ``<module>.weight``."""
-    groups: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in iter_safetensors(path):
-        module, _, key = name.rpartition(".")
-        if key in PORTABLE_KEYS:
-            groups.setdefault(module, {})[key] = tensor
-        else:
-            yield name, tensor
-    for module, parts in groups.items():
+    """Like ``iter_safetensors``, with stored portable entries regrouped under ``<module>.weight``, each
+    yielded once its module's tensors have all been read."""
+    module, parts = "", {}
+
+    def entry() -> tuple[str, Weight]:
         if portable_kind(parts) == "int4":  # stored two to a byte
             packed = parts["qweight"]
             parts["qweight"] = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
-        yield f"{module}.weight", parts
+        return f"{module}.weight", parts
+
+    for name, tensor in iter_safetensors(path):
+        owner, _, key = name.rpartition(".")
+        if parts and owner != module:
+            yield entry()
+            parts = {}
+        if key in PORTABLE_KEYS:
+            module = owner
+            parts[key] = tensor
+        else:
+            yield name, tensor
+    if parts:
+        yield entry()
 
 
 def portable_tensors(name: str, entry: dict) -> dict[str, torch.Tensor]:

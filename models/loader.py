@@ -23,7 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Iterator, Literal
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .adapter import TwinSpec, apply_twin, is_twin_dir
-from .checkpoint import LoadedModel, Weight, safetensors_files, build, iter_weights, portable_tensors, rename, to_module_names
+from .checkpoint import LoadedModel, Weight, build, iter_weights, portable_tensors, rename, safetensors_files, stream_module_names
 from .config import ModelConfig, UnsupportedModel
 from .diffusion_gemma import load_diffusion_gemma
 from .families import family, of_hf
@@ -79,15 +79,18 @@ def gguf_names(name: str) -> list[tuple[str, str]]:
     """A family's own GGUF names (``families.py``), then the common table."""
     return list(family(name).gguf_names) + GGUF_NAMES
 
-def load_hf_state(path: Path, config: ModelConfig) -> dict[str, Weight]:
+def load_hf_state(path: Path, config: ModelConfig) -> Iterator[tuple[str, Weight]]:
+    """A checkpoint's weights under our module names, streamed tensor by tensor."""
     table = SOURCE_NAMES.get(config.family)
-    canonical: dict[str, Weight] = {}
-    for name, tensor in iter_weights(path):
-        new = rename(name, table) if table else name
-        if new is None:
-            raise ValueError(f"unexpected tensor {name!r} in {path}")
-        canonical[new] = tensor
-    return to_module_names(canonical)
+
+    def canonical() -> Iterator[tuple[str, Weight]]:
+        for name, tensor in iter_weights(path):
+            new = rename(name, table) if table else name
+            if new is None:
+                raise ValueError(f"unexpected tensor {name!r} in {path}")
+            yield new, tensor
+
+    return stream_module_names(canonical())
 
 
 # ---- GGUF ---------------------------------------------------------------------
@@ -115,9 +118,14 @@ def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def load_gguf_state(reader, config: ModelConfig) -> dict[str, Weight]:
+    return dict(gguf_weights(reader, config))
+
+
+def gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, Weight]]:
+    """A GGUF's tensors under canonical HF names, one at a time: packed block types in the portable
+    layout (``portable.gguf_blocks``), the others dequantized to fp32."""
     from gguf import quants
 
-    canonical: dict[str, Weight] = {}
     table = gguf_names(config.family)
     permuted = family(config.family).gguf_qk_permuted
     for t in reader.tensors:
@@ -142,8 +150,7 @@ def load_gguf_state(reader, config: ModelConfig) -> dict[str, Weight]:
         if heads is not None:
             parts = {k: unpermute_rope(v, heads) for k, v in parts.items()}
         tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in parts.items()}
-        canonical[name] = tensors.pop("w") if "w" in tensors else tensors
-    return canonical
+        yield name, tensors.pop("w") if "w" in tensors else tensors
 
 
 def hf_config_dict(config: ModelConfig) -> dict:
@@ -185,30 +192,31 @@ def hf_config_dict(config: ModelConfig) -> dict:
 
 
 def convert_gguf(path: Path, out_dir: Path) -> Path:
-    """Convert a GGUF file into a Hugging Face directory (safetensors + tokenizer).
+    """Convert a GGUF file into a Hugging Face directory (safetensors + tokenizer), streaming: one
+    tensor and one shard in memory at a time.
 
-    Q4_0, Q4_1 and Q8_0 tensors keep their integers and scales (``checkpoint.portable_tensors``);
+    The block types in ``GGUF_PACKED`` keep their integers and scales (``checkpoint.portable_tensors``);
     other types are stored dequantized in fp32."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     config = ModelConfig.from_gguf(gguf_metadata(reader))
-    names = {t.name: t for t in reader.tensors}
-    if "rope_factors_long.weight" in names:
+    by_name = {t.name: t for t in reader.tensors}
+    if "rope_factors_long.weight" in by_name:
         raise UnsupportedModel(f"{path.name}: LongRoPE scaling (rope_factors_long) is not supported")
-    if "rope_freqs.weight" in names:  # Llama 3.1+ scaling, as llama.cpp's divisors of each frequency
-        factors = np.asarray(names["rope_freqs.weight"].data, dtype=np.float32)
+    if "rope_freqs.weight" in by_name:  # Llama 3.1+ scaling, as llama.cpp's divisors of each frequency
+        factors = np.asarray(by_name["rope_freqs.weight"].data, dtype=np.float32)
         config = config.replace(rope_factors=tuple(float(f) for f in factors))
-    canonical = load_gguf_state(reader, config)
-    if "lm_head.weight" not in canonical:
-        config = config.replace(tie_word_embeddings=True)
     tokenizer = Tokenizer.from_gguf(reader)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".partial-", dir=out_dir.parent))
-    tensors: dict[str, torch.Tensor] = {}
-    for name, w in canonical.items():
-        tensors.update(portable_tensors(name, w) if isinstance(w, dict) else {name: w})
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": path.name})
+    try:
+        names = write_shards(gguf_weights(reader, config), tmp, {"format": "pt", "source": path.name})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if "lm_head.weight" not in names:
+        config = config.replace(tie_word_embeddings=True)
     (tmp / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2))
     save_tokenizer(tokenizer, tmp)
     try:
@@ -218,6 +226,39 @@ def convert_gguf(path: Path, out_dir: Path) -> Path:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+SHARD_BYTES = 256 << 20
+
+
+def write_shards(weights: Iterator[tuple[str, Weight]], out_dir: Path, metadata: dict[str, str]) -> set[str]:
+    """Write a stream of weights as safetensors shards of about ``SHARD_BYTES`` (one file, model.safetensors,
+    when they fit; else model-NNNNN.safetensors and an index), holding one shard at a time. Returns the
+    weights' names."""
+    names: set[str] = set()
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    files: list[str] = []
+
+    def flush() -> None:
+        file = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shard, str(out_dir / file), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, file))
+        files.append(file)
+        shard.clear()
+
+    for name, w in weights:
+        names.add(name)
+        shard.update(portable_tensors(name, w) if isinstance(w, dict) else {name: w})
+        if sum(t.numel() * t.element_size() for t in shard.values()) >= SHARD_BYTES:
+            flush()
+    if shard or not files:
+        flush()
+    if len(files) == 1:
+        (out_dir / files[0]).rename(out_dir / "model.safetensors")
+    else:
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return names
 
 
 def save_tokenizer(tok: Tokenizer, out_dir: Path) -> None:
@@ -236,7 +277,7 @@ def save_tokenizer(tok: Tokenizer, out_dir: Path) -> None:
 
 
 # Bumped when the converted layout changes, so an older conversion is never read as a newer one.
-CONVERTED_LAYOUT = "q1"
+CONVERTED_LAYOUT = "q2"
 
 
 def converted_dir(path: Path, cache_dir: Path) -> Path:

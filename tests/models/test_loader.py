@@ -114,6 +114,20 @@ def test_gguf_conversion_is_cached(gguf_loads, chat_ids: list[int]) -> None:
     assert torch.equal(our_logits(first, chat_ids), our_logits(second, chat_ids))
 
 
+def test_gguf_conversion_streams_into_shards(gguf_loads, default_gguf: Path, tmp_path: Path, monkeypatch,
+                                             chat_ids: list[int]) -> None:
+    """The conversion holds one shard at a time: with small shards it writes several and an index, and
+    the model loads from them (streaming too) to the same logits."""
+    monkeypatch.setattr(loader, "SHARD_BYTES", 16 << 20)
+    sharded = load_model(default_gguf, cache_dir=tmp_path)
+    target = next((tmp_path / "converted").iterdir())
+    shards = sorted(target.glob("model-*.safetensors"))
+    assert len(shards) > 3 and (target / "model.safetensors.index.json").is_file()
+    assert not (target / "model.safetensors").exists()
+    first = gguf_loads[0]
+    assert torch.equal(our_logits(sharded, chat_ids), our_logits(first, chat_ids))
+
+
 # ---- tiny random Hugging Face checkpoints ---------------------------------------------------
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
