@@ -15,24 +15,31 @@ Inputs, each measured:
 * ``CostCurve``: seconds of a verify forward by token count, a prior (the start-up format
   measurement's 1- and 8-token costs, ``models/formats.py``, or a default shape) corrected
   by the forwards the decoder times as it runs;
-* ``SourceRate``: per draft source (the EAGLE head, suffix lookup), the request's running
-  per-level acceptance rate, an EMA; a source left unused drifts back towards its prior,
-  so a source that failed once is tried again later;
+* ``SourceRate``: per draft source (the EAGLE head, a DFlash drafter, suffix lookup), the
+  request's running per-level acceptance rate, an EMA; a source left unused drifts back
+  towards its prior, so a source that failed once is tried again later;
+* ``DraftTiming``: per draft model, the seconds of a steady catch-up and of a drafting unit
+  (a forward and its logits);
 * the batch: the tokens the rest of the batch puts in the same forward and the tokens it
   emits (from the previous step).
 
-``choose_budget`` is pure: it scores every (head depth, suffix depth) pair by expected
-tokens per second of the whole step and returns the best; depth 0 for both is a plain
-``ar`` step, which it picks whenever drafting cannot pay.
+``choose_budget`` is pure: it scores every combination of depths, one per source, by
+expected tokens per second of the whole step and returns the best; depth 0 for every
+source is a plain ``ar`` step, which it picks whenever drafting cannot pay.
+
+``DraftBudget`` owns all of it for one decoder: the curve, the timings, the rates every
+request has measured (a new request starts from them), the probes that keep a source's
+rate measured, and the previous step's batch. The decoder asks it for each request's
+``Budget`` and reports what the step cost and what each source earned; sources never
+time themselves and never decide how much to draft.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal, Sequence
 
-Source = str  # "head" (EAGLE head) | "block" (DFlash drafter) | "suffix"
-SOURCES: tuple[Source, ...] = ("head", "block", "suffix")
+Source = Literal["head", "block", "suffix"]  # the EAGLE head | a DFlash drafter | suffix lookup
 
 # Prior acceptance rates, per drafted level. A weak head's: the first bundled head's mean
 # acceptance length, 1.55, is a per-level rate near 0.35 (a request's rates start from what
@@ -43,6 +50,14 @@ SOURCES: tuple[Source, ...] = ("head", "block", "suffix")
 PRIOR_RATE = {"head": 0.35, "block": 0.35, "suffix": 0.6}
 EMA = 0.3            # weight of the newest observation
 DRIFT = 0.02         # per unused step, towards the prior
+# A source with a drafting cost that the budget has left unused for this many of a request's
+# steps drafts one level, so its acceptance keeps being measured: a source whose prior says it
+# cannot pay would otherwise never be tried, however good it is. The probe costs one extra
+# token in one step of this many.
+EXPLORE_AFTER = 32
+# Weight of one request-step's outcome in the decoder-wide rate that seeds new requests' rates.
+LEARNED_EMA = 0.05
+STEADY_POSITIONS = 8  # a catch-up over at most this many positions is a drafting request's steady one
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 EXACT = 16           # verify forwards up to this many tokens are measured per token count
 
@@ -55,6 +70,7 @@ class SourceRate:
     rate: float = -1.0
     accept_length: float = 0.0  # EMA of accepted drafted tokens per step that drafted (reported)
     weight: float = EMA         # of the newest observation
+    idle_steps: int = 0         # steps since the source last drafted for the request
 
     def __post_init__(self) -> None:
         if self.rate < 0:
@@ -66,9 +82,17 @@ class SourceRate:
         if trials:
             self.rate += self.weight * (accepted / trials - self.rate)
         self.accept_length += self.weight * (accepted - self.accept_length)
+        self.idle_steps = 0
 
     def idle(self) -> None:
+        """A step that did not draft from this source."""
         self.rate += DRIFT * (self.prior - self.rate)
+        self.idle_steps += 1
+
+    @property
+    def stale(self) -> bool:
+        """Left unused for ``EXPLORE_AFTER`` steps: probed when it can be, its backlog dropped when not."""
+        return self.idle_steps >= EXPLORE_AFTER
 
 
 def expected_accepted(rates: list[float]) -> float:
@@ -137,26 +161,42 @@ class CostCurve:
 
 @dataclass(frozen=True)
 class Budget:
-    """What one request drafts this step: depth and nodes per source ("head": the request's model
-    source, an EAGLE head or a DFlash drafter). All zero: a plain step."""
+    """What one request drafts this step, per source of the request (in its merge order): depth,
+    nodes and drafting units (forwards of a draft model). No depth anywhere: a plain step."""
 
-    head_depth: int = 0
-    head_nodes: int = 0
-    suffix_depth: int = 0
-    suffix_nodes: int = 0
+    depths: tuple[int, ...] = ()
+    nodes: tuple[int, ...] = ()
+    units: tuple[int, ...] = ()
 
     @property
-    def nodes(self) -> int:
-        return self.head_nodes + self.suffix_nodes
+    def num_nodes(self) -> int:
+        return sum(self.nodes)
+
+    def depth(self, i: int) -> int:
+        """Source i's depth (0 in a plain budget, which may list no sources)."""
+        return self.depths[i] if self.depths else 0
 
 
 NO_DRAFT = Budget()
 
 
 @dataclass(frozen=True)
+class Reach:
+    """What a source can draft for one request this step (``DraftSource.offer``): node counts by
+    depth (``nodes[d - 1]`` at depth d) and the drafting units each depth costs (``units[d - 1]``;
+    () for a source that costs nothing to draft). No nodes: it cannot draft now."""
+
+    nodes: tuple[int, ...] = ()
+    units: tuple[int, ...] = ()
+
+
+NO_REACH = Reach()
+
+
+@dataclass(frozen=True)
 class Offer:
-    """What a source can draft this step: node counts by depth (``nodes[d - 1]`` for depth d),
-    its acceptance rate, and the drafting seconds it costs at each depth (0 for suffix lookup)."""
+    """A source's reach as ``choose_budget`` weighs it: node counts by depth, its acceptance rate,
+    and the drafting seconds each depth costs (() for a free source)."""
 
     nodes: tuple[int, ...]
     rate: float
@@ -174,17 +214,45 @@ class Batch:
     emitted: float = 0.0
 
 
-def choose_budget(cost: Callable[[int], float], head: Offer | None, suffix: Offer | None, batch: Batch = Batch(),
+def choose_budget(cost: Callable[[int], float], offers: Sequence[Offer | None], batch: Batch = Batch(),
                   max_nodes: int = 1 << 30) -> Budget:
-    """The (head depth, suffix depth) that maximises the step's expected tokens per second.
+    """The depth per source (one per offer, None: cannot draft) that maximises the step's expected
+    tokens per second. A request drafts from two sources at most: a draft model and suffix lookup.
 
-    Both sources verify in one tree: where both draft a level, it is accepted if either's
-    token is (taken as independent: 1 - (1 - a)(1 - b)); where one drafts, at its rate. The
-    step emits the batch's tokens plus 1 + E for this request, in one forward over the
-    batch's tokens plus 1 + nodes, plus the head's drafting time.
+    The sources verify in one tree: where both draft a level, it is accepted if either's token is
+    (taken as independent: 1 - (1 - a)(1 - b)); where one drafts, at its rate. The step emits the
+    batch's tokens plus 1 + E for this request, in one forward over the batch's tokens plus
+    1 + nodes, plus the sources' drafting time.
+
+    Every (depth, depth) pair is scored, and this runs per request and step, so E is built from
+    shared prefixes (the levels both draft, then the deeper one's), computed in the order
+    ``expected_accepted`` would: the same sums, a fraction of the Python.
     """
-    head_depths = range(len(head.nodes) + 1) if head is not None else range(1)
-    suffix_depths = range(len(suffix.nodes) + 1) if suffix is not None else range(1)
+    if len(offers) > 2:
+        raise ValueError("a request drafts from two sources at most: a draft model and suffix lookup")
+    a, b = (*offers, None, None)[:2]
+    na, nb = len(a.nodes) if a is not None else 0, len(b.nodes) if b is not None else 0
+    ra = 1 - (1 - a.rate) if a is not None else 0.0  # a level only a drafts (as 1 - miss, exactly)
+    rb = 1 - (1 - b.rate) if b is not None else 0.0
+    both = 1 - (1 - a.rate) * (1 - b.rate) if a is not None and b is not None else 0.0
+    # joint[k]: (E, reach) after k levels both draft; alone_a[k][m]: E after m more levels of a alone.
+    joint = [(0.0, 1.0)]
+    for _ in range(min(na, nb)):
+        total, reach = joint[-1]
+        reach *= both
+        joint.append((total + reach, reach))
+
+    def then(k: int, rate: float, levels: int) -> list[float]:
+        total, reach = joint[k]
+        out = [total]
+        for _ in range(levels):
+            reach *= rate
+            total += reach
+            out.append(total)
+        return out
+
+    alone_a = [then(k, ra, na - k) for k in range(min(na, nb + 1))]  # k = b's depth < a's
+    alone_b = [then(k, rb, nb - k) for k in range(min(nb, na + 1))]
     seen: dict[int, float] = {}  # forward seconds by token count: one curve lookup per count
 
     def seconds_of(n: int) -> float:
@@ -192,21 +260,127 @@ def choose_budget(cost: Callable[[int], float], head: Offer | None, suffix: Offe
             seen[n] = cost(n)
         return seen[n]
 
-    best, best_speed = NO_DRAFT, (batch.emitted + 1) / seconds_of(batch.tokens + 1)
-    for dh in head_depths:
-        nh = head.nodes[dh - 1] if dh else 0
-        drafting = head.cost(dh) if dh else 0.0
-        for ds in suffix_depths:
-            if not dh and not ds:
+    best, best_speed = (0, 0), (batch.emitted + 1) / seconds_of(batch.tokens + 1)
+    for da in range(na + 1):
+        nodes_a = a.nodes[da - 1] if da else 0
+        drafting = a.cost(da) if da else 0.0
+        for db in range(nb + 1):
+            if not da and not db:
                 continue
-            ns = suffix.nodes[ds - 1] if ds else 0
-            if nh + ns > max_nodes:
+            nodes = nodes_a + (b.nodes[db - 1] if db else 0)
+            if nodes > max_nodes:
                 continue
-            rates = []
-            for level in range(max(dh, ds)):
-                miss = (1 - head.rate if level < dh else 1.0) * (1 - suffix.rate if level < ds else 1.0)
-                rates.append(1 - miss)
-            speed = (batch.emitted + 1 + expected_accepted(rates)) / (seconds_of(batch.tokens + 1 + nh + ns) + drafting)
+            accepted = alone_a[db][da - db] if da > db else alone_b[da][db - da] if db > da else joint[da][0]
+            speed = (batch.emitted + 1 + accepted) / (seconds_of(batch.tokens + 1 + nodes) + drafting
+                                                      + (b.cost(db) if db else 0.0))
             if speed > best_speed * (1 + 1e-9):
-                best, best_speed = Budget(dh, nh, ds, ns), speed
-    return best
+                best, best_speed = (da, db), speed
+    depths = best[:len(offers)]
+    return Budget(depths, tuple(o.nodes[d - 1] if d else 0 for o, d in zip(offers, depths)))
+
+
+@dataclass
+class DraftTiming:
+    """One draft model's measured drafting time (EMAs): a steady catch-up, and a unit (a forward
+    and its logits; an EAGLE head spends one per level, a DFlash drafter one per block)."""
+
+    unit: float | None = None
+    catch_up: float | None = None
+
+    def observe_catch_up(self, seconds: float, positions: float) -> None:
+        """A catch-up over ``positions`` unseen positions took ``seconds``. Only a drafting request's
+        steady catch-up (the few positions its last step committed) trains the estimate: a backlog
+        left by plain steps is paid once, when drafting resumes, not every step."""
+        if 0 < positions <= STEADY_POSITIONS:
+            self.catch_up = seconds if self.catch_up is None else self.catch_up + EMA * (seconds - self.catch_up)
+
+    def observe_units(self, seconds: float, units: int) -> None:
+        """This step's drafts, ``units`` drafting units in all, took ``seconds`` (catch-up not included)."""
+        if units:
+            per = seconds / units
+            self.unit = per if self.unit is None else self.unit + EMA * (per - self.unit)
+
+    def seconds(self, units: int, target_step: float) -> float:
+        """Expected drafting seconds for ``units`` units, a steady catch-up included; before any
+        measurement, a guess from the target's one-token step: the catch-up and a unit each cost a
+        quarter of it (one layer and the logits)."""
+        unit = self.unit if self.unit is not None else 0.25 * target_step
+        catch_up = self.catch_up if self.catch_up is not None else 0.25 * target_step
+        return catch_up + unit * units
+
+
+class DraftBudget:
+    """How much each request drafts each step, from what drafting costs and earns on this host.
+
+    ``curve`` None: every step drafts everything each source offers (a fixed tree, for
+    measuring acceptance); a ``CostCurve``: ``choose_budget`` sizes each step, down to a plain
+    step, and the curve learns from the verify forwards the decoder times.
+    """
+
+    def __init__(self, curve: CostCurve | None):
+        self.curve = curve
+        # Each source's per-level acceptance over every request so far: a new request's rates start here.
+        self.learned: dict[Source, SourceRate] = {s: SourceRate(p, weight=LEARNED_EMA) for s, p in PRIOR_RATE.items()}
+        self.timing: dict[Source, DraftTiming] = {s: DraftTiming() for s in PRIOR_RATE}
+        self._last = (0, 0, 0)  # the previous step: requests, forward tokens, tokens emitted
+
+    def rates(self) -> dict[Source, SourceRate]:
+        """A new request's running rates, each starting from (and drifting back to) the learned one."""
+        return {s: SourceRate(r.rate) for s, r in self.learned.items()}
+
+    def choose(self, names: Sequence[Source], reaches: Sequence[Reach], rates: dict[Source, SourceRate],
+               cap: int) -> Budget:
+        """This step's budget for a request whose sources (``names``) can reach ``reaches``, within
+        ``cap`` nodes."""
+        if self.curve is None:  # fixed sizes: everything on offer
+            return Budget(tuple(len(r.nodes) for r in reaches), tuple(r.nodes[-1] if r.nodes else 0 for r in reaches),
+                          tuple(r.units[-1] if r.units else 0 for r in reaches))
+        step = self.curve(1)
+        offers = [Offer(r.nodes, rates[name].rate, tuple(self.timing[name].seconds(u, step) for u in r.units))
+                  if r.nodes else None for name, r in zip(names, reaches)]
+        budget = choose_budget(self.curve, offers, self._others(), cap)
+        depths, nodes = list(budget.depths), list(budget.nodes)
+        for i, (name, r) in enumerate(zip(names, reaches)):  # a probe (EXPLORE_AFTER) of a stale model
+            if r.units and r.nodes and not depths[i] and rates[name].stale and sum(nodes) + r.nodes[0] <= cap:
+                depths[i], nodes[i] = 1, r.nodes[0]
+        units = tuple(r.units[d - 1] if d and r.units else 0 for r, d in zip(reaches, depths))
+        return Budget(tuple(depths), tuple(nodes), units)
+
+    def _others(self) -> Batch:
+        """The rest of the batch, as the previous step had it."""
+        n, tokens, emitted = self._last
+        if n <= 1:
+            return Batch()
+        share = (n - 1) / n
+        return Batch(round(tokens * share), emitted * share)
+
+    # ---- what the step measured ------------------------------------------------------
+
+    def caught_up(self, name: Source, seconds: float, positions: int, requests: int) -> None:
+        """A source's catch-up over ``positions`` positions of ``requests`` requests took ``seconds``
+        (a share each)."""
+        self.timing[name].observe_catch_up(seconds / requests, positions / requests)
+
+    def drafted(self, seconds: float, units: dict[Source, int]) -> None:
+        """The step's drafting took ``seconds``, spending these units per source: at batch 1 the
+        step's drafting is that request's."""
+        for name, n in units.items():
+            self.timing[name].observe_units(seconds, n)
+
+    def verified(self, tokens: int, seconds: float) -> None:
+        """A verify forward of decode steps over ``tokens`` tokens took ``seconds``."""
+        if self.curve is not None:
+            self.curve.observe(tokens, seconds)
+
+    def stepped(self, requests: int, tokens: int, emitted: int) -> None:
+        """The step's batch, which the next step's budgets take as the rest of theirs."""
+        self._last = (requests, tokens, emitted)
+
+    def record(self, name: Source, rate: SourceRate, outcome: tuple[int, bool] | None) -> None:
+        """What a request's source earned in a verified step: ``source_outcome``, None where it
+        drafted nothing."""
+        if outcome is None:
+            rate.idle()
+            return
+        rate.observe(*outcome)
+        self.learned[name].observe(*outcome)

@@ -1,59 +1,46 @@
-"""EAGLE speculative decoding over the shared paged KV pool.
+"""EAGLE speculative decoding over the shared paged KV pool: draft from sources, verify, accept.
 
-A step of an EAGLE request (Li et al., EAGLE-1/2/3; the tree rules live in
-``tree.py``):
+A step of an EAGLE request (Li et al., EAGLE-1/2/3; the tree rules live in ``tree.py``):
 
-  1. **catch up**: the request's model source (``drafters.py``: an EAGLE head, or a
-     DFlash block-diffusion drafter) consumes the target features of positions it
-     has not seen (the prompt after prefill, then each step's accepted tokens),
-     writing its own KV at those positions' slots;
-  2. **draft**: from the last committed token (the "root"), the head grows an
-     EAGLE-2 tree (or a chain) level by level, or the drafter proposes a block in
-     one forward; draft nodes live in scratch tensors. Suffix
-     lookup (``suffix.py``) drafts continuations of the prompt, the output so far
-     and earlier outputs; both trees merge into one (shared prefixes once). How
-     deep each source drafts, or whether to draft at all, is set per step from the
-     host's measured verify cost and the request's running acceptance (``budget.py``);
-     the head catches up only on steps it drafts;
-  3. **verify**: ONE target forward over root + tree with a tree attention mask
-     on top of the paged KV, writing into the request's lookahead slots (the
-     scheduler reserved them from ``plan``), capturing the features EAGLE needs;
-  4. **accept**: greedy longest match or lossless rejection sampling, plus the
-     target's bonus token; the accepted nodes' KV moves into place
-     (``ModelRunner.move_slots``), rejected slots go back to the pool
-     (``BlockPool.truncate``), and tokens go out through ``Request.commit``,
-     which alone applies EOS, stop strings and max_tokens.
+  1. **budget**: each of the request's draft sources (``source.py``: the EAGLE head or a
+     DFlash drafter, and suffix lookup) says what it can draft; the budget (``budget.py``)
+     picks how deep each drafts, or no draft at all, from the host's measured verify cost
+     and the request's running acceptance per source;
+  2. **draft**: the sources that read the target's features catch up on the positions the
+     last step committed (one forward per model over the batch), then each source proposes
+     a tree from the last committed token (the "root"); the trees merge into one (shared
+     prefixes once), whose nodes live in scratch tensors;
+  3. **verify**: ONE target forward over root + tree with a tree attention mask on top of
+     the paged KV, writing into the request's lookahead slots (the scheduler reserved them
+     from ``plan``), capturing the features the draft models read;
+  4. **accept**: greedy longest match or lossless rejection sampling, plus the target's
+     bonus token; the accepted nodes' KV moves into place (``ModelRunner.move_slots``),
+     rejected slots go back to the pool (``BlockPool.truncate``), tokens go out through
+     ``Request.commit``, which alone applies EOS, stop strings and max_tokens; the sources
+     observe the committed positions and the budget records what each earned.
 
-Prefill is plain chunked target computation, as ``ar`` runs it; the last row of
-the last chunk is the first root's verify step (a tree of the root alone), so
-the first token comes out of the same forward as ``ar``'s, and every emitted
-token comes out of a verify step: the output equals plain AR decoding token for
-token at temperature 0, and in distribution otherwise.
+Prefill is plain chunked target computation, as ``ar`` runs it; the last row of the last
+chunk is the first root's verify step (a tree of the root alone), so the first token comes
+out of the same forward as ``ar``'s, and every emitted token comes out of a verify step:
+the output equals plain AR decoding token for token at temperature 0, and in distribution
+otherwise.
 
-The head's KV is a ``KVCache`` with the head's own layer count, indexed by the
-SAME block tables as the target's: a request's blocks hold both. Positions whose
-blocks came from the prefix cache have no head KV (another decoder may have
-written them), so the head attends only from where this request started
-computing; drafts get a shorter context there, results stay exact.
-
-Sources per request: ``SamplingParams.draft`` ("auto" or "both": the preferred model
-and suffix lookup; "head" or "block": that model alone; "suffix"). Without a model,
-``eagle`` drafts from suffix lookup alone.
+Sources per request: ``SamplingParams.draft`` ("auto" or "both": the preferred model and
+suffix lookup; "head" or "block": that model alone; "suffix"). A request under a grammar
+constraint drafts nothing (its state cannot branch). Without a model, ``eagle`` drafts from
+suffix lookup alone.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 
-from dualserve.models.assets import default_eagle_head
-from dualserve.models.dflash import DFlashDrafter, is_dflash, load_dflash
-from dualserve.models.eagle import EagleHead, load_eagle_head
-from dualserve.models.loader import LoadedModel
+from dualserve.models.dflash import DFlashDrafter
+from dualserve.models.eagle import EagleHead
 
 from ..ar import fill_prompt_logprobs
 from ..engine.blocks import BlockPool, slot_of
@@ -62,9 +49,10 @@ from ..engine.request import DecoderCounters, DecoderState, Request
 from ..engine.runner import ForwardItem, ModelRunner
 from ..engine.sampling import DRAFT_CHOICES, process_logits, token_logprobs, truncated_probs
 from ..engine.scheduler import Scheduled
-from .drafters import BlockDrafter, HeadDrafter
-from .budget import NO_DRAFT, PRIOR_RATE, Batch, Budget, CostCurve, Offer, Source, SourceRate, choose_budget
-from .suffix import SuffixConfig, SuffixDraft, SuffixDrafter, TokenIndex
+from .budget import NO_DRAFT, Budget, CostCurve, DraftBudget, Source, SourceRate
+from .drafters import BlockSource, HeadSource
+from .source import DraftSource
+from .suffix import SuffixConfig, SuffixSource
 from .tree import DraftTree, TreeConfig, accept_greedy, accept_sampled, merge_trees, path_logits, source_outcome
 
 # CPU: measured with the bundled SmolLM2 head (clients/bench_eagle.py). On an AVX2
@@ -74,20 +62,6 @@ CPU_TREE = TreeConfig(depth=3, top_k=2, num_nodes=4)
 # GPU: verify cost is flat in tree size at batch 1; upstream EAGLE-2's evaluation
 # setting (depth 5, top-k 10, 60 tokens) scaled to a small target. Not yet measured.
 GPU_TREE = TreeConfig(depth=5, top_k=8, num_nodes=48)
-# Suffix drafts: the most nodes and the deepest path offered per step (the budget picks less).
-SUFFIX_NODES = 16
-# A model source the budget has left unused for this many of a request's steps drafts one level,
-# so its acceptance keeps being measured: a source whose prior says it cannot pay would otherwise
-# never be tried, however good it is. The probe costs one extra token in one step of this many.
-EXPLORE_AFTER = 32
-# Weight of one request-step's outcome in the decoder-wide rate that seeds new requests' rates.
-LEARNED_EMA = 0.05
-# Features waiting for the model source: past this many the source catches up even on a step it
-# does not draft, so a request drafting from suffix alone does not hold features for its whole
-# output; if the source has been idle for EXPLORE_AFTER steps they are dropped instead and its
-# context restarts there (as after a prefix-cache hit: drafts see less, output stays exact), so a
-# source that does not pay, as at a large batch, costs no catch-up forwards.
-MAX_PENDING = 64
 # Verification's output-head rows per level up to which each request also computes its likely next
 # nodes ahead (``tree.path_logits``): below this the product is memory-bound on a CPU.
 GUESS_ROWS = 4
@@ -97,16 +71,11 @@ GUESS_ROWS = 4
 class EagleState(DecoderState):
     """Per-request draft state (``Request.decoder_state``; reset to None on preemption)."""
 
-    head_start: int              # first position with draft KV (earlier ones came from the prefix cache)
-    head_len: int                # draft KV covers positions head_start <= j < head_len (the head: pairs
-                                 # (feature j, token j+1); a DFlash drafter: feature j)
-    pending: torch.Tensor        # (n, raw width) raw features of positions head_len .. head_len + n - 1
-    model: Source | None = None  # the model source this request drafts from: "head", "block" or none
-    model_idle: int = 0          # steps since the model source last drafted
-    last_hidden: torch.Tensor | None = None  # head output at the newest pair: predicts the root's child
-    index: TokenIndex = field(default_factory=TokenIndex)  # prompt + output, for suffix drafts
-    # This step's budget and suffix draft, made by plan for the request at this many tokens.
-    planned: tuple[int, Budget, SuffixDraft | None] | None = None
+    sources: tuple[DraftSource, ...]  # what this request drafts from, in merge order (a model first)
+    drafts: list[Any]                 # each source's own state for it (``DraftSource.start``)
+    rates: dict[Source, SourceRate]   # the budget's running acceptance per source (``DraftBudget``)
+    # This step's budget, made by plan for the request at this many tokens.
+    planned: tuple[int, Budget] | None = None
 
 
 @dataclass
@@ -117,8 +86,6 @@ class EagleCounters(DecoderCounters):
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     plain_steps: int = 0         # verify steps that drafted nothing (the budget said drafting cannot pay)
-    rates: dict[Source, SourceRate] = field(
-        default_factory=lambda: {s: SourceRate(p) for s, p in PRIOR_RATE.items()})
     drafted: dict[Source, int] = field(default_factory=dict)   # steps each source drafted in
     accepted: dict[Source, int] = field(default_factory=dict)  # its drafted tokens accepted in all
 
@@ -134,56 +101,75 @@ class EagleCounters(DecoderCounters):
         return out
 
 
-# Bit of each source in ``DraftTree.sources``: the order trees are merged in ("head": the request's
-# model source, the EAGLE head or the DFlash drafter).
-SOURCE_BITS: dict[Source, int] = {"head": 0, "suffix": 1}
-
-
 class EagleDecoder:
-    """Speculative decoding on the target's runner (a ``Decoder``): EAGLE head and suffix drafts."""
+    """Speculative decoding on the target's runner (a ``Decoder``): orchestration of draft sources,
+    one verify forward, acceptance. What each source drafts is the budget's call."""
 
     name = "eagle"
     shares_prompt_blocks = True
     supports_infill = False
     default_max_tokens = None
 
-    def __init__(self, runner: ModelRunner, pool: BlockPool, head: EagleHead | DFlashDrafter | None,
+    def __init__(self, runner: ModelRunner, pool: BlockPool, head: EagleHead | None = None,
                  tree: TreeConfig | None = None, suffix: SuffixConfig | None = SuffixConfig(),
                  cost: CostCurve | None = None, block: DFlashDrafter | None = None, prefer: Source | None = None):
-        """``head`` and ``block``: the model draft sources (``drafters.py``), an EAGLE head and a DFlash
-        drafter, either or both (a DFlash drafter passed as ``head`` is the block source); none:
-        suffix drafts alone. A request drafts from the one its ``draft`` field names, else from
-        ``prefer`` (default: the head if loaded). ``suffix`` None: models alone. ``cost`` None: every
-        step drafts the whole tree from each source; a ``CostCurve``: ``choose_budget`` sizes each
-        step, down to no draft at all, and the curve learns from the verify forwards."""
-        models = [m for m in (head, block) if m is not None]
-        if not models and suffix is None:
+        """The one way ``eagle`` is built (the server's ``deployment.register_eagle`` and the tests).
+
+        ``head``: an EAGLE head, grown into trees shaped by ``tree``; ``block``: a DFlash drafter;
+        either, both or neither (suffix drafts alone). A request drafts from the model its
+        ``draft`` field names, else from ``prefer`` (default: the head if loaded). ``suffix`` None:
+        models alone. ``cost`` None: every step drafts everything each source offers; a
+        ``CostCurve``: the budget sizes each step, down to no draft at all, and the curve learns
+        from the verify forwards."""
+        if head is not None and not isinstance(head, EagleHead):
+            raise TypeError(f"head must be an EAGLE head, not {type(head).__name__} (a DFlash drafter is block=)")
+        if head is None and block is None and suffix is None:
             raise ValueError("eagle needs a draft model or suffix drafts")
         self.runner = runner
         self.pool = pool
-        self.tree = tree or (GPU_TREE if runner.device.type == "cuda" else CPU_TREE)
-        self.suffix = SuffixDrafter(suffix) if suffix is not None else None
-        self.cost = cost
-        self.drafters: dict[Source, HeadDrafter | BlockDrafter] = {}
-        for m in models:
-            if isinstance(m, DFlashDrafter):
-                self.drafters["block"] = BlockDrafter(runner, pool, m)
-            else:
-                self.drafters["head"] = HeadDrafter(runner, pool, m, self.tree)
-        if len(self.drafters) != len(models):
-            raise ValueError("eagle takes one EAGLE head and one DFlash drafter at most")
-        if prefer is not None and prefer not in self.drafters:
+        self._tree = tree or (GPU_TREE if runner.device.type == "cuda" else CPU_TREE)
+        # The target features every model reads, computed once in each verify forward.
+        models = [m for m in (head, block) if m is not None]
+        self.aux_layers: tuple[int, ...] = tuple(sorted({i for m in models for i in m.config.aux_layers}))
+        self.sources: dict[Source, DraftSource] = {}  # in merge order: models first, then suffix lookup
+        if head is not None:
+            self.sources["head"] = HeadSource(runner, pool, head, self._tree, self.aux_layers)
+        if block is not None:
+            self.sources["block"] = BlockSource(runner, pool, block, self.aux_layers)
+        if suffix is not None:
+            self.sources["suffix"] = SuffixSource(suffix)
+        if prefer is not None and (prefer not in ("head", "block") or prefer not in self.sources):
             raise ValueError(f"no {prefer!r} draft model is loaded")
-        self.prefer: Source | None = prefer or next(iter(self.drafters), None)
-        # The target features every model needs, computed once in each verify forward.
-        self.aux_layers: tuple[int, ...] = tuple(sorted({i for d in self.drafters.values() for i in d.aux_layers}))
-        # Each source's per-level acceptance over every request so far: a new request's rates start here.
-        self.learned: dict[Source, SourceRate] = {s: SourceRate(p, weight=LEARNED_EMA) for s, p in PRIOR_RATE.items()}
-        self._last = (0, 0, 0)  # the previous step: requests, forward tokens, tokens emitted
+        self.prefer: Source | None = prefer or next((m for m in ("head", "block") if m in self.sources), None)
+        self.budget = DraftBudget(cost)
 
     @property
     def kv_owner(self) -> ModelRunner:
         return self.runner
+
+    @property
+    def cost(self) -> CostCurve | None:
+        """The budget's verify cost curve; None: fixed drafts (everything each source offers)."""
+        return self.budget.curve
+
+    @cost.setter
+    def cost(self, curve: CostCurve | None) -> None:
+        self.budget.curve = curve
+
+    @property
+    def tree(self) -> TreeConfig:
+        """The EAGLE head's tree: its deepest level and most nodes."""
+        return self._tree
+
+    @tree.setter
+    def tree(self, tree: TreeConfig) -> None:
+        self._tree = tree
+        if "head" in self.sources:
+            self.sources["head"].tree = tree
+
+    @property
+    def suffix(self) -> SuffixSource | None:
+        return self.sources.get("suffix")
 
     # ---- scheduling ------------------------------------------------------------
 
@@ -197,71 +183,38 @@ class EagleDecoder:
             return min(pending, budget), 0
         # A verify of at most ``rows_max`` tokens computes each row as AR's decode would (lossless).
         cap = max(0, min(budget - 1, req.remaining - 1, self.runner.rows_max - 1))
-        return 1, min(cap, self._budget(req, cap)[0].nodes)
+        return 1, min(cap, self._budget(req, cap).num_nodes)
 
     @property
     def draft_choices(self) -> tuple[str, ...]:
         """``draft`` values served: every choice but a model source that is not loaded."""
-        return tuple(c for c in DRAFT_CHOICES if c not in ("head", "block") or c in self.drafters)
+        return tuple(c for c in DRAFT_CHOICES if c not in ("head", "block") or c in self.sources)
 
-    def model_for(self, req: Request) -> Source | None:
-        """The model source ``req`` drafts from, by its ``draft`` choice within what is loaded."""
-        choice = req.params.draft
-        if choice == "suffix":
-            return None
-        if choice in ("head", "block"):
-            return choice if choice in self.drafters else None
-        return self.prefer
-
-    def sources(self, req: Request) -> tuple[bool, bool]:
-        """(model, suffix): whether each drafts for ``req``, by its ``draft`` choice within what exists.
-        A grammar constraint's state cannot branch, so constrained requests go token by token."""
+    def sources_for(self, req: Request) -> tuple[DraftSource, ...]:
+        """What ``req`` drafts from, by its ``draft`` choice within what is loaded, in merge order. A
+        grammar constraint's state cannot branch, so constrained requests go token by token."""
         if req.constraint is not None:
-            return False, False
-        st: EagleState | None = req.decoder_state
-        model = st.model if st is not None else self.model_for(req)
-        return model is not None, self.suffix is not None and req.params.draft not in ("head", "block")
+            return ()
+        choice = req.params.draft
+        model = choice if choice in ("head", "block") else None if choice == "suffix" else self.prefer
+        out = [self.sources[model]] if model in self.sources else []
+        if "suffix" in self.sources and choice not in ("head", "block"):
+            out.append(self.sources["suffix"])
+        return tuple(out)
 
-    def _budget(self, req: Request, cap: int) -> tuple[Budget, SuffixDraft | None]:
-        """This step's budget and suffix draft for ``req`` (kept in its state for ``step``)."""
-        st: EagleState | None = req.decoder_state
-        if st is None or cap <= 0:  # a fresh state starts with a plain step
-            return NO_DRAFT, None
-        use_head, use_suffix = self.sources(req)
-        # The model drafts once it has seen (or can catch up to) every feature before the root.
-        d = self.drafters.get(st.model)
-        use_head = use_head and d.ready(req, st)
-        draft = None
-        if use_suffix:
-            st.index.sync(req.all_ids)
-            draft = self.suffix.propose(st.index, req.all_ids, min(SUFFIX_NODES, cap), min(SUFFIX_NODES, cap))
-            draft = draft if draft.num_nodes else None
-        head_nodes = [n for n in (d.nodes(k) for k in range(1, d.max_depth + 1)) if n <= cap] if use_head else []
-        suffix_nodes = [sum(1 for x in draft.tree.depths[1:] if x <= d) for d in range(1, max(draft.tree.depths) + 1)] \
-            if draft is not None else []
-        if self.cost is None:  # fixed sizes: everything on offer
-            budget = Budget(len(head_nodes), head_nodes[-1] if head_nodes else 0,
-                            len(suffix_nodes), suffix_nodes[-1] if suffix_nodes else 0)
-        else:
-            rates = req.counters_of(EagleCounters).rates
-            head = Offer(tuple(head_nodes), rates[st.model].rate if use_head else 0.0,
-                         tuple(d.seconds(k, self.cost(1)) for k in range(1, len(head_nodes) + 1)))
-            suffix = Offer(tuple(suffix_nodes), rates["suffix"].rate)
-            budget = choose_budget(self.cost, head if head_nodes else None, suffix if suffix_nodes else None,
-                                   self._others(), cap)
-            if head_nodes and not budget.head_depth and st.model_idle >= EXPLORE_AFTER \
-                    and budget.nodes + head_nodes[0] <= cap:
-                budget = replace(budget, head_depth=1, head_nodes=head_nodes[0])  # a probe (EXPLORE_AFTER)
-        st.planned = (req.num_tokens, budget, draft)
-        return budget, draft
+    def _start(self, req: Request) -> EagleState:
+        sources = self.sources_for(req)
+        return EagleState(sources, [src.start(req) for src in sources], self.budget.rates())
 
-    def _others(self) -> Batch:
-        """The rest of the batch, as the previous step had it."""
-        n, tokens, emitted = self._last
-        if n <= 1:
-            return Batch()
-        share = (n - 1) / n
-        return Batch(round(tokens * share), emitted * share)
+    def _budget(self, req: Request, cap: int) -> Budget:
+        """This step's budget for ``req`` (kept in its state for ``step``)."""
+        st: EagleState | None = req.decoder_state
+        if st is None or cap <= 0 or not st.sources:  # a fresh state starts with a plain step
+            return NO_DRAFT
+        reaches = [src.offer(req, d, cap) for src, d in zip(st.sources, st.drafts)]
+        budget = self.budget.choose([src.name for src in st.sources], reaches, st.rates, cap)
+        st.planned = (req.num_tokens, budget)
+        return budget
 
     # ---- the step --------------------------------------------------------------
 
@@ -271,42 +224,22 @@ class EagleDecoder:
             return
         for s in batch:
             if s.request.decoder_state is None:
-                n, model = s.request.num_computed, self.model_for(s.request)
-                s.request.decoder_state = EagleState(n, n, self._no_features(model), model)
-                s.request.counters_of(EagleCounters).rates = {k: SourceRate(r.rate) for k, r in self.learned.items()}
+                s.request.decoder_state = self._start(s.request)
         decode = [s for s in batch if s.request.num_computed == s.request.num_tokens - 1]
         started = time.perf_counter()
-        planned: dict[int, tuple[Budget, SuffixDraft | None]] = {}
+        planned: dict[int, Budget] = {}
         for s in decode:
             with guard(s.request, emit, "drafting"):
                 st: EagleState = s.request.decoder_state
                 hit = st.planned is not None and st.planned[0] == s.request.num_tokens
-                planned[id(s.request)] = st.planned[1:] if hit else self._budget(s.request, s.num_lookahead)
+                planned[id(s.request)] = st.planned[1] if hit else self._budget(s.request, s.num_lookahead)
         decode = [s for s in decode if not s.request.finished]
-        catch_up = []
-        for s in decode:
-            st = s.request.decoder_state
-            if planned[id(s.request)][0].head_depth:
-                catch_up.append(s.request)
-            elif len(st.pending) >= MAX_PENDING:
-                if st.model_idle >= EXPLORE_AFTER:
-                    self._forget(st)
-                else:
-                    catch_up.append(s.request)
-        for name, d in self.drafters.items():
-            mine = [r for r in catch_up if r.decoder_state.model == name]
-            if not mine:
-                continue
-            positions, caught = sum(len(r.decoder_state.pending) for r in mine), time.perf_counter()
-            d.catch_up(mine)
-            d.observe_catch_up((time.perf_counter() - caught) / len(mine), positions / len(mine))  # a share each
+        self._catch_up(decode, planned)
         trees, drafting = {}, time.perf_counter()
         for s in decode:
             with guard(s.request, emit, "drafting"):
-                trees[id(s.request)] = self._draft(s, *planned[id(s.request)])
-        for name, d in self.drafters.items():  # at batch 1 the step's drafting is that request's
-            d.observe(time.perf_counter() - drafting, [planned[id(s.request)][0].head_depth for s in decode
-                                                       if s.request.decoder_state.model == name])
+                trees[id(s.request)] = self._draft(s, planned[id(s.request)])
+        self.budget.drafted(time.perf_counter() - drafting, self._units(decode, planned))
         batch = [s for s in batch if not s.request.finished]  # a failed draft leaves the step
         if not batch:
             return
@@ -315,8 +248,8 @@ class EagleDecoder:
         items = [self._item(s, trees.get(id(s.request))) for s in batch]
         final, aux = self.runner.forward(items, aux_layers=self.aux_layers)
         num_tokens = sum(len(it.token_ids) for it in items)
-        if self.cost is not None and all(id(s.request) in trees for s in batch):  # decode steps only
-            self.cost.observe(num_tokens, time.perf_counter() - started)
+        if all(id(s.request) in trees for s in batch):  # decode steps only
+            self.budget.verified(num_tokens, time.perf_counter() - started)
         known = self._path_logits(batch, items, trees, final)
         offset, emitted = 0, 0
         for s, item in zip(batch, items):
@@ -337,7 +270,35 @@ class EagleDecoder:
                 counters.draft_seconds += draft_time
                 emitted += self._verify(req, tree, final[rows], [a[rows] for a in aux], emit, known.get(id(req)))
                 counters.verify_seconds += time.perf_counter() - started
-        self._last = (len(batch), num_tokens, emitted)
+        self.budget.stepped(len(batch), num_tokens, emitted)
+
+    def _catch_up(self, decode: list[Scheduled], planned: dict[int, Budget]) -> None:
+        """Bring each source up to the root for the requests it drafts for now, or whose backlog it
+        must read (``DraftSource.due``): one batch per source, timed for the budget."""
+        due: dict[Source, tuple[list[Request], list[Any]]] = {}
+        for s in decode:
+            st: EagleState = s.request.decoder_state
+            budget = planned[id(s.request)]
+            for i, (src, d) in enumerate(zip(st.sources, st.drafts)):
+                if src.due(d, budget.depth(i) > 0, st.rates[src.name].stale):
+                    reqs, states = due.setdefault(src.name, ([], []))
+                    reqs.append(s.request)
+                    states.append(d)
+        for name, (reqs, states) in due.items():
+            caught = time.perf_counter()
+            positions = self.sources[name].catch_up(reqs, states)
+            self.budget.caught_up(name, time.perf_counter() - caught, positions, len(reqs))
+
+    @staticmethod
+    def _units(decode: list[Scheduled], planned: dict[int, Budget]) -> dict[Source, int]:
+        """Drafting units the step's budgets spent, per source."""
+        units: dict[Source, int] = {}
+        for s in decode:
+            budget = planned[id(s.request)]
+            for src, n in zip(s.request.decoder_state.sources, budget.units):
+                if n:
+                    units[src.name] = units.get(src.name, 0) + n
+        return units
 
     def _path_logits(self, batch: Sequence[Scheduled], items: list[ForwardItem], trees: dict,
                      final: torch.Tensor) -> dict[int, dict[int, torch.Tensor]]:
@@ -355,19 +316,10 @@ class EagleDecoder:
         return path_logits(starts, final, self.runner.logits, GUESS_ROWS)
 
     @staticmethod
-    def _forget(st: EagleState) -> None:
-        """Drop the features waiting for an idle model source: its context restarts after them."""
-        st.head_len += len(st.pending)
-        st.head_start, st.pending, st.last_hidden = st.head_len, st.pending[:0], None
-
-    def _no_features(self, model: Source | None) -> torch.Tensor:
-        width = self.drafters[model].raw_width if model is not None else 0
-        return torch.zeros(0, width, device=self.runner.device)
-
-    def _features(self, st: EagleState, final: torch.Tensor, aux: list[torch.Tensor]) -> None:
-        """Queue the features of these target positions for the request's model source."""
-        if st.model is not None:
-            st.pending = torch.cat([st.pending, self.drafters[st.model].features(final, aux, self.aux_layers)])
+    def _observe(st: EagleState, final: torch.Tensor, aux: list[torch.Tensor]) -> None:
+        """The request's sources see the target's outputs at these newly computed positions."""
+        for src, d in zip(st.sources, st.drafts):
+            src.observe(d, final, aux)
 
     def _item(self, s: Scheduled, tree: DraftTree | None) -> ForwardItem:
         req = s.request
@@ -383,33 +335,25 @@ class EagleDecoder:
                            mask=tree.mask())
 
     def _prefilled(self, req: Request, n: int, final: torch.Tensor, aux: list[torch.Tensor]) -> None:
-        state: EagleState = req.decoder_state
         start = req.num_computed
         if req.needs_prompt_logprobs:
             fill_prompt_logprobs(self.runner, req, final, start)
-        self._features(state, final, aux)
+        self._observe(req.decoder_state, final, aux)
         self.pool.mark_written(req.table, req.all_ids, start + n)
 
     # ---- draft -----------------------------------------------------------------
 
     @torch.inference_mode()
-    def _draft(self, s: Scheduled, budget: Budget, suffix: SuffixDraft | None) -> DraftTree:
-        """The merged tree of this step's sources (head first, then suffix), within the reserved slots."""
+    def _draft(self, s: Scheduled, budget: Budget) -> DraftTree:
+        """The merged tree of this step's sources (in the request's order), within the reserved slots."""
         req = s.request
         st: EagleState = req.decoder_state
-        root = req.all_ids[-1]
-        plain = DraftTree([root], [-1])
-        head = plain
-        # The model must have seen every feature before the root (catch-up ran for it this step).
-        if budget.head_depth and st.last_hidden is not None and st.head_len == req.num_tokens - 1:
-            head = self.drafters[st.model].draft(req, st, budget.head_depth, budget.head_nodes)
-        tail = plain
-        if budget.suffix_depth and suffix is not None:
-            tail = suffix.tree.cut(budget.suffix_nodes, budget.suffix_depth)
-            self.suffix.used(suffix)
-        if len(head) == 1 and len(tail) == 1:
+        plain = DraftTree([req.all_ids[-1]], [-1])
+        trees = [src.propose(req, d, budget.depths[i], budget.nodes[i]) if budget.depth(i) else plain
+                 for i, (src, d) in enumerate(zip(st.sources, st.drafts))]
+        if all(len(t) == 1 for t in trees):
             return plain
-        return merge_trees([head, tail]).cut(s.num_lookahead)
+        return merge_trees(trees).cut(s.num_lookahead)
 
     # ---- verify ----------------------------------------------------------------
 
@@ -431,8 +375,9 @@ class EagleDecoder:
             logits = process_logits(raw(node), req.prompt_ids, req.output_ids + accepted, params)
             return logits if req.constraint is None else req.constraint.mask_logits(logits)
 
-        # A suffix draft is deterministic, like the head's top-k: both are point masses, which
-        # is what accept_sampled's rule assumes, so the merged tree stays exact.
+        # Every source's draft is deterministic (the head's top-k, a block's argmax, a suffix
+        # lookup): point masses, which is what accept_sampled's rule assumes, so the merged
+        # tree stays exact.
         if params.greedy:
             path, bonus = accept_greedy(tree, processed)
         else:
@@ -450,32 +395,31 @@ class EagleDecoder:
         delta = req.commit(tokens, logprobs)
         if delta.finish_reason is None:
             self._keep_path(req, path, start, final, aux)
-        elif self.suffix is not None:
-            self.suffix.finished(req.output_ids)
+        else:
+            self._release(req)
         emit(req, delta)
         return len(delta.token_ids)
 
     def _count(self, req: Request, tree: DraftTree, path: list[int], emitted: int) -> None:
-        """Acceptance statistics, and each source's running rate for the budget."""
+        """Acceptance statistics, and what each source earned, for the budget."""
         counters = req.counters_of(EagleCounters)
         counters.accept_lengths.append(emitted)
         if len(tree) == 1:
             counters.plain_steps += 1
         st: EagleState = req.decoder_state
-        for source, bit in SOURCE_BITS.items():
-            source = st.model if source == "head" else source  # bit 0: whichever model drafted
-            if source is None:
-                continue
-            outcome = source_outcome(tree, path, bit) if tree.sources else None
-            if source == st.model:
-                st.model_idle = 0 if outcome is not None else st.model_idle + 1
-            if outcome is None:
-                counters.rates[source].idle()
-                continue
-            counters.rates[source].observe(*outcome)
-            self.learned[source].observe(*outcome)
-            counters.drafted[source] = counters.drafted.get(source, 0) + 1
-            counters.accepted[source] = counters.accepted.get(source, 0) + outcome[0]
+        for i, src in enumerate(st.sources):  # source i proposed the nodes with bit i (merge order)
+            outcome = source_outcome(tree, path, i) if tree.sources else None
+            self.budget.record(src.name, st.rates[src.name], outcome)
+            if outcome is not None:
+                counters.drafted[src.name] = counters.drafted.get(src.name, 0) + 1
+                counters.accepted[src.name] = counters.accepted.get(src.name, 0) + outcome[0]
+
+    def _release(self, req: Request) -> None:
+        """A finished request: every source lets it go (suffix lookup keeps its output)."""
+        st: EagleState = req.decoder_state
+        for src in self.sources.values():
+            i = next((i for i, mine in enumerate(st.sources) if mine is src), None)
+            src.release(req, st.drafts[i] if i is not None else None)
 
     def _keep_path(self, req: Request, path: list[int], start: int, final: torch.Tensor,
                    aux: list[torch.Tensor]) -> None:
@@ -489,15 +433,4 @@ class EagleDecoder:
         self.pool.mark_written(req.table, req.all_ids, written)
         self.pool.truncate(req.table, written)
         rows = torch.tensor([0] + path, device=final.device)
-        self._features(req.decoder_state, final[rows], [a[rows] for a in aux])
-
-
-def eagle_decoder(loaded: LoadedModel, runner: ModelRunner, pool: BlockPool, head_path: Path | str | None = None,
-                  tree: TreeConfig | None = None, cost: CostCurve | None = None) -> EagleDecoder | None:
-    """An EAGLE decoder for ``loaded``: from ``head_path`` (an EAGLE head or a DFlash drafter directory),
-    else the bundled head for that model, else None."""
-    path = Path(head_path) if head_path else default_eagle_head(loaded.name)
-    if path is None:
-        return None
-    model = load_dflash(path, loaded.model) if is_dflash(path) else load_eagle_head(path, loaded.model)
-    return EagleDecoder(runner, pool, model, tree, cost=cost)
+        self._observe(req.decoder_state, final[rows], [a[rows] for a in aux])

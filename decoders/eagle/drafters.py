@@ -1,28 +1,36 @@
-"""The model draft source of ``eagle``: an EAGLE head growing a tree, or a DFlash drafter proposing a block.
+"""The draft-model sources of ``eagle``: an EAGLE head growing a tree, a DFlash drafter proposing a block.
 
-Both read the target's features of committed positions and keep their own KV in a
-``KVCache`` indexed by the target's block tables (a request's blocks hold both), so
-the decoder drives them the same way each step:
+Both are ``DraftSource``s (``source.py``) that read the target's features of committed
+positions and keep their own KV in a ``KVCache`` indexed by the target's block tables (a
+request's blocks hold both), so the decoder drives them the same way each step:
 
-  1. ``catch_up``: consume the features of positions not yet seen
-     (``EagleState.pending``), writing KV at those positions' slots;
-  2. ``draft``: from the last committed token (the root), propose a ``DraftTree``
-     of at most ``depth`` levels and ``nodes`` nodes.
+  1. ``observe``: queue the verify forward's features of the positions just committed
+     (``ModelState.pending``); the model's projection of them runs at catch-up, and
+     never for positions whose features are dropped, so a step the source does not
+     draft costs nothing;
+  2. ``catch_up``: consume the queued features, writing KV at those positions' slots
+     (``due`` says whether a request needs it this step: it drafts, or its queue grew long);
+  3. ``propose``: from the last committed token (the root), a ``DraftTree`` of at most
+     ``depth`` levels and ``nodes`` nodes.
 
-* ``HeadDrafter`` (EAGLE-1/2/3): catch-up runs the head over (feature j, token j+1)
+* ``HeadSource`` (EAGLE-1/2/3): catch-up runs the head over (feature j, token j+1)
   pairs; drafting grows an EAGLE-2 tree level by level, one head forward a level
-  (``tree.grow_tree``). A deeper draft costs more.
-* ``BlockDrafter`` (DFlash, ``models/dflash.py``): catch-up projects each feature into
+  (``tree.grow_tree``). A deeper draft costs more: a drafting unit per level.
+* ``BlockSource`` (DFlash, ``models/dflash.py``): catch-up projects each feature into
   every draft layer's key and value (no layer runs); drafting is ONE forward over
   [root, mask, ...] with the block attending to itself in both directions, and the
   argmax of each row is the chain's next token. Any depth up to ``block_size - 1``
-  costs about the same.
+  costs one drafting unit.
 
-Each times its own catch-up and drafting, so the budget (``budget.py``) can weigh them
-against the verify cost: ``seconds(depth)`` is the drafting time expected at that depth.
+Positions whose blocks came from the prefix cache have no draft KV (another decoder may
+have written them), so a model attends only from where this request started computing;
+drafts get a shorter context there, results stay exact. The budget (``budget.py``) times
+catch-ups and drafting units; a source only says how many units a depth costs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -33,78 +41,115 @@ from ..engine.blocks import BlockPool
 from ..engine.paged_attention import AttentionMetadata, SeqAttention
 from ..engine.request import Request
 from ..engine.runner import ModelRunner
+from .budget import NO_REACH, Reach, Source
 from .tree import DraftTree, DraftTreeAttention, TreeConfig, grow_tree
 
-EMA = 0.3  # weight of the newest drafting-time observation
-STEADY_POSITIONS = 8  # a catch-up over at most this many positions is a drafting request's steady one
+# Features waiting for a model: past this many it catches up even on a step it does not draft,
+# so a request drafting from suffix lookup alone does not hold features for its whole output;
+# if the budget has left the model unused long (``SourceRate.stale``) they are dropped instead
+# and its context restarts there (as after a prefix-cache hit: drafts see less, output stays
+# exact), so a model that does not pay, as at a large batch, costs no catch-up forwards.
+MAX_PENDING = 64
 
 
-class _Drafter:
-    """What both sources share: the draft KV, the request's readable context, timing."""
+@dataclass
+class ModelState:
+    """A request's context in one draft model (``EagleState.drafts``)."""
 
-    def __init__(self, runner: ModelRunner, pool: BlockPool, model: EagleHead | DFlashDrafter):
+    kv_start: int                # first position with draft KV (earlier ones came from the prefix cache)
+    kv_end: int                  # draft KV covers kv_start <= j < kv_end (the head: pairs (feature j,
+                                 # token j+1); a DFlash drafter: feature j)
+    pending: torch.Tensor        # (n, raw width) raw features of positions kv_end .. kv_end + n - 1
+    last_hidden: torch.Tensor | None = None  # head output at the newest pair: predicts the root's child
+                                 # (a DFlash drafter: set once caught up; it drafts without it)
+
+
+class ModelSource:
+    """What both draft models share: the draft KV, the request's readable context, the features."""
+
+    name: Source
+
+    def __init__(self, runner: ModelRunner, pool: BlockPool, model: EagleHead | DFlashDrafter,
+                 verify_layers: tuple[int, ...]):
+        """``verify_layers``: the target layers whose features the verify forward computes (this
+        model's among them), in the order ``observe`` receives them."""
         self.runner, self.pool, self.model = runner, pool, model
         c = model.config.layer
         self.kv = runner.head_kv(model.config.num_layers, c.num_kv_heads, c.head_dim)
         self.aux_layers: tuple[int, ...] = tuple(model.config.aux_layers)
-        self.unit_seconds: float | None = None  # EMA: seconds per drafting unit (see ``units``)
-        self.catch_up_seconds: float | None = None  # EMA: seconds of a steady catch-up
+        self._picks = [verify_layers.index(i) for i in self.aux_layers]
+        self._raw_width = (len(self.aux_layers) or 1) * runner.config.hidden_size
 
-    def context(self, req: Request, st) -> torch.Tensor:
-        """Flat slots of the draft KV this request may read: positions head_start .. head_len - 1."""
-        return torch.tensor(self.pool.slot_mapping(req.table, st.head_start, st.head_len), dtype=torch.long,
+    # ---- the DraftSource contract ------------------------------------------------------
+
+    def start(self, req: Request) -> ModelState:
+        n = req.num_computed
+        return ModelState(n, n, torch.zeros(0, self._raw_width, device=self.runner.device))
+
+    def offer(self, req: Request, st: ModelState, cap: int) -> Reach:
+        """Node counts and units by depth, up to ``cap`` nodes, once the model has seen (or can catch
+        up to) every feature before the root."""
+        if not self.ready(req, st):
+            return NO_REACH
+        nodes = tuple(n for n in (self.nodes(k) for k in range(1, self.max_depth + 1)) if n <= cap)
+        return Reach(nodes, tuple(self.units(k) for k in range(1, len(nodes) + 1)))
+
+    def due(self, st: ModelState, drafting: bool, stale: bool) -> bool:
+        """Whether ``st`` is caught up this step: it drafts, or its queue passed ``MAX_PENDING``
+        (dropped instead when the model is stale)."""
+        if drafting:
+            return True
+        if len(st.pending) < MAX_PENDING:
+            return False
+        if stale:
+            st.kv_end += len(st.pending)
+            st.kv_start, st.pending, st.last_hidden = st.kv_end, st.pending[:0], None
+            return False
+        return True
+
+    def observe(self, st: ModelState, final: torch.Tensor, aux: list[torch.Tensor]) -> None:
+        """Queue the raw features of these target positions: this model's layers side by side (from
+        the verify's ``aux``), or the final hidden states."""
+        feats = torch.cat([aux[i] for i in self._picks], dim=-1) if self._picks else final
+        st.pending = torch.cat([st.pending, feats])
+
+    def release(self, req: Request, st: ModelState | None) -> None:
+        """Nothing to keep: the draft KV goes back with the request's blocks."""
+
+    # ---- shared by both models ---------------------------------------------------------
+
+    def ready(self, req: Request, st: ModelState) -> bool:
+        """Whether the model has seen, or can catch up to, every feature before the root."""
+        return st.kv_end + len(st.pending) == req.num_tokens - 1 and (len(st.pending) > 0 or st.last_hidden is not None)
+
+    def caught_up(self, req: Request, st: ModelState) -> bool:
+        """Whether the model has seen every feature before the root (catch-up ran for it this step)."""
+        return st.last_hidden is not None and st.kv_end == req.num_tokens - 1
+
+    def context(self, req: Request, st: ModelState) -> torch.Tensor:
+        """Flat slots of the draft KV this request may read: positions kv_start .. kv_end - 1."""
+        return torch.tensor(self.pool.slot_mapping(req.table, st.kv_start, st.kv_end), dtype=torch.long,
                             device=self.runner.device)
 
-    def features(self, final: torch.Tensor, aux: list[torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor:
-        """What target positions contribute, raw: the verify's features of this model's layers side by
-        side (from ``layers``, a superset), or the final hidden states. The model's projection of
-        them (``project``) runs at catch-up, once over every pending position, and never for
-        positions whose features are dropped: a step the source does not draft costs nothing."""
-        picked = [aux[layers.index(i)] for i in self.aux_layers]
-        return torch.cat(picked, dim=-1) if picked else final
-
     @property
-    def raw_width(self) -> int:
-        """The width of ``features``' rows."""
-        return (len(self.aux_layers) or 1) * self.runner.config.hidden_size
+    def max_depth(self) -> int:
+        raise NotImplementedError
 
-    def ready(self, req: Request, st) -> bool:
-        """Whether the source has seen, or can catch up to, every feature before the root."""
-        return st.head_len + len(st.pending) == req.num_tokens - 1 and (
-            len(st.pending) > 0 or st.last_hidden is not None)
-
-    def observe_catch_up(self, seconds: float, positions: float) -> None:
-        """A catch-up over ``positions`` unseen positions took ``seconds``. Only a drafting request's
-        steady catch-up (the few positions its last step committed) trains the estimate: a backlog
-        left by plain steps is paid once, when drafting resumes, not every step."""
-        if 0 < positions <= STEADY_POSITIONS:
-            self.catch_up_seconds = seconds if self.catch_up_seconds is None else \
-                self.catch_up_seconds + EMA * (seconds - self.catch_up_seconds)
-
-    def observe(self, seconds: float, depths: list[int]) -> None:
-        """This step's drafts, of these depths, took ``seconds`` (catch-up not included)."""
-        units = sum(self.units(d) for d in depths if d)
-        if units:
-            per = seconds / units
-            self.unit_seconds = per if self.unit_seconds is None else self.unit_seconds + EMA * (per - self.unit_seconds)
-
-    def seconds(self, depth: int, target_step: float) -> float:
-        """Expected drafting seconds at ``depth``, a steady catch-up included; before any measurement,
-        a guess from the target's one-token step: the catch-up and a unit each cost a quarter of it
-        (one layer and the logits)."""
-        unit = self.unit_seconds if self.unit_seconds is not None else 0.25 * target_step
-        catch_up = self.catch_up_seconds if self.catch_up_seconds is not None else 0.25 * target_step
-        return catch_up + unit * self.units(depth)
+    def nodes(self, depth: int) -> int:
+        raise NotImplementedError
 
     def units(self, depth: int) -> int:
         raise NotImplementedError
 
 
-class HeadDrafter(_Drafter):
+class HeadSource(ModelSource):
     """An EAGLE head: catch-up over feature/token pairs, then an EAGLE-2 tree."""
 
-    def __init__(self, runner: ModelRunner, pool: BlockPool, head: EagleHead, tree: TreeConfig):
-        super().__init__(runner, pool, head)
+    name: Source = "head"
+
+    def __init__(self, runner: ModelRunner, pool: BlockPool, head: EagleHead, tree: TreeConfig,
+                 verify_layers: tuple[int, ...]):
+        super().__init__(runner, pool, head, verify_layers)
         self.tree = tree
 
     @property
@@ -120,47 +165,47 @@ class HeadDrafter(_Drafter):
         return depth  # the root's logits, then a head forward and its logits per level below
 
     @torch.inference_mode()
-    def catch_up(self, reqs: list[Request]) -> None:
-        """One head forward over every request's unseen (feature, next token) pairs."""
-        reqs = [r for r in reqs if len(r.decoder_state.pending)]
-        if not reqs:
-            return
+    def catch_up(self, reqs: list[Request], states: list[ModelState]) -> int:
+        """One head forward over every request's unseen (feature, next token) pairs; returns the pairs."""
+        todo = [(r, st) for r, st in zip(reqs, states) if len(st.pending)]
+        if not todo:
+            return 0
         ids, pos, hidden, seqs, slots = [], [], [], [], []
-        for r in reqs:
-            st = r.decoder_state
+        for r, st in todo:
             n = len(st.pending)
-            ids.append(torch.tensor(r.all_ids[st.head_len + 1: st.head_len + 1 + n]))
-            pos.append(torch.arange(st.head_len, st.head_len + n))
+            ids.append(torch.tensor(r.all_ids[st.kv_end + 1: st.kv_end + 1 + n]))
+            pos.append(torch.arange(st.kv_end, st.kv_end + n))
             hidden.append(st.pending)
             ctx = self.context(r, st)
             seqs.append(SeqAttention(len(ctx), n, r.table.blocks, "causal", ctx))
-            slots.append(torch.tensor(self.pool.slot_mapping(r.table, st.head_len, st.head_len + n)))
+            slots.append(torch.tensor(self.pool.slot_mapping(r.table, st.kv_end, st.kv_end + n)))
         dev = self.runner.device
         meta = AttentionMetadata(seqs, torch.cat(slots).to(dev), self.runner.block_size)
         out = self.model(torch.cat(ids).to(dev), self.model.project(torch.cat(hidden)), torch.cat(pos).to(dev),
                          self.runner.attention(self.kv, meta))
         offset = 0
-        for r in reqs:
-            st = r.decoder_state
+        for _, st in todo:
             n = len(st.pending)
             offset += n
             st.last_hidden = out[offset - 1]
-            st.head_len += n
+            st.kv_end += n
             st.pending = st.pending[:0]
+        return offset
 
     @torch.inference_mode()
-    def draft(self, req: Request, st, depth: int, nodes: int) -> DraftTree:
+    def propose(self, req: Request, st: ModelState, depth: int, nodes: int) -> DraftTree:
         root = req.all_ids[-1]
+        if not self.caught_up(req, st):
+            return DraftTree([root], [-1])
         attn = DraftTreeAttention(self.kv, self.context(req, st))
         config = TreeConfig(depth, self.tree.top_k, nodes)
         return grow_tree(self.model, attn, root, st.last_hidden, req.num_tokens - 1, config, req.remaining - 1)
 
 
-class BlockDrafter(_Drafter):
+class BlockSource(ModelSource):
     """A DFlash drafter: features become KV at catch-up; one block forward drafts a chain."""
 
-    def __init__(self, runner: ModelRunner, pool: BlockPool, drafter: DFlashDrafter):
-        super().__init__(runner, pool, drafter)
+    name: Source = "block"
 
     @property
     def max_depth(self) -> int:
@@ -173,32 +218,33 @@ class BlockDrafter(_Drafter):
         return 1  # one forward whatever the depth
 
     @torch.inference_mode()
-    def catch_up(self, reqs: list[Request]) -> None:
-        """Write each unseen position's context key and value, in every draft layer."""
-        reqs = [r for r in reqs if len(r.decoder_state.pending)]
-        if not reqs:
-            return
+    def catch_up(self, reqs: list[Request], states: list[ModelState]) -> int:
+        """Write each unseen position's context key and value, in every draft layer; returns the positions."""
+        todo = [(r, st) for r, st in zip(reqs, states) if len(st.pending)]
+        if not todo:
+            return 0
         dev = self.runner.device
         pos, feats, slots = [], [], []
-        for r in reqs:
-            st = r.decoder_state
+        for r, st in todo:
             n = len(st.pending)
-            pos.append(torch.arange(st.head_len, st.head_len + n))
+            pos.append(torch.arange(st.kv_end, st.kv_end + n))
             feats.append(st.pending)
-            slots.append(torch.tensor(self.pool.slot_mapping(r.table, st.head_len, st.head_len + n)))
+            slots.append(torch.tensor(self.pool.slot_mapping(r.table, st.kv_end, st.kv_end + n)))
         k, v = self.model.context_kv(self.model.project(torch.cat(feats)), torch.cat(pos).to(dev))
         self.runner.store_head_kv(self.kv, torch.cat(slots).to(dev), k, v)
-        for r in reqs:
-            st = r.decoder_state
-            st.head_len += len(st.pending)
+        positions = 0
+        for _, st in todo:
+            positions += len(st.pending)
+            st.kv_end += len(st.pending)
             st.last_hidden = st.pending[-1]  # marks "caught up"; a block draft needs no hidden state
             st.pending = st.pending[:0]
+        return positions
 
     @torch.inference_mode()
-    def draft(self, req: Request, st, depth: int, nodes: int) -> DraftTree:
+    def propose(self, req: Request, st: ModelState, depth: int, nodes: int) -> DraftTree:
         root, start = req.all_ids[-1], req.num_tokens - 1
         depth = min(depth, nodes, self.max_depth, req.remaining - 1)
-        if depth < 1:
+        if depth < 1 or not self.caught_up(req, st):
             return DraftTree([root], [-1])
         dev = self.runner.device
         ctx = self.context(req, st)

@@ -24,6 +24,9 @@ small equivalent in plain Python:
   committed) and a ``SuffixCache`` of the outputs of recent requests, bounded in entries and
   tokens, evicted least recently used (a lookup that drafts from an entry refreshes it).
 
+``SuffixSource`` is the ``DraftSource`` (``source.py``) the decoder drives: it looks the
+context up when the budget asks what it can draft, and cuts that draft to the budget.
+
 Every source is deterministic given the tokens so far, so a draft is a point mass and the
 acceptance rules in ``tree.py`` stay exact for it.
 """
@@ -32,14 +35,18 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
+from ..engine.request import Request
+from .budget import NO_REACH, Reach, Source
 from .tree import DraftTree
 
 # Key lengths indexed, longest first: a hit on a long key starts a long match without a scan
 # over every position of a frequent token.
 KEY_LENGTHS = (4, 2, 1)
+# The most nodes, and the deepest path, offered per step (the budget picks less).
+MAX_NODES = 16
 
 
 @dataclass(frozen=True)
@@ -195,14 +202,64 @@ def continuation_tree(root: int, continuations: list[list[int]], max_nodes: int,
     return DraftTree([root] + [tokens[i] for i in kept], [-1] + [index[parents[i]] for i in kept])
 
 
-class SuffixDrafter:
-    """Drafts from the request's own tokens and the cache of earlier outputs (one per decoder)."""
+@dataclass
+class SuffixState:
+    """A request's suffix lookup state (``EagleState.drafts``)."""
+
+    index: TokenIndex = field(default_factory=TokenIndex)  # prompt + output, extended as it grows
+    draft: SuffixDraft | None = None  # this step's lookup, made by ``offer``, cut by ``propose``
+
+
+class SuffixSource:
+    """Suffix lookup as a ``DraftSource``: the request's own tokens and the cache of earlier outputs
+    (one cache per decoder). It reads no target features and costs no forward to draft."""
+
+    name: Source = "suffix"
 
     def __init__(self, config: SuffixConfig | None = None):
         self.config = config or SuffixConfig()
         self.cache = SuffixCache(self.config)
 
-    def propose(self, own: TokenIndex, context: Sequence[int], max_nodes: int, max_depth: int) -> SuffixDraft:
+    # ---- the DraftSource contract ------------------------------------------------------
+
+    def start(self, req: Request) -> SuffixState:
+        return SuffixState()
+
+    def offer(self, req: Request, st: SuffixState, cap: int) -> Reach:
+        """Look the context up now (the draft is kept for ``propose``); node counts by depth."""
+        st.index.sync(req.all_ids)
+        limit = min(MAX_NODES, cap)
+        draft = self.lookup(st.index, req.all_ids, limit, limit)
+        st.draft = draft if draft.num_nodes else None
+        if st.draft is None:
+            return NO_REACH
+        depths = draft.tree.depths[1:]
+        return Reach(tuple(sum(1 for x in depths if x <= d) for d in range(1, max(depths) + 1)))
+
+    def due(self, st: SuffixState, drafting: bool, stale: bool) -> bool:
+        return False  # nothing to catch up: it reads tokens, which are committed already
+
+    def catch_up(self, reqs: list[Request], states: list[SuffixState]) -> int:
+        return 0
+
+    def propose(self, req: Request, st: SuffixState, depth: int, nodes: int) -> DraftTree:
+        """This step's lookup cut to the budget; the cache entries it drew from are refreshed."""
+        if st.draft is None:
+            return DraftTree([req.all_ids[-1]], [-1])
+        for key in st.draft.cache_keys:
+            self.cache.touch(key)
+        return st.draft.tree.cut(nodes, depth)
+
+    def observe(self, st: SuffixState, final, aux) -> None:
+        """Nothing: the index catches up with the request's tokens when it next drafts."""
+
+    def release(self, req: Request, st: SuffixState | None) -> None:
+        """A request finished (whether or not it drafted from here): its output joins the cache."""
+        self.cache.add(req.output_ids)
+
+    # ---- the lookup ----------------------------------------------------------------------
+
+    def lookup(self, own: TokenIndex, context: Sequence[int], max_nodes: int, max_depth: int) -> SuffixDraft:
         """The draft after ``context`` (whose last token is the root) from ``own`` and the cache.
 
         The longest match wins; sources that tie on it pool their continuations.
@@ -226,12 +283,3 @@ class SuffixDrafter:
                     keys.append(key)
         tree = continuation_tree(root, continuations, max_nodes, cfg.min_prob)
         return SuffixDraft(tree, best, tuple(keys))
-
-    def used(self, draft: SuffixDraft) -> None:
-        """The draft went to verification: refresh the cache entries it came from."""
-        for key in draft.cache_keys:
-            self.cache.touch(key)
-
-    def finished(self, output_ids: Sequence[int]) -> None:
-        """A request finished: its output joins the cache for later requests."""
-        self.cache.add(output_ids)

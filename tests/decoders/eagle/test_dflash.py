@@ -76,7 +76,7 @@ def reference_logits(state: dict, target, features: torch.Tensor, anchor: int, b
 
 
 def paged_logits(drafter: DFlashDrafter, features: torch.Tensor, anchor: int, block: int) -> torch.Tensor:
-    """What ``BlockDrafter`` does: catch-up writes context KV into a paged cache; the block reads it."""
+    """What ``BlockSource`` does: catch-up writes context KV into a paged cache; the block reads it."""
     n, bs = features.shape[0], 4
     c = drafter.config.layer
     cache = KVCache(c.num_layers, 16, bs, c.num_kv_heads, c.head_dim, torch.float32, "cpu")
@@ -167,7 +167,7 @@ def test_refuses_what_it_cannot_run(tmp_path: Path) -> None:
 def test_greedy_identical_to_ar(tmp_path: Path, bigram: float) -> None:
     target = tiny_target(7, bigram)
     drafter, _ = tiny_drafter(tmp_path, target)
-    engine = make_engine(target, drafter, TreeConfig(depth=3, top_k=2, num_nodes=4))
+    engine = make_engine(target, None, TreeConfig(depth=3, top_k=2, num_nodes=4), block=drafter)
     outs = assert_same_as_ar(engine)
     assert all(o[-1].stats.get("block_steps", 0) > 0 for o in outs)  # the drafter drafted
     # With suffix drafts merged in, repeated output gets accepted: the KV moves run too.
@@ -191,7 +191,7 @@ def test_head_and_drafter_side_by_side(tmp_path: Path) -> None:
     eagle = EagleDecoder(runner, engine.pool, oracle_head(target), TreeConfig(depth=3, top_k=2, num_nodes=4),
                          block=drafter)
     engine.add_decoder("m", eagle, Tok())
-    assert eagle.prefer == "head" and set(eagle.drafters) == {"head", "block"}
+    assert eagle.prefer == "head" and list(eagle.sources) == ["head", "block", "suffix"]
     params = {d: SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, draft=d) for d in ("head", "block")}
     jobs = [(dec, p, params[d]) for p in PROMPTS[:3] for d in ("head", "block") for dec in ("ar", "eagle")]
     outs = run(engine, jobs)
@@ -201,14 +201,14 @@ def test_head_and_drafter_side_by_side(tmp_path: Path) -> None:
         assert stats.get(f"{model}_steps", 0) > 0 and not stats.get(f"{'block' if model == 'head' else 'head'}_steps")
     assert max(o[-1].stats["mean_accept_length"] for o in outs[1::4]) > 2  # the oracle head's requests
     engine.pool.check()
-    with pytest.raises(ValueError, match="at most"):
+    with pytest.raises(TypeError, match="block="):  # "head" names the EAGLE head alone
         EagleDecoder(runner, engine.pool, drafter, block=drafter)
 
 
 def test_mixed_batch_prefix_cache_and_preemption(tmp_path: Path) -> None:
     target = tiny_target(5, 0.2)
     drafter, _ = tiny_drafter(tmp_path, target, block_size=4)
-    engine = make_engine(target, drafter, TreeConfig(depth=3, top_k=2, num_nodes=6), num_blocks=40,
+    engine = make_engine(target, None, TreeConfig(depth=3, top_k=2, num_nodes=6), block=drafter, num_blocks=40,
                          max_batched_tokens=24)
     long = list(range(1, 30))
     jobs = [(d, p, GREEDY) for p in [long, long[:17], PROMPTS[0], long] for d in ("ar", "eagle")]
@@ -227,7 +227,7 @@ def test_sampling_matches_plain_sampling(tmp_path: Path) -> None:
                               block_size=3, mask_token_id=vocab - 1)
     assert state
     drafter = load_dflash(tmp_path, target)
-    engine = make_engine(target, drafter, TreeConfig(depth=2, top_k=2, num_nodes=4), num_blocks=1024,
+    engine = make_engine(target, None, TreeConfig(depth=2, top_k=2, num_nodes=4), block=drafter, num_blocks=1024,
                          max_num_seqs=256, max_waiting=4096, max_batched_tokens=4096)
     params = SamplingParams(max_tokens=4, temperature=0.9, top_k=6, top_p=0.95, ignore_eos=True, seed=0)
     prompt = [3, 1, 4]

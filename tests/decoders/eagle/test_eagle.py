@@ -77,11 +77,15 @@ def oracle_head(target: Transformer, noise: float = 0.0, seed: int = 0) -> Eagle
     return head.attach(target).eval().requires_grad_(False)
 
 
-def make_engine(target, head, tree: TreeConfig, num_blocks: int = 256, block_size: int = 4, **kw) -> Engine:
+def make_engine(target, head=None, tree: TreeConfig = TreeConfig(3, 2, 4), *, block=None, cost=None,
+                num_blocks: int = 256, block_size: int = 4, **kw) -> Engine:
+    """``ar`` and ``eagle`` on one runner, "m"; ``eagle`` built as the server builds it (``EagleDecoder``,
+    from ``deployment.register_eagle``): ``head`` an EAGLE head, ``block`` a DFlash drafter, suffix lookup
+    beside them; ``cost`` None drafts everything on offer each step."""
     engine = Engine(EngineConfig(num_blocks=num_blocks, block_size=block_size, **kw))
     runner = ModelRunner(target, num_blocks, block_size)
     engine.add_decoder("m", ARDecoder(runner, engine.pool), Tok())
-    engine.add_decoder("m", EagleDecoder(runner, engine.pool, head, tree), Tok())
+    engine.add_decoder("m", EagleDecoder(runner, engine.pool, head, tree, cost=cost, block=block), Tok())
     return engine
 
 
@@ -380,7 +384,7 @@ def test_default_model_greedy_identical(default_gguf: Path, cache_dir: Path, qua
     # The head runs in the target's format: 8-bit weights beside a w4a8 target.
     decoder = dep.engine.decoders[(loaded.name, "eagle")]
     decoder.cost = None  # the whole tree every step, so acceptance is measured below
-    head = decoder.drafters["head"].model
+    head = decoder.sources["head"].model
     layers = [m for m in head.modules() if type(m).__name__ in ("Linear", "Int4Linear", "Dot8Linear")]
     assert {type(m).__name__ for m in layers} == {"none": {"Linear"}, "int4": {"Int4Linear"},
                                                   "w4a8": {"Dot8Linear"}}[quantization]

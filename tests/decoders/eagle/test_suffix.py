@@ -12,21 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from dualserve.decoders.ar import ARDecoder
-from dualserve.decoders.eagle.budget import (NO_DRAFT, Batch, Budget, CostCurve, Offer, SourceRate, choose_budget,
-                                             expected_accepted)
-from dualserve.decoders.eagle.decoder import EagleDecoder
-from dualserve.decoders.eagle.suffix import SuffixCache, SuffixConfig, SuffixDrafter, TokenIndex, continuation_tree
+from dualserve.decoders.eagle.budget import (EXPLORE_AFTER, LEARNED_EMA, Batch, CostCurve, DraftBudget, Offer, Reach,
+                                             SourceRate, choose_budget, expected_accepted)
+from dualserve.decoders.eagle.suffix import SuffixCache, SuffixConfig, SuffixSource, TokenIndex, continuation_tree
 from dualserve.decoders.eagle.tree import DraftTree, TreeConfig, merge_trees, source_outcome
-from dualserve.decoders.engine.engine import Engine, EngineConfig
-from dualserve.decoders.engine.runner import ModelRunner
+from dualserve.decoders.engine.engine import Engine
 from dualserve.decoders.engine.sampling import SamplingParams
-from test_eagle import GREEDY, PROMPTS, Tok, assert_first_two_tokens_follow, oracle_head, run, tiny_target, tokens
+from test_eagle import (GREEDY, PROMPTS, assert_first_two_tokens_follow, make_engine, oracle_head, run, tiny_target,
+                        tokens)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-# ---- the index, the cache, the drafter ---------------------------------------------
+# ---- the index, the cache, the lookup ----------------------------------------------
 
 def test_longest_match_wins_and_own_end_is_skipped() -> None:
     cfg = SuffixConfig()
@@ -45,22 +43,22 @@ def test_continuation_tree_ranks_by_frequency_and_keeps_parents() -> None:
     assert continuation_tree(0, [[1], [2], [3], [4], [5]], max_nodes=8, min_prob=0.3).tokens == [0]
 
 
-def test_drafter_pools_sources_and_refreshes_the_cache() -> None:
+def test_lookup_pools_sources_and_refreshes_the_cache() -> None:
     cfg = SuffixConfig(spec_factor=4.0)
-    drafter = SuffixDrafter(cfg)
-    drafter.finished([10, 11, 12, 13, 14, 15])
+    source = SuffixSource(cfg)
+    source.cache.add([10, 11, 12, 13, 14, 15])
     own = TokenIndex([1, 2, 10, 11])
-    draft = drafter.propose(own, own.tokens, max_nodes=8, max_depth=8)
+    draft = source.lookup(own, own.tokens, max_nodes=8, max_depth=8)
     assert draft.match_length == 2 and draft.tree.tokens == [11, 12, 13, 14, 15]
     assert draft.cache_keys == (0,)
     # The request's own text matches longer than the cache: it wins.
     own = TokenIndex([7, 10, 11, 40, 41, 7, 10, 11])
-    draft = drafter.propose(own, own.tokens, max_nodes=8, max_depth=8)
+    draft = source.lookup(own, own.tokens, max_nodes=8, max_depth=8)
     assert draft.tree.tokens[:3] == [11, 40, 41] and draft.cache_keys == ()
     # Depth follows the match length (spec_factor * length).
-    short = SuffixDrafter(SuffixConfig(spec_factor=1.0))
+    short = SuffixSource(SuffixConfig(spec_factor=1.0))
     one = TokenIndex([4, 5, 6, 7, 4])
-    assert short.propose(one, one.tokens, 8, 8).tree.tokens == [4, 5]
+    assert short.lookup(one, one.tokens, 8, 8).tree.tokens == [4, 5]
 
 
 def test_cache_is_bounded_and_lru() -> None:
@@ -100,17 +98,64 @@ def test_budget_drafts_when_it_pays_and_not_otherwise() -> None:
     cpu = CostCurve()  # 8 tokens cost twice one
     head = Offer((2, 4, 4), 0.35, (0.1, 0.15, 0.2))
     # A weak head alone on a CPU: a plain step is faster.
-    assert choose_budget(cpu, Offer((2, 4, 4), 0.1, (0.1, 0.15, 0.2)), None) == NO_DRAFT
+    assert choose_budget(cpu, [Offer((2, 4, 4), 0.1, (0.1, 0.15, 0.2)), None]).depths == (0, 0)
     # A strong suffix match: draft deep.
-    long = choose_budget(cpu, None, Offer((1, 2, 3, 4, 5, 6, 7, 8), 0.9))
-    assert long.suffix_depth >= 6 and long.head_depth == 0
+    long = choose_budget(cpu, [None, Offer((1, 2, 3, 4, 5, 6, 7, 8), 0.9)])
+    assert long.depths[1] >= 6 and long.depths[0] == 0
     # On a flat (GPU) curve with free drafting, every offered level pays.
-    assert choose_budget(CostCurve.flat(), Offer((2, 4, 4), 0.35), None) == Budget(3, 4, 0, 0)
+    flat = choose_budget(CostCurve.flat(), [Offer((2, 4, 4), 0.35), None])
+    assert (flat.depths, flat.nodes) == ((3, 0), (4, 0))
+    assert choose_budget(CostCurve.flat(), [Offer((2, 4, 4), 0.35)]).depths == (3,)  # one source alone
     # A large batch: each extra token costs its share of a GEMM-bound forward; drafting stops.
     big = Batch(tokens=255, emitted=255)
-    assert choose_budget(CostCurve(1.0, 8.0), Offer((1, 2, 3), 0.7), None, big) == NO_DRAFT
+    assert choose_budget(CostCurve(1.0, 8.0), [Offer((1, 2, 3), 0.7), None], big).num_nodes == 0
     # The node cap is respected.
-    assert choose_budget(CostCurve.flat(), head, Offer((1, 2, 3), 0.9), max_nodes=3).nodes <= 3
+    assert choose_budget(CostCurve.flat(), [head, Offer((1, 2, 3), 0.9)], max_nodes=3).num_nodes <= 3
+
+
+def test_choose_budget_scores_every_pair_as_the_plain_formula_does() -> None:
+    """The shared-prefix scoring picks the pair a direct evaluation of every pair picks."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        curve = CostCurve(rng.uniform(0.5, 2), rng.uniform(0.5, 20))
+        offers = [Offer(tuple(sorted(rng.randint(1, 12) for _ in range(rng.randint(1, 4)))), rng.random(),
+                        tuple(sorted(rng.uniform(0, 2) for _ in range(4)))),
+                  Offer(tuple(range(1, rng.randint(2, 16))), rng.random())]
+        offers = [o if rng.random() > 0.2 else None for o in offers]
+        cap = rng.randint(1, 30)
+
+        def speed(da: int, db: int) -> float:
+            a, b = offers
+            rates = [1 - (1 - a.rate if a and level < da else 1.0) * (1 - b.rate if b and level < db else 1.0)
+                     for level in range(max(da, db))]
+            nodes = (a.nodes[da - 1] if da else 0) + (b.nodes[db - 1] if db else 0)
+            return (1 + expected_accepted(rates)) / (curve(1 + nodes) + (a.cost(da) if da else 0.0))
+
+        got = choose_budget(curve, offers, max_nodes=cap)
+        pairs = [(da, db) for da in range(len(offers[0].nodes) + 1 if offers[0] else 1)
+                 for db in range(len(offers[1].nodes) + 1 if offers[1] else 1)
+                 if (da or db) and (offers[0].nodes[da - 1] if da else 0) + (offers[1].nodes[db - 1] if db else 0) <= cap]
+        best = max([speed(*p) for p in pairs] + [1 / curve(1)])
+        picked = speed(*got.depths) if any(got.depths) else 1 / curve(1)  # no depth: a plain step
+        assert picked == pytest.approx(best, rel=1e-9)
+
+
+def test_draft_budget_probes_a_stale_model_and_learns_its_rate() -> None:
+    budget = DraftBudget(CostCurve(1.0, 100.0))  # extra tokens are dear: no draft pays
+    rates = budget.rates()
+    reaches = [Reach((1, 2), (1, 2)), Reach((1, 2, 3))]
+    assert budget.choose(["head", "suffix"], reaches, rates, cap=8).num_nodes == 0
+    for _ in range(EXPLORE_AFTER):
+        budget.record("head", rates["head"], None)
+    probe = budget.choose(["head", "suffix"], reaches, rates, cap=8)
+    assert probe.depths == (1, 0) and probe.units == (1, 0)  # the model drafts one level; suffix lookup is free
+    before = budget.learned["head"].rate
+    budget.record("head", rates["head"], (1, False))
+    assert rates["head"].idle_steps == 0 and budget.learned["head"].rate > before
+    fixed = DraftBudget(None).choose(["head", "suffix"], reaches, rates, cap=8)
+    assert (fixed.depths, fixed.nodes, fixed.units) == ((2, 3), (2, 3), (2, 0))  # everything on offer
 
 
 def test_expected_accepted_and_rates() -> None:
@@ -149,14 +194,6 @@ def test_cost_curve_interpolates_between_measured_buckets() -> None:
 
 
 # ---- inside the engine ---------------------------------------------------------------
-
-def make_engine(target, head, tree=None, cost=None, num_blocks=256, block_size=4, **kw) -> Engine:
-    engine = Engine(EngineConfig(num_blocks=num_blocks, block_size=block_size, **kw))
-    runner = ModelRunner(target, num_blocks, block_size)
-    engine.add_decoder("m", ARDecoder(runner, engine.pool), Tok())
-    engine.add_decoder("m", EagleDecoder(runner, engine.pool, head, tree or TreeConfig(3, 2, 4), cost=cost), Tok())
-    return engine
-
 
 REPEAT = [5, 6, 7, 8, 9, 10, 11] * 4  # the bigram target continues periodic text periodically
 
@@ -240,15 +277,13 @@ def test_sampling_exact_with_suffix_and_cache() -> None:
 def test_default_model_repetitive_prompt_greedy_identical(default_gguf: Path, cache_dir: Path) -> None:
     """The default model (int4) copying code: head + suffix and suffix alone give AR's tokens, and
     suffix drafts are accepted at length."""
-    from dualserve.decoders.deployment import PoolSpec, build_deployment
-    from dualserve.decoders.eagle.decoder import eagle_decoder
+    from dualserve.decoders.deployment import PoolSpec, ServedSpec, build_deployment
+    from dualserve.models.assets import default_eagle_head
     from dualserve.models.loader import load_model
 
     loaded = load_model(default_gguf, name="SmolLM2-135M-Instruct", cache_dir=cache_dir, quantization="int4")
-    dep = build_deployment([loaded], pool=PoolSpec(num_blocks=256))
-    if "eagle" not in dep.engine.decoders_for(loaded.name):
-        dep.engine.add_decoder(loaded.name, eagle_decoder(loaded, dep.runners[loaded.name], dep.engine.pool),
-                               loaded.tokenizer)
+    head = default_eagle_head(loaded.name) or "suffix"  # as `dualserve serve` picks it
+    dep = build_deployment([ServedSpec(loaded.name, loaded, eagle_head=head)], pool=PoolSpec(num_blocks=256))
     code = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
     tok = loaded.tokenizer
     ids = tok.encode(tok.apply_chat_template(
@@ -271,22 +306,20 @@ def test_default_model_repetitive_prompt_greedy_identical(default_gguf: Path, ca
 def test_a_source_its_prior_rules_out_is_probed_and_its_rate_learned() -> None:
     """A model source whose rate says it cannot pay still drafts one level every EXPLORE_AFTER steps,
     so a good one is found; the decoder-wide rate it learns seeds the next request's."""
-    from dualserve.decoders.eagle.decoder import EXPLORE_AFTER, LEARNED_EMA
-
     target = tiny_target(1)  # a bigram target: the oracle head's drafts are all accepted
     engine = make_engine(target, oracle_head(target), TreeConfig(3, 2, 4), cost=CostCurve(1.0, 2.5))
     decoder = engine.decoders[("m", "eagle")]
     # The costs stay the stated curve: the tiny model's measured step times (microseconds, mostly
     # Python) would otherwise decide, and vary from run to run, whether drafting pays.
     decoder.cost.observe = lambda n, seconds: None
-    for d in decoder.drafters.values():
-        d.observe = lambda *args: None
-    decoder.learned["head"] = SourceRate(0.0, weight=LEARNED_EMA)  # rules the head out
+    for timing in decoder.budget.timing.values():
+        timing.observe_units = timing.observe_catch_up = lambda *args: None
+    decoder.budget.learned["head"] = SourceRate(0.0, weight=LEARNED_EMA)  # rules the head out
     params = SamplingParams(max_tokens=3 * EXPLORE_AFTER + 8, temperature=0.0, ignore_eos=True, draft="head")
     first = same_as_ar(engine, [PROMPTS[0]], params)[0][-1].stats
     # Probes, each accepted in full (once one has raised the request's rate, the budget may draft deeper).
     assert first["head_steps"] >= 2 and first["head_accept_length"] >= 1.0
-    assert decoder.learned["head"].rate > 0.05
-    decoder.learned["head"] = SourceRate(0.95, weight=LEARNED_EMA)  # as if many requests had shown it
+    assert decoder.budget.learned["head"].rate > 0.05
+    decoder.budget.learned["head"] = SourceRate(0.95, weight=LEARNED_EMA)  # as if many requests had shown it
     second = same_as_ar(engine, [PROMPTS[1]], params)[0][-1].stats
     assert second["head_steps"] > 4 * second["plain_steps"]
