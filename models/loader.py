@@ -199,7 +199,10 @@ def convert_gguf(path: Path, out_dir: Path) -> Path:
     other types are stored dequantized in fp32."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, OSError) as e:  # truncated, not GGUF, or a newer GGUF version
+        raise UnsupportedModel(f"{path.name} is not a GGUF file this build reads ({type(e).__name__}: {e})") from None
     config = ModelConfig.from_gguf(gguf_metadata(reader))
     by_name = {t.name: t for t in reader.tensors}
     if "rope_factors_long.weight" in by_name:

@@ -364,3 +364,14 @@ def test_gguf_rope_freqs_give_llama3_scaling() -> None:
     torch.testing.assert_close(rope_inv_freq(from_file), rope_inv_freq(scaled), rtol=1e-6, atol=0)
     written = json.loads(json.dumps(loader.hf_config_dict(from_file)))
     assert ModelConfig.from_hf(written) == from_file
+
+
+@pytest.mark.parametrize("content", [b"GGUF", b"not a model at all", b""], ids=["magic only", "text", "empty"])
+def test_a_file_that_is_not_gguf_is_an_unsupported_model(tmp_path: Path, content: bytes) -> None:
+    from dualserve.models.config import UnsupportedModel
+
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(content)
+    with pytest.raises(UnsupportedModel, match="broken.gguf is not a GGUF file"):
+        load_model(path, cache_dir=tmp_path / "cache")
+    assert not list((tmp_path / "cache" / "converted").glob("*")), "no conversion is left behind"
