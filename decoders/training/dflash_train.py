@@ -5,10 +5,10 @@ forward of ``--layers`` layers, from the anchor token, mask tokens, and the targ
 fused features at ``--target-layers`` injected as keys and values. It trains on the
 shards of the self-distillation job (``distil.py``) as ``train-eagle --data`` does:
 the same ``ShardStream`` order, target features computed per batch in the served
-weight format (``eagle_data.target_batch``), the evaluation prompts held out, and a
-checkpoint (weights, optimizer moments, step, data cursor) every ``--save-every``
-steps, so a resumed run draws the same batches, and the same anchors, as a straight
-run. The objective is ``dflash_losses.dflash_loss``.
+weight format (``eagle_data.target_batch``), the evaluation prompts held out, and
+the shared loop (``loop.py``) with its checkpoint (weights, optimizer moments, step,
+data cursor) every ``--save-every`` steps, so a resumed run draws the same batches,
+and the same anchors, as a straight run. The objective is ``dflash_losses.dflash_loss``.
 
 Defaults, and why:
 
@@ -29,7 +29,6 @@ highest fused feature", so c_j begins close to that layer's residual stream.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
@@ -43,10 +42,12 @@ from dualserve.models.loader import LoadedModel
 from dualserve.models.quant import QUANTIZATIONS, linear_weight
 from dualserve.models.transformer import Transformer
 
+from . import loop
 from .dflash_losses import DFlashStats, default_decay, dflash_loss, draft_index
-from .eagle_data import Cursor, ShardStream, target_batch
+from .eagle_data import ShardBatches, ShardStream, target_batch
+from .eagle_train import distilled_stream, draft_vocab, load_target, schedule_of, trainee
 from .features import feature_store
-from .eagle_train import distilled_stream, draft_vocab, load_checkpoint, load_target, lr_at, save_checkpoint
+from .loop import Trainee, Window
 
 console = Console(stderr=True)
 
@@ -112,59 +113,52 @@ def new_drafter(loaded: LoadedModel, args: argparse.Namespace, d2t: torch.Tensor
     return attach(drafter, model)
 
 
-def log_progress(step: int, total: int, pass_index: int, window: list[tuple[float, DFlashStats]],
-                 started: float) -> None:
-    loss = sum(w[0] for w in window) / len(window)
+def log_progress(w: Window) -> None:
+    stats: list[DFlashStats] = [e[1] for e in w.entries]
+    loss = sum(e[0] for e in w.entries) / len(w.entries)
     acc = []
-    for k in range(len(window[0][1].per_offset)):
-        hits = sum(s.per_offset[k][0] for _, s in window)
-        rows = sum(s.per_offset[k][1] for _, s in window)
+    for k in range(len(stats[0].per_offset)):
+        hits = sum(s.per_offset[k][0] for s in stats)
+        rows = sum(s.per_offset[k][1] for s in stats)
         acc.append(f"{hits / max(rows, 1):.3f}")
-    accepted = sum(s.accepted for _, s in window) / max(sum(s.blocks for _, s in window), 1)
-    elapsed = time.perf_counter() - started
-    console.log(f"train: step {step}/{total} pass {pass_index} loss {loss:.4f} accepted/block {accepted:.3f} "
-                f"top1@offset [{', '.join(acc)}] {elapsed / 60:.1f} min")
+    accepted = sum(s.accepted for s in stats) / max(sum(s.blocks for s in stats), 1)
+    console.log(f"train: step {w.step}/{w.total} pass {w.epoch} loss {loss:.4f} accepted/block {accepted:.3f} "
+                f"top1@offset [{', '.join(acc)}] {w.elapsed / 60:.1f} min")
 
 
 def train_stream(loaded: LoadedModel, args: argparse.Namespace, stream: ShardStream, drafter: DFlashDrafter,
                  work: Path) -> None:
-    """``args.steps`` steps over the distillation shards, resumable."""
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    progress = load_checkpoint(work, drafter, opt)
-    step = progress["step"]
-    cursor = stream.start(Cursor(**progress["cursor"]) if "cursor" in progress else None)
+    """``args.steps`` steps over the distillation shards, resumable (the shared loop, ``loop.py``)."""
     model = loaded.model
-    attach(drafter, model)  # a checkpoint brings its own d2t: rebuild the draft rows from it
+    trained = trainee(drafter)
     vocab = loaded.config.vocab_size
-    t2d_index = None if len(drafter.d2t) == vocab else draft_index(drafter.d2t, vocab)
     decay = args.decay or default_decay(args.block_size)
     aux_layers = drafter.config.target_layer_ids
-    started, window = time.perf_counter(), []
     store = feature_store(loaded, args, aux_layers)
-    autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.bf16)
-    while step < args.steps:
-        seqs, after = stream.next(cursor)
-        batch = target_batch(model, seqs, aux_layers, store)
+
+    def index_of_d2t() -> torch.Tensor | None:
+        return None if len(drafter.d2t) == vocab else draft_index(drafter.d2t, vocab)
+
+    t2d_index = index_of_d2t()
+
+    def load(state: dict[str, torch.Tensor]) -> None:
+        nonlocal t2d_index
+        trained.load(state)
+        attach(drafter, model)  # a checkpoint brings its own d2t: rebuild the draft rows from it
+        t2d_index = index_of_d2t()
+
+    def loss(batch, step: int):
         # One generator per step: a resumed run samples the anchors a straight run does.
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-        with autocast:
-            loss, stats = dflash_loss(drafter, batch, args.anchors, gen, decay, t2d_index)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
-        step, cursor = step + 1, after
-        window.append((float(loss.detach()), stats))
-        if step % args.log_every == 0 or step == args.steps:
-            log_progress(step, args.steps, cursor.pass_index, window, started)
-            window = []
-        if step % args.save_every == 0 or step == args.steps:
-            save_checkpoint(work, drafter, opt, {"step": step, "cursor": cursor.as_dict()})
-            save_dflash(drafter, loaded.config, args.output,
-                        metadata={"step": str(step), "target": loaded.name, "kind": "dflash"})
+        return dflash_loss(drafter, batch, args.anchors, gen, decay, t2d_index)
+
+    def save(step: int) -> None:
+        save_dflash(drafter, loaded.config, args.output,
+                    metadata={"step": str(step), "target": loaded.name, "kind": "dflash"})
+
+    data = ShardBatches(stream, lambda seqs: target_batch(model, seqs, aux_layers, store))
+    loop.train(Trainee(trained.params, trained.state, load), schedule_of(args, args.steps), work, data, loss, save,
+               log_progress)
 
 
 def run(loaded: LoadedModel, args: argparse.Namespace) -> Path:

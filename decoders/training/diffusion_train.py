@@ -8,10 +8,11 @@ Stages, each resumable from ``--work-dir``:
    out of training for the sanity evaluation.
 2. **train** (``diffusion_twin.py``): LoRA adapters on every projection plus
    the [MASK] embedding row, trained on the two-stream block-diffusion
-   objective with complementary masks. AdamW, linear warmup, cosine decay to
-   10%. A checkpoint (trainable tensors + optimizer moments as safetensors,
-   progress as JSON) every ``--save-every`` steps, and the twin directory is
-   rewritten at the same time, so an interrupted run leaves a usable twin.
+   objective with complementary masks, in the shared loop (``loop.py``: AdamW,
+   linear warmup, cosine decay to 10%, a checkpoint of the trainable tensors,
+   optimizer moments and progress every ``--save-every`` steps). The twin
+   directory is rewritten at each checkpoint, so an interrupted run leaves a
+   usable twin.
 3. **eval** (``diffusion_eval.py``): masked-block denoising accuracy on the
    held-out answers, before and after training.
 
@@ -31,7 +32,6 @@ import argparse
 import copy
 import hashlib
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dualserve.models.adapter import ADAPTER_FILE, TwinSpec, apply_twin, save_twin
 from dualserve.models.loader import LoadedModel, hf_config_dict
@@ -47,7 +47,9 @@ from dualserve.models.loader import LoadedModel, hf_config_dict
 from .diffusion_data import generate_dataset, twin_prompts
 from .diffusion_twin import (Example, LoRALinear, Objective, adapter_tensors, add_lora, make_example, pack,
                              twin_loss)
+from . import loop
 from .distil import answered_records
+from .loop import EpochBatches, Schedule, Trainee, Window
 
 console = Console(stderr=True)
 DEFAULT_MASK_TOKEN = "<reponame>"
@@ -104,7 +106,7 @@ def schedule(examples: list[Example], block_size: int, max_tokens: int, seed: in
     return steps
 
 
-# ---- checkpoints -------------------------------------------------------------------
+# ---- training ----------------------------------------------------------------------
 
 def trainable(loras: dict[str, LoRALinear], mask_embedding: torch.nn.Parameter) -> dict[str, torch.nn.Parameter]:
     out = {"mask_embedding": mask_embedding}
@@ -114,17 +116,15 @@ def trainable(loras: dict[str, LoRALinear], mask_embedding: torch.nn.Parameter) 
     return out
 
 
-def save_checkpoint(work: Path, params: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer,
-                    progress: dict) -> None:
-    state = {f"param.{k}": v.detach().clone() for k, v in params.items()}
-    for name, p in params.items():
-        for k, v in opt.state.get(p, {}).items():
-            if torch.is_tensor(v):
-                state[f"opt.{name}.{k}"] = v.detach().clone()
-    tmp = work / "checkpoint.safetensors.tmp"
-    save_file(state, str(tmp))
-    tmp.replace(work / "checkpoint.safetensors")
-    (work / "checkpoint.json").write_text(json.dumps(progress))
+def trainee(params: dict[str, torch.nn.Parameter]) -> Trainee:
+    """The adapter as the loop trains it; its checkpoint holds the tensors under ``param.``."""
+
+    @torch.no_grad()
+    def load(state: dict[str, torch.Tensor]) -> None:
+        for name, p in params.items():
+            p.copy_(state[f"param.{name}"])
+
+    return Trainee(params, lambda: {f"param.{k}": v for k, v in params.items()}, load)
 
 
 def start_from(params: dict[str, torch.nn.Parameter], twin_dir: Path) -> None:
@@ -137,29 +137,6 @@ def start_from(params: dict[str, torch.nn.Parameter], twin_dir: Path) -> None:
             p.copy_(adapter[name])
 
 
-def load_checkpoint(work: Path, params: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer) -> dict:
-    if not (work / "checkpoint.safetensors").exists() or not (work / "checkpoint.json").exists():
-        return {"step": 0}
-    state = load_file(str(work / "checkpoint.safetensors"))
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(state[f"param.{name}"])
-    for key, v in state.items():
-        if key.startswith("opt."):
-            name, field = key.removeprefix("opt.").rsplit(".", 1)
-            opt.state.setdefault(params[name], {})[field] = v.to(params[name].device)
-    return json.loads((work / "checkpoint.json").read_text())
-
-
-# ---- training ----------------------------------------------------------------------
-
-def lr_at(step: int, total: int, args: argparse.Namespace) -> float:
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, total - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
 def write_twin(loaded: LoadedModel, args: argparse.Namespace, spec: TwinSpec, loras, mask_embedding,
                step: int) -> None:
     save_twin(args.output, hf_config_dict(loaded.config), spec, adapter_tensors(loras, mask_embedding),
@@ -168,7 +145,8 @@ def write_twin(loaded: LoadedModel, args: argparse.Namespace, spec: TwinSpec, lo
 
 
 def train(loaded: LoadedModel, args: argparse.Namespace, examples: list[Example], spec: TwinSpec) -> None:
-    """Train LoRA + [MASK] row on ``examples`` for ``args.steps`` optimizer steps (resumable).
+    """Train LoRA + [MASK] row on ``examples`` for ``args.steps`` optimizer steps (resumable; the
+    shared loop, ``loop.py``).
 
     Works on a copy of the model, so ``loaded`` stays the plain AR model (the parent whose
     distribution the soft targets are)."""
@@ -180,65 +158,58 @@ def train(loaded: LoadedModel, args: argparse.Namespace, examples: list[Example]
     params = trainable(loras, mask_embedding)
     if args.init:
         start_from(params, Path(args.init))
-    opt = torch.optim.AdamW(params.values(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    progress = load_checkpoint(work, params, opt)
-    step, history = progress["step"], work / "history.jsonl"
-    autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16,
-                              enabled=use_bf16(args.bf16, args.device))
-    window = {"loss": 0.0, "targets": 0, "correct": 0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
+    history = work / "history.jsonl"
+
+    def batch(epoch: int, index: int, step: int) -> list:
+        chosen = schedule(examples, spec.block_size, args.tokens_per_step, args.seed + epoch)[index]
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+        return [pack(examples[i], spec.block_size, spec.mask_token_id, gen) for i in chosen]
+
+    def loss(packed: list, step: int):
+        value, n, correct = twin_loss(model, mask_embedding, spec.mask_token_id, packed, objective,
+                                      parent=loaded.model)
+        return value, (n, correct, sum(p.length for p in packed))
+
+    per_epoch = len(schedule(examples, spec.block_size, args.tokens_per_step, args.seed))
+    plan = Schedule(args.steps, args.lr, args.warmup, (0.9, 0.98), args.save_every, args.log_every,
+                    use_bf16(args.bf16, args.device), args.device, args.max_minutes)
     bar = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                    console=console, disable=not console.is_terminal)
-    with bar:
-        task = bar.add_task("train", total=args.steps, completed=step, info="")
-        deadline = time.monotonic() + args.max_minutes * 60 if args.max_minutes else math.inf
-        while step < args.steps and time.monotonic() < deadline:
-            steps_per_epoch = len(schedule(examples, spec.block_size, args.tokens_per_step, args.seed))
-            epoch, index = divmod(step, steps_per_epoch)
-            chosen = schedule(examples, spec.block_size, args.tokens_per_step, args.seed + epoch)[index]
-            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-            batch = [pack(examples[i], spec.block_size, spec.mask_token_id, gen) for i in chosen]
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, args.steps, args)
-            with autocast:
-                loss, n, correct = twin_loss(model, mask_embedding, spec.mask_token_id, batch, objective,
-                                             parent=loaded.model)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
-            opt.step()
-            step += 1
-            window["loss"] += float(loss.detach()) * n
-            window["targets"] += n
-            window["correct"] += correct
-            window["tokens"] += sum(p.length for p in batch)
-            window["steps"] += 1
-            if step % args.log_every == 0 or step == args.steps:
-                info = log_window(step, args.steps, epoch, window, history)
-                bar.update(task, completed=step, info=info)
-                window = {k: 0 for k in window} | {"start": time.perf_counter()}
-            else:
-                bar.update(task, completed=step)
-            if step % args.save_every == 0 or step == args.steps or time.monotonic() >= deadline:
-                save_checkpoint(work, params, opt, {"step": step})
-                write_twin(loaded, args, spec, loras, mask_embedding, step)
-    if progress["step"] >= args.steps:  # no step ran: a finished run called again (a new --threshold)
+
+    def log(w: Window) -> None:
+        bar.update(task, completed=w.step, info=log_window(w, history))
+
+    def save(step: int) -> None:
         write_twin(loaded, args, spec, loras, mask_embedding, step)
 
+    with bar:
+        task = bar.add_task("train", total=args.steps, completed=0, info="")
+        first = loop.train(trainee(params), plan, work, EpochBatches(per_epoch, batch), loss, save, log)
+    if first >= args.steps:  # no step ran: a finished run called again (a new --threshold)
+        save(first)
 
-def log_window(step: int, total: int, epoch: int, w: dict, history: Path) -> str:
-    elapsed = max(time.perf_counter() - w["start"], 1e-9)
-    rec = {"step": step, "epoch": epoch, "loss": round(w["loss"] / max(w["targets"], 1), 4),
-           "acc": round(w["correct"] / max(w["targets"], 1), 4),
-           "tokens_per_s": round(w["tokens"] / elapsed, 1), "targets_per_s": round(w["targets"] / elapsed, 1),
+
+def log_window(w: Window, history: Path) -> str:
+    """One line of ``history.jsonl`` for the window, and the same figures for the log and the bar."""
+    targets = sum(s[0] for _, s in w.entries)
+    correct = sum(s[1] for _, s in w.entries)
+    tokens = sum(s[2] for _, s in w.entries)
+    loss = 0.0
+    for value, s in w.entries:
+        loss += value * s[0]
+    seconds = max(w.seconds, 1e-9)
+    rec = {"step": w.step, "epoch": w.epoch, "loss": round(loss / max(targets, 1), 4),
+           "acc": round(correct / max(targets, 1), 4),
+           "tokens_per_s": round(tokens / seconds, 1), "targets_per_s": round(targets / seconds, 1),
            "time": round(time.time())}
     with history.open("a") as f:
         f.write(json.dumps(rec) + "\n")
     info = (f"loss {rec['loss']:.3f} acc {rec['acc']:.3f} {rec['tokens_per_s']:.0f} tok/s "
             f"({rec['targets_per_s']:.0f} targets/s)")
-    console.log(f"train: step {step}/{total} epoch {epoch} {info}")
+    console.log(f"train: step {w.step}/{w.total} epoch {w.epoch} {info}")
     return info
 
 

@@ -117,6 +117,25 @@ class ShardStream:
         return batch, Cursor(cursor.pass_index + 1, self.refresh(), 0, 0)
 
 
+class ShardBatches:
+    """A ``ShardStream`` as the training loop's ``Batches`` (``loop.py``): the checkpoint records the
+    cursor past the last batch, and ``make`` turns a batch's sequences into what the loss takes."""
+
+    def __init__(self, stream: ShardStream, make: Callable[[list[Sequence]], object]):
+        self.stream, self.make = stream, make
+        self.cursor = Cursor()
+
+    def resume(self, progress: dict) -> None:
+        self.cursor = self.stream.start(Cursor(**progress["cursor"]) if "cursor" in progress else None)
+
+    def next(self, step: int) -> tuple[object, int]:
+        seqs, self.cursor = self.stream.next(self.cursor)
+        return self.make(seqs), self.cursor.pass_index
+
+    def progress(self) -> dict:
+        return {"cursor": self.cursor.as_dict()}
+
+
 @torch.no_grad()
 def target_batch(target: Transformer, seqs: list[Sequence], aux_layers: tuple[int, ...],
                  store: FeatureStore | None = None) -> Batch:

@@ -9,10 +9,10 @@ Three resumable stages, each writing under ``--work-dir``:
    Finished shards are skipped on restart.
 2. **vocab** (EAGLE-3): the ``--draft-vocab`` most frequent answer tokens, sorted
    ascending, give ``d2t``/``t2d`` (upstream ``traineagle3/cnets.py``).
-3. **train**: AdamW with warmup and cosine decay on the objectives in
-   ``eagle_losses.py``; a checkpoint (weights + optimizer moments as
-   safetensors, progress as JSON) every ``--save-every`` steps; the finished
-   head is written in the layout ``models/eagle.py`` loads.
+3. **train**: the shared loop (``loop.py``: AdamW with warmup and cosine decay,
+   a checkpoint of weights, optimizer moments and progress every
+   ``--save-every`` steps) on the objectives in ``eagle_losses.py``; the head is
+   written in the layout ``models/eagle.py`` loads at every checkpoint.
 
 With ``--data DIR`` the head trains instead on the shards of the self-distillation
 job (``distil.py``), which may still be growing: stage 1 is skipped, the draft
@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import time
 from pathlib import Path
 
 import torch
 from rich.console import Console
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dualserve.models.config import RopeScaling
@@ -47,11 +45,13 @@ from dualserve.models.eagle import (EagleConfig, EagleHead, HEAD_CLASSES, eagle3
 from dualserve.models.loader import LoadedModel
 from dualserve.models.quant import QUANTIZATIONS
 
+from . import loop
 from .distil_prompts import default_held_out
-from .eagle_data import Cursor, ShardStream, target_batch
-from .features import feature_store
+from .eagle_data import ShardBatches, ShardStream, target_batch
 from .eagle_losses import Batch, eagle1_loss, eagle3_loss
 from .eagle_prompts import build_prompts
+from .features import feature_store
+from .loop import EpochBatches, Schedule, Trainee, Window
 from ..engine.runner import ForwardItem, ModelRunner
 
 console = Console(stderr=True)
@@ -221,136 +221,73 @@ def new_head(loaded: LoadedModel, args: argparse.Namespace, d2t: torch.Tensor | 
     return head.attach(model)
 
 
-def checkpoint_paths(work: Path) -> tuple[Path, Path]:
-    return work / "checkpoint.safetensors", work / "checkpoint.json"
+def schedule_of(args: argparse.Namespace, steps: int) -> Schedule:
+    """The loop's schedule from the training flags (shared by ``train-eagle`` and ``train-dflash``)."""
+    return Schedule(steps, args.lr, args.warmup, (0.9, 0.95), args.save_every, args.log_every, args.bf16, args.device)
 
 
-def save_checkpoint(work: Path, head: EagleHead, opt: torch.optim.Optimizer, progress: dict) -> None:
-    weights, meta = checkpoint_paths(work)
-    state = {f"head.{k}": v.detach().clone() for k, v in head.state_dict().items()}
-    names = {id(p): n for n, p in head.named_parameters()}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            for k, v in opt.state.get(p, {}).items():
-                if torch.is_tensor(v):
-                    state[f"opt.{names[id(p)]}.{k}"] = v.detach().clone().reshape(v.shape)
-    # Progress rides in the weights file's metadata, so one rename commits both; the JSON is for people.
-    save_file(state, str(weights.with_suffix(".tmp")), metadata={"progress": json.dumps(progress)})
-    weights.with_suffix(".tmp").rename(weights)
-    meta.write_text(json.dumps(progress))
+def trainee(model: torch.nn.Module) -> Trainee:
+    """A draft model as the loop trains it: every parameter that takes gradients; its checkpoint holds
+    the whole state dict (draft vocabulary maps included) under ``head.``."""
 
+    def load(state: dict[str, torch.Tensor]) -> None:
+        model.load_state_dict({k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
 
-def load_checkpoint(work: Path, head: EagleHead, opt: torch.optim.Optimizer) -> dict:
-    weights, meta = checkpoint_paths(work)
-    if not weights.exists():
-        return {"step": 0}
-    with safe_open(str(weights), framework="pt") as f:
-        stored = (f.metadata() or {}).get("progress")
-    state = load_file(str(weights))
-    head.load_state_dict({k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")})
-    params = dict(head.named_parameters())
-    for key, v in state.items():
-        if key.startswith("opt."):
-            name, field = key.removeprefix("opt.").rsplit(".", 1)
-            opt.state.setdefault(params[name], {})[field] = v
-    return json.loads(stored) if stored else json.loads(meta.read_text())
-
-
-def lr_at(step: int, total: int, args: argparse.Namespace) -> float:
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, total - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    return Trainee({n: p for n, p in model.named_parameters() if p.requires_grad},
+                   lambda: {f"head.{k}": v for k, v in model.state_dict().items()}, load)
 
 
 def train(loaded: LoadedModel, args: argparse.Namespace, seqs: list[dict[str, torch.Tensor]], head: EagleHead,
           work: Path) -> None:
-    trainable = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    progress = load_checkpoint(work, head, opt)
+    """``args.epochs`` passes over the self-made shards (stage 1), resumable."""
     per_epoch = len(batches(seqs, args.batch_size, random.Random(0)))
-    total = per_epoch * args.epochs
-    step = progress["step"]
     draft_rows = None
     if args.kind == "eagle3":
         used = torch.arange(len(head.d2t), device=head.d2t.device) + head.d2t
         draft_rows = loaded.model.lm_head_weight[used.to(loaded.model.lm_head_weight.device)].float()
-    started, window = time.perf_counter(), []
-    autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.bf16)
-    while step < total:
-        epoch, index = divmod(step, per_epoch)
+
+    def batch(epoch: int, index: int, step: int) -> Batch:
         order = batches(seqs, args.batch_size, random.Random(args.seed + epoch))
-        batch = collate([seqs[i] for i in order[index]], args.device)
-        with autocast:
-            if args.kind == "eagle3":
-                loss, stats = eagle3_loss(head, batch, draft_rows, args.ttt_steps)
-            else:
-                loss, stats = eagle1_loss(head, batch)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, total, args)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
-        step += 1
-        window.append((float(loss.detach()), stats))
-        if step % args.log_every == 0 or step == total:
-            log_progress(step, total, epoch, window, started)
-            window = []
-        if step % args.save_every == 0 or step == total:
-            save_checkpoint(work, head, opt, {"step": step})
-            save_eagle_head(head, loaded.config, args.output,
-                            metadata={"step": str(step), "target": loaded.name, "kind": args.kind})
+        return collate([seqs[i] for i in order[index]], args.device)
+
+    def loss(batch: Batch, step: int):
+        if args.kind == "eagle3":
+            return eagle3_loss(head, batch, draft_rows, args.ttt_steps)
+        return eagle1_loss(head, batch)
+
+    loop.train(trainee(head), schedule_of(args, per_epoch * args.epochs), work, EpochBatches(per_epoch, batch), loss,
+               lambda step: save_head(loaded, args, head, step), log_progress)
 
 
 def train_stream(loaded: LoadedModel, args: argparse.Namespace, stream: ShardStream, head: EagleHead,
                  work: Path) -> None:
     """EAGLE-3 training-time test over the distillation shards, ``args.steps`` steps, resumable."""
-    trainable = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    progress = load_checkpoint(work, head, opt)
-    step = progress["step"]
-    cursor = stream.start(Cursor(**progress["cursor"]) if "cursor" in progress else None)
     model = loaded.model
     used = torch.arange(len(head.d2t), device=head.d2t.device) + head.d2t
     draft_rows = model.lm_head_weight[used.to(model.lm_head_weight.device)].float()
     aux_layers = head.config.aux_layers
-    started, window = time.perf_counter(), []
     store = feature_store(loaded, args, aux_layers)
-    autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.bf16)
-    while step < args.steps:
-        seqs, after = stream.next(cursor)
-        batch = target_batch(model, seqs, aux_layers, store)
-        with autocast:
-            loss, stats = eagle3_loss(head, batch, draft_rows, args.ttt_steps, t2d=head.t2d)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
-        step, cursor = step + 1, after
-        window.append((float(loss.detach()), stats))
-        if step % args.log_every == 0 or step == args.steps:
-            log_progress(step, args.steps, cursor.pass_index, window, started)
-            window = []
-        if step % args.save_every == 0 or step == args.steps:
-            save_checkpoint(work, head, opt, {"step": step, "cursor": cursor.as_dict()})
-            save_eagle_head(head, loaded.config, args.output,
-                            metadata={"step": str(step), "target": loaded.name, "kind": args.kind})
+    data = ShardBatches(stream, lambda seqs: target_batch(model, seqs, aux_layers, store))
+    loop.train(trainee(head), schedule_of(args, args.steps), work, data,
+               lambda batch, step: eagle3_loss(head, batch, draft_rows, args.ttt_steps, t2d=head.t2d),
+               lambda step: save_head(loaded, args, head, step), log_progress)
 
 
-def log_progress(step: int, total: int, epoch: int, window: list, started: float) -> None:
-    loss = sum(w[0] for w in window) / len(window)
-    steps = len(window[0][1])
+def save_head(loaded: LoadedModel, args: argparse.Namespace, head: EagleHead, step: int) -> None:
+    save_eagle_head(head, loaded.config, args.output,
+                    metadata={"step": str(step), "target": loaded.name, "kind": args.kind})
+
+
+def log_progress(w: Window) -> None:
+    loss = sum(e[0] for e in w.entries) / len(w.entries)
+    steps = len(w.entries[0][1])
     acc = []
     for k in range(steps):
-        hits = sum(w[1][k][0] for w in window)
-        rows = sum(w[1][k][1] for w in window)
+        hits = sum(e[1][k][0] for e in w.entries)
+        rows = sum(e[1][k][1] for e in w.entries)
         acc.append(f"{hits / max(rows, 1):.3f}")
-    elapsed = time.perf_counter() - started
-    console.log(f"train: step {step}/{total} epoch {epoch} loss {loss:.4f} top1@step [{', '.join(acc)}] "
-                f"{elapsed / 60:.1f} min")
+    console.log(f"train: step {w.step}/{w.total} epoch {w.epoch} loss {loss:.4f} top1@step [{', '.join(acc)}] "
+                f"{w.elapsed / 60:.1f} min")
 
 
 def run(loaded: LoadedModel, args: argparse.Namespace) -> Path:

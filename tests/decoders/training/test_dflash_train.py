@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from dualserve.decoders.training import dflash_train
+from dualserve.decoders.training import dflash_train, loop
 from dualserve.decoders.training.dflash_losses import block_hidden, dflash_loss, draft_index, sample_anchors
 from dualserve.decoders.training.eagle_data import ShardStream, target_batch
 from dualserve.decoders.training.eagle_losses import Batch
@@ -158,18 +158,18 @@ def test_train_dflash_writes_a_loadable_drafter_and_resumes_exactly(target: Load
     assert cfg["dflash_config"]["block_size"] == BLOCK
 
     resumed = tmp_path / "resumed"
-    save = dflash_train.save_checkpoint
+    save = loop.save_checkpoint
 
     def save_then_stop(work, head, opt, progress):
         save(work, head, opt, progress)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(dflash_train, "save_checkpoint", save_then_stop)
+    monkeypatch.setattr(loop, "save_checkpoint", save_then_stop)
     with pytest.raises(KeyboardInterrupt):
         dflash_train.run(target, args_for(resumed, data))
     progress = json.loads((resumed / "work" / "checkpoint.json").read_text())
     assert progress == {"step": 3, "cursor": {"pass_index": 0, "blocks": 2, "block": 1, "batch": 1}}
-    monkeypatch.setattr(dflash_train, "save_checkpoint", save)
+    monkeypatch.setattr(loop, "save_checkpoint", save)
     dflash_train.run(target, args_for(resumed, data))
 
     a = load_file(str(straight / "work" / "checkpoint.safetensors"))

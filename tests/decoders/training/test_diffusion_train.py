@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dualserve.decoders.training import diffusion_train
+from dualserve.decoders.training import diffusion_train, loop
 from dualserve.decoders.training.distil import answered_records
 from dualserve.decoders.training.diffusion_eval import ORACLE, denoise_eval, fill_block
 from dualserve.decoders.training.diffusion_twin import (LoRALinear, Objective, add_lora, make_example, pack,
@@ -258,17 +258,17 @@ def test_train_checkpoint_resume_and_load(base_dir: Path, tmp_path: Path, monkey
 
     # Interrupted right after the step-2 checkpoint, then run again: the same twin comes out.
     resumed = tmp_path / "resumed"
-    real_save = diffusion_train.save_checkpoint
+    real_save = loop.save_checkpoint
 
     def crash_after_save(*a, **k):
         real_save(*a, **k)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(diffusion_train, "save_checkpoint", crash_after_save)
+    monkeypatch.setattr(loop, "save_checkpoint", crash_after_save)
     with pytest.raises(KeyboardInterrupt):
         diffusion_train.main(train_args(base_dir, resumed, data, bf16=bf16))
     assert json.loads((resumed / "checkpoint.json").read_text()) == {"step": 2}
-    monkeypatch.setattr(diffusion_train, "save_checkpoint", real_save)
+    monkeypatch.setattr(loop, "save_checkpoint", real_save)
     assert diffusion_train.main(train_args(base_dir, resumed, data, bf16=bf16)) == 0
     a = load_file(str(straight / "twin" / ADAPTER_FILE))
     b = load_file(str(resumed / "twin" / ADAPTER_FILE))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dualserve.decoders.training import eagle_train
+from dualserve.decoders.training import eagle_train, loop
 from dualserve.decoders.training.eagle_data import Cursor, ShardStream, target_batch
 from dualserve.decoders.training.eagle_losses import eagle3_loss
 from dualserve.models.checkpoint import LoadedModel
@@ -99,17 +99,17 @@ def test_resume_draws_the_same_batches_and_reaches_the_same_state(target: Loaded
     eagle_train.run(target, args_for(straight, data, steps=10))  # 4 batches a pass: crosses two passes
 
     resumed = tmp_path / "resumed"
-    save = eagle_train.save_checkpoint
+    save = loop.save_checkpoint
 
     def save_then_stop(work, head, opt, progress):
         save(work, head, opt, progress)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(eagle_train, "save_checkpoint", save_then_stop)
+    monkeypatch.setattr(loop, "save_checkpoint", save_then_stop)
     with pytest.raises(KeyboardInterrupt):
         eagle_train.run(target, args_for(resumed, data, steps=10))
     assert json.loads((resumed / "work" / "checkpoint.json").read_text())["step"] == 5
-    monkeypatch.setattr(eagle_train, "save_checkpoint", save)
+    monkeypatch.setattr(loop, "save_checkpoint", save)
     eagle_train.run(target, args_for(resumed, data, steps=10))
 
     a = load_file(str(straight / "work" / "checkpoint.safetensors"))
