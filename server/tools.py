@@ -1,9 +1,9 @@
-"""Tool calling: prompt formats and output parsers per chat-template family, as a plain table.
+"""Tool calling: prompt formats, call grammars and output parsers per chat-template family, as a plain table.
 
-The default model's family is ChatML (``<|im_start|>role ... <|im_end|>``), whose
-tool-calling convention is Hermes-style (NousResearch Hermes 2 Pro, Qwen2.5):
-tools are described in the system prompt inside ``<tools></tools>`` and the
-model answers with ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+The prompt side (how tools and past calls are written into the messages, and how calls are
+read back out of text) lives below the server in ``dualserve.models.tool_prompt``, which the
+offline distillation job renders with too; this module adds what only serving needs: the
+grammar that enforces a call, parsing into the wire types, and streaming.
 
 When the model's own template renders ``tools`` we let it; when it does not
 (SmolLM2's template ignores them) the family's system prompt is added. With
@@ -11,30 +11,23 @@ When the model's own template renders ``tools`` we let it; when it does not
 grammar (see ``dualserve.decoders.engine.grammar``), so even a small model produces a
 well-formed call.
 
-To add a family: write a ``ToolFamily`` (system prompt, call grammar, parser)
-and add it to ``FAMILIES``; ``family_for`` picks it from the template text.
+To add a family: write its ``ToolFormat`` in ``models/tool_prompt.py``, then a ``ToolFamily``
+here (call grammar, parser) and add it to ``FAMILIES``; ``family_for`` picks it from the
+template text.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from dualserve.decoders.engine.grammar import bounded_schema
+from dualserve.models.tool_prompt import (CALL_RE, HERMES_SYSTEM, format_for, hermes_calls, hermes_system,  # noqa: F401
+                                          inject_tools, template_renders_tools)
 
 from .protocol import ChatDelta, DeltaToolCall, FunctionCall, ToolCall
-
-HERMES_SYSTEM = (
-    "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
-    "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions "
-    "about what values to plug into functions. Here are the available tools: <tools>\n{tools}\n</tools>\n"
-    "For each function call return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags as follows:\n<tool_call>\n{{\"name\": <function-name>, "
-    "\"arguments\": <args-dict>}}\n</tool_call>")
-CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -50,25 +43,11 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def hermes_system(tools: list[dict[str, Any]]) -> str:
-    return HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
-
-
 def hermes_parse(text: str) -> tuple[str, list[ToolCall]]:
     """Split model output into plain content and tool calls."""
-    calls = []
-    for raw in CALL_RE.findall(text):
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(obj, dict) or "name" not in obj:
-            continue
-        args = obj.get("arguments", obj.get("parameters", {}))
-        calls.append(ToolCall(id=_call_id(), function=FunctionCall(
-            name=str(obj["name"]), arguments=args if isinstance(args, str) else json.dumps(args))))
-    content = text.split("<tool_call>", 1)[0].strip() if calls else text
-    return content, calls
+    content, calls = hermes_calls(text)
+    return content, [ToolCall(id=_call_id(), function=FunctionCall(name=name, arguments=arguments))
+                     for name, arguments in calls]
 
 
 def hermes_call_grammar(tools: list[dict[str, Any]], forced: str | None, max_calls: int | None = None) -> str:
@@ -96,42 +75,8 @@ FAMILIES: dict[str, ToolFamily] = {"hermes": HERMES}
 
 
 def family_for(chat_template: str | None) -> ToolFamily:
-    """ChatML templates (and anything unknown) use Hermes-style calls."""
-    return FAMILIES["hermes"]
-
-
-def template_renders_tools(chat_template: str | None) -> bool:
-    return bool(chat_template and "tools" in chat_template)
-
-
-def inject_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]], family: ToolFamily,
-                 ) -> list[dict[str, Any]]:
-    """Describe the tools in the system message; render past calls and results as the family expects."""
-    out = []
-    for m in messages:
-        m = dict(m)
-        if m.get("tool_calls"):
-            calls = [f"<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': _args(c)})}"
-                     "\n</tool_call>" for c in m["tool_calls"]]
-            m["content"] = "\n".join(filter(None, [m.get("content") or "", *calls]))
-            m.pop("tool_calls")
-        if m["role"] == "tool":
-            m = {"role": "user", "content": f"<tool_response>\n{m.get('content', '')}\n</tool_response>"}
-        out.append(m)
-    system = family.system_prompt(tools)
-    if out and out[0]["role"] == "system":
-        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}"}
-    else:
-        out.insert(0, {"role": "system", "content": system})
-    return out
-
-
-def _args(call: dict[str, Any]) -> Any:
-    raw = call.get("function", {}).get("arguments", "{}")
-    try:
-        return json.loads(raw) if isinstance(raw, str) else raw
-    except json.JSONDecodeError:
-        return raw
+    """The family of the template's tool format (``tool_prompt.format_for``)."""
+    return FAMILIES[format_for(chat_template).name]
 
 
 class ToolStream:

@@ -29,6 +29,7 @@ import argparse
 import hashlib
 import json
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ import torch
 
 from dualserve.models.loader import LoadedModel
 from dualserve.models.quant import QUANTIZATIONS
+from dualserve.models.tool_prompt import format_for, inject_tools, template_renders_tools
 
 from .distil_prompts import Conversation, HeldOut, Message, conversation, default_held_out, signature
 
@@ -88,31 +90,27 @@ def model_key(loaded: LoadedModel) -> str:
 def render(loaded: LoadedModel, messages: list[Message], tools: list[dict] | None) -> list[int]:
     """Prompt ids for ``messages``: the server's chat rendering, including its tool prompt.
 
-    Tool prompts must match serving byte for byte (what the head learns to draft is what
-    the server sends), so this offline tool reuses the server's tool table rather than
-    copying it; nothing on the serving path imports this module.
+    Tool prompts must match serving byte for byte (what a draft model learns to draft is what
+    the server sends), so this renders with the tool prompts the server uses
+    (``models/tool_prompt.py``) rather than a copy of them.
     """
-    from dualserve.server.tools import family_for, inject_tools, template_renders_tools
-
     tok = loaded.tokenizer
     if tools and not template_renders_tools(tok.chat_template):
-        messages, tools = inject_tools(messages, tools, family_for(tok.chat_template)), None
+        messages, tools = inject_tools(messages, tools, format_for(tok.chat_template)), None
     text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
     return tok.encode(text, add_special_tokens=False)
 
 
 def second_turn(loaded: LoadedModel, conv: Conversation, answer_ids: list[int]) -> list[int]:
     """Turn 2's prompt: turn 1, the model's own answer (its tool calls parsed as a client would), the follow-up."""
-    from dualserve.server.tools import family_for
-
     text = loaded.tokenizer.decode(answer_ids, skip_special_tokens=True)
     reply: Message = {"role": "assistant", "content": text}
     if conv.tools:
-        content, calls = family_for(loaded.tokenizer.chat_template).parse(text)
-        if calls:
+        content, calls = format_for(loaded.tokenizer.chat_template).read_calls(text)
+        if calls:  # ids as the server gives them (a template that renders tools may show them)
             reply = {"role": "assistant", "content": content or None, "tool_calls": [
-                {"id": c.id, "type": "function",
-                 "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in calls]}
+                {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": name, "arguments": arguments}} for name, arguments in calls]}
     return render(loaded, [*conv.messages, reply, conv.followup], conv.tools)
 
 
