@@ -46,7 +46,7 @@ from torch import nn
 from .attention import AttentionBackend
 from .checkpoint import rename, to_module_names
 from .config import ModelConfig
-from .eagle import published_state, read_head_state
+from .eagle import published_state, read_draft_state
 from .transformer import RMSNorm, Rotary, SwiGLU, Transformer, apply_rope
 
 
@@ -222,7 +222,7 @@ NAMES: list[tuple[str, str]] = [
 
 
 def is_dflash(path: Path | str) -> bool:
-    """Whether a head directory holds a DFlash drafter (by its config)."""
+    """Whether a draft model's directory holds a DFlash drafter, not an EAGLE head (by its config)."""
     config = Path(path) / "config.json"
     if not config.exists():
         return False
@@ -235,7 +235,7 @@ def load_dflash(path: Path | str, target: Transformer, dtype: torch.dtype | None
     """Load a DFlash drafter directory (upstream layout) for ``target``."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
-    raw = read_head_state(path)
+    raw = read_draft_state(path)
     state: dict[str, torch.Tensor] = {}
     for name, tensor in raw.items():
         new = rename(name, NAMES)

@@ -229,8 +229,9 @@ HEAD_NAMES: list[tuple[str, str]] = [
 IGNORED = (r"rotary_emb\.inv_freq$", r"^verifier_(norm|lm_head)\.weight$")  # speculators' frozen verifier copies
 
 
-def read_head_state(path: Path) -> dict[str, torch.Tensor]:
-    """Tensors of a head directory: model.safetensors, else pytorch_model.bin (never unpickled)."""
+def read_draft_state(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors of a draft model's directory (an EAGLE head or a DFlash drafter): model.safetensors, else
+    pytorch_model.bin (never unpickled)."""
     if (path / "model.safetensors").exists():
         with safe_open(str(path / "model.safetensors"), framework="pt") as f:
             return {name: f.get_tensor(name) for name in f.keys()}
@@ -284,7 +285,7 @@ def load_eagle_head(path: Path | str, target: Transformer, dtype: torch.dtype | 
     cfg = json.loads((path / "config.json").read_text())
     if is_speculators(cfg):  # vLLM speculators' *-speculator.eagle3 layout
         cfg = flatten_speculators_config(cfg)
-    raw = read_head_state(path)
+    raw = read_draft_state(path)
     kind = head_kind(list(raw))
     # The checkpoint is the ground truth for fc.bias (vicuna heads omit the config key).
     config = EagleConfig.from_hf(cfg, kind, target.config, fc_bias="fc.bias" in raw)
