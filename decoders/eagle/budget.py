@@ -1,7 +1,7 @@
 """How much to draft each step: the verify cost of this host against what the drafts earn.
 
 A speculative step over a tree of n drafted nodes costs one target forward over 1 + n
-tokens (plus the head's drafting), and earns 1 + E tokens, E the expected accepted
+tokens (plus the draft models' drafting), and earns 1 + E tokens, E the expected accepted
 length. A plain ``ar`` step costs a forward over 1 token and earns 1. On a small CPU a
 forward over 8 tokens costs about twice one over a single token; on a GPU at batch 1 it
 costs the same; at a large batch every extra token costs its share of a GEMM-bound

@@ -1,6 +1,6 @@
 """EAGLE-2 draft trees and the acceptance rules that verify them, as small pure pieces.
 
-Trees from several draft sources (the head, suffix lookup) are merged into one
+Trees from several draft sources (a draft model, suffix lookup) are merged into one
 (``merge_trees``) before the verify forward; each node remembers which sources
 proposed it, so each source's acceptance can be tracked (``source_outcome``).
 
