@@ -24,8 +24,7 @@ from typing import Literal
 
 import torch
 
-from dualserve.models.config import ModelConfig
-from dualserve.models.diffusion_gemma import DiffusionGemmaConfig
+from dualserve.models.families import family
 from dualserve.models.formats import FormatTable
 from dualserve.models.loader import LoadedModel
 
@@ -112,13 +111,7 @@ def kv_dtype_of(model: LoadedModel) -> torch.dtype:
 def blocks_for(models: list[LoadedModel], spec: PoolSpec, kv_dtype: torch.dtype) -> int:
     if spec.num_blocks:
         return spec.num_blocks
-    per_block = 0
-    for m in models:
-        c = m.config
-        if isinstance(c, DiffusionGemmaConfig):  # per-layer KV shapes
-            per_block += KVCache.bytes_per_block_of_layers(c.kv_shapes, spec.block_size, kv_dtype)
-        elif isinstance(c, ModelConfig):
-            per_block += KVCache.bytes_per_block(c.num_layers, spec.block_size, c.num_kv_heads, c.head_dim, kv_dtype)
+    per_block = sum(KVCache.bytes_per_block_of_layers(m.config.kv_shapes, spec.block_size, kv_dtype) for m in models)
     return max(16, int(spec.memory_gb * 2**30 // max(per_block, 1)))
 
 
@@ -138,7 +131,7 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
     base = spec.base
     runner = runner_for(base, num_blocks, block_size, device, parallel)
     runners[spec.name] = runner
-    if isinstance(base.config, DiffusionGemmaConfig):  # never compiled: see runner.py
+    if family(base.config.family).network == "diffusion_gemma":  # its own network and sampler, never compiled
         from .diffusion.gemma import register_diffusion_gemma
 
         register_diffusion_gemma(engine, spec.name, runner, base)

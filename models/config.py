@@ -92,6 +92,11 @@ class ModelConfig:
     diffusion_threshold: float | None = None  # measured best unmasking threshold, when the checkpoint says
 
     @property
+    def kv_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Per layer: (kv heads, head size) of its cached keys and values."""
+        return ((self.num_kv_heads, self.head_dim),) * self.num_layers
+
+    @property
     def windows(self) -> tuple[int | None, ...]:
         """Per layer: the sliding window W (a token sees the W positions ending at itself) or None."""
         if not self.sliding_layers:

@@ -382,6 +382,10 @@ class SelfConditioning(nn.Module):
 # ---- the model -----------------------------------------------------------------------------------
 
 class DiffusionGemma(nn.Module):
+    # The paged engine runs this network's own attention (its scale and SDPA dispatch) over a cache
+    # with a shape per layer (``config.kv_shapes``), within ``config.windows``.
+    attention_kernel: ClassVar = staticmethod(attend)
+
     def __init__(self, config: DiffusionGemmaConfig):
         super().__init__()
         self.config = config

@@ -180,6 +180,7 @@ def pick_format(model: ModelSpec, path: Path, cache: Path, dtype: torch.dtype):
     import json
 
     from dualserve.models.config import ModelConfig
+    from dualserve.models.families import of_hf
     from dualserve.models.formats import cached_measure, choose
     from dualserve.models.loader import is_twin_dir, prepare_source, stored_quantization
 
@@ -187,7 +188,7 @@ def pick_format(model: ModelSpec, path: Path, cache: Path, dtype: torch.dtype):
         return model.quantization, dtype, None
     source = prepare_source(path, cache)
     raw = json.loads((source / "config.json").read_text())
-    if raw.get("architectures") == ["DiffusionGemmaForBlockDiffusion"]:
+    if of_hf(raw).network != "core":  # a network with its own layers: float weights only
         return "none", dtype, None
     stored = stored_quantization(source)
     if not model.device.startswith("cpu") or model.dtype != "auto":

@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import torch
 
 from dualserve.models.attention import AttentionBackend
-from dualserve.models.diffusion_gemma import DiffusionGemma, attend
+from dualserve.models.diffusion_gemma import DiffusionGemma
 from dualserve.models.transformer import Transformer
 
 from .compile_worker import CompileWorker
@@ -68,10 +68,10 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.backend: Callable[[KVCache, AttentionMetadata], AttentionBackend]
         # One extra block at the end is scratch space for tokens that are not stored.
-        if isinstance(model, DiffusionGemma):
-            self.kv = KVCache.of_layers(model.config.kv_shapes, num_blocks + 1, block_size, kv_dtype or self.dtype,
-                                        self.device)
-            self.backend = partial(WindowedPagedAttention, windows=model.config.windows, kernel=attend)
+        kernel = getattr(model, "attention_kernel", None)
+        if kernel is not None:  # a network with its own attention and per-layer KV shapes (DiffusionGemma)
+            self.kv = KVCache.of_layers(cfg.kv_shapes, num_blocks + 1, block_size, kv_dtype or self.dtype, self.device)
+            self.backend = partial(WindowedPagedAttention, windows=cfg.windows, kernel=kernel)
         else:
             self.kv = KVCache(cfg.num_layers, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim,
                               kv_dtype or self.dtype, self.device)
