@@ -44,8 +44,8 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-Arch = Literal["llama", "qwen2", "qwen3"]
-ARCHES: tuple[Arch, ...] = ("llama", "qwen2", "qwen3")
+Arch = Literal["llama", "qwen2", "qwen3", "gemma3"]
+ARCHES: tuple[Arch, ...] = ("llama", "qwen2", "qwen3", "gemma3")
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "F16", "F32")
 STD = 0.02  # standard deviation of every random weight
 
@@ -65,6 +65,7 @@ class Shape:
     rms_eps: float
     context_length: int
     tied: bool
+    sliding_window: int | None = None  # gemma3: its local layers' window
 
 
 # From each model's config.json on the Hugging Face hub.
@@ -74,6 +75,8 @@ PRESETS: dict[str, Shape] = {
     "qwen2.5-0.5b": Shape("qwen2", 896, 24, 14, 2, 64, 4864, 1000000.0, 1e-6, 32768, True),
     "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 128, 8960, 1000000.0, 1e-6, 32768, True),
     "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 1000000.0, 1e-6, 40960, True),
+    "gemma-3-270m": Shape("gemma3", 640, 18, 4, 1, 256, 2048, 1000000.0, 1e-6, 32768, True, 512),
+    "gemma-3-1b": Shape("gemma3", 1152, 26, 4, 1, 256, 6912, 1000000.0, 1e-6, 32768, True, 512),
 }
 
 
@@ -191,7 +194,7 @@ def block_type(kind: str, row: int) -> str:
 
 def plan_tensors(shape: Shape, vocab: int, matrix_type: str, embedding_type: str,
                  control_ids: Sequence[int] = ()) -> list[TensorPlan]:
-    """Every tensor llama.cpp's ``llm_build_llama`` / ``llm_build_qwen2`` / ``llm_build_qwen3`` reads."""
+    """Every tensor llama.cpp's ``llm_build_llama`` / ``qwen2`` / ``qwen3`` / ``gemma3`` reads."""
     h, q_dim, kv_dim = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     zero = tuple(sorted(set(control_ids)))
 
@@ -207,9 +210,12 @@ def plan_tensors(shape: Shape, vocab: int, matrix_type: str, embedding_type: str
         if shape.arch == "qwen2":
             plans += [TensorPlan(p + "attn_q.bias", (q_dim,), "F32"), TensorPlan(p + "attn_k.bias", (kv_dim,), "F32"),
                       TensorPlan(p + "attn_v.bias", (kv_dim,), "F32")]
-        if shape.arch == "qwen3":
+        if shape.arch in ("qwen3", "gemma3"):
             plans += [TensorPlan(p + "attn_q_norm.weight", (shape.head_dim,), "F32", "ones"),
                       TensorPlan(p + "attn_k_norm.weight", (shape.head_dim,), "F32", "ones")]
+        if shape.arch == "gemma3":  # norms after attention and the feed-forward too (GGUF holds 1 + w)
+            plans += [TensorPlan(p + "post_attention_norm.weight", (h,), "F32", "ones"),
+                      TensorPlan(p + "post_ffw_norm.weight", (h,), "F32", "ones")]
         plans += [TensorPlan(p + "ffn_norm.weight", (h,), "F32", "ones"),
                   matrix(p + "ffn_gate.weight", shape.ffn, h), matrix(p + "ffn_up.weight", shape.ffn, h),
                   matrix(p + "ffn_down.weight", h, shape.ffn)]
@@ -303,6 +309,8 @@ def add_metadata(writer, shape: Shape, vocab: int, matrix_type: str, name: str,
     if shape.head_dim * shape.heads != shape.hidden:  # else llama.cpp derives it as hidden / heads
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
+    if shape.sliding_window:
+        writer.add_sliding_window(shape.sliding_window)
     writer.add_vocab_size(vocab)
     writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[matrix_type]])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -405,7 +413,8 @@ def build_shape(args: argparse.Namespace) -> Shape:
                       head_dim=given.get("head_dim", given["hidden"] // given["heads"]), ffn=given["ffn"],
                       rope_theta=given.get("rope_theta", 500000.0 if arch == "llama" else 1000000.0),
                       rms_eps=1e-5 if arch == "llama" else 1e-6,
-                      context_length=given.get("context_length", 32768), tied=given.get("tied", True))
+                      context_length=given.get("context_length", 32768), tied=given.get("tied", True),
+                      sliding_window=512 if arch == "gemma3" else None)
     if min(shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.ffn) < 1:
         raise ValueError("every width and count must be positive")
     if shape.heads % shape.kv_heads:
