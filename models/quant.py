@@ -205,17 +205,19 @@ class W8A8Linear(nn.Module):
 
 
 class Dot8Linear(nn.Module):
-    """y = x @ W^T (+ b) with W in groups of 32 (int4 with scale and minimum, or int8 with a
+    """y = x @ W^T (+ b) with W in groups of 32 (int4 with scale and minimum; 5, 6 or 8 bits with a
     scale and optionally a minimum; optionally with integer multipliers: every GGUF type in
     ``GGUF_PACKED``) and x quantized per row to int8 groups of 32 at run time, multiplied in
-    exact integer sums by ``dualserve::dot8_linear`` (``models.kernels``).
+    exact integer sums by ``dualserve::dot8_linear`` (``models.kernels``). ``bits`` is what the
+    values are stored in: a portable weight takes the fewest that hold it (Q5 types 5, Q6_K 6).
     """
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int,
                  bias: torch.Tensor | None = None, digits: int = 1, scale_mult: torch.Tensor | None = None,
                  zero_mult: torch.Tensor | None = None):
-        """q (out, in): 0..15 (bits 4) or -128..127 (bits 8), in groups of 32 inputs with scales and mins
-        (out, in // 32): w = scale * q (+ min; int4 always has mins). With scale_mult (out, in // 32, 2) int8
+        """q (out, in): values that fit ``bits`` (``kernels.value_range``: 0..15 for 4, which has mins;
+        -16..15, or with mins 0..31, for 5; -32..31 for 6; -128..127 for 8), in groups of 32 inputs with
+        scales and mins (out, in // 32): w = scale * q (+ min). With scale_mult (out, in // 32, 2) int8
         (inputs 0..15 and 16..31) and, beside mins, zero_mult (out, in // 32) int8:
         w = (scale * scale_mult) * q + min * zero_mult. Scales and mins are held in fp16.
         digits: int8 digits per activation group (1: w4a8, 2: w4a16)."""
@@ -223,8 +225,6 @@ class Dot8Linear(nn.Module):
         from . import kernels
         if not kernels.available():
             raise RuntimeError(f"the dot8 kernel is not available here: {kernels.unavailable_reason()}")
-        if bits == 4 and mins is None:
-            raise ValueError("int4 dot8 weights have minimums")
         if scale_mult is None and zero_mult is not None or (
                 scale_mult is not None and (zero_mult is None) != (mins is None)):
             raise ValueError("zero_mult goes with scale_mult and mins")
@@ -254,9 +254,13 @@ class Dot8Linear(nn.Module):
     @classmethod
     def from_portable(cls, parts: dict[str, torch.Tensor], bias: torch.Tensor | None = None,
                       digits: int = 1) -> "Dot8Linear":
-        """A portable weight (``portable.py``) of any kind, exactly: no rounding."""
-        return cls(parts["qweight"], parts["scales"], parts.get("zeros"), 4 if portable_kind(parts) == "int4" else 8,
-                   bias, digits, parts.get("scale_mult"), parts.get("zero_mult"))
+        """A portable weight (``portable.py``) of any kind, exactly: no rounding. int4 entries keep 4
+        bits; int8 ones take the fewest bits their values fit (``kernels.narrowest_bits``)."""
+        from .kernels import narrowest_bits
+        q = parts["qweight"]
+        bits = 4 if portable_kind(parts) == "int4" else narrowest_bits(q, "zeros" in parts)
+        return cls(q, parts["scales"], parts.get("zeros"), bits, bias, digits, parts.get("scale_mult"),
+                   parts.get("zero_mult"))
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, bits: int = 4,
@@ -279,28 +283,27 @@ class Dot8Linear(nn.Module):
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
+    def _portable(self, ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        from .kernels import unpack
+        return unpack(self.packed.cpu(), self.d.cpu(), self.m.cpu(), None if self.s is None else self.s.cpu(),
+                      None if self.mn is None else self.mn.cpu(), self.out_features, self.in_features, self.bits,
+                      self.minimum, ids)
+
     def portable(self) -> dict[str, torch.Tensor]:
         """The weight in the portable layout, exactly (scales and mins as the fp16 values the kernel reads)."""
-        from .kernels import unpack_integers, unpack_multipliers
-        q, scales, mins = unpack_integers(self.packed.cpu(), self.d.cpu(), self.m.cpu(), self.out_features,
-                                          self.in_features, self.bits)
-        parts = {"qweight": q.to(torch.uint8 if self.bits == 4 else torch.int8), "scales": scales}
-        if self.minimum:
-            parts["zeros"] = mins
-        if self.s is not None:
-            scale_mult, zero_mult = unpack_multipliers(self.s.cpu(), None if self.mn is None else self.mn.cpu(),
-                                                       self.out_features)
-            parts["scale_mult"] = scale_mult
-            if zero_mult is not None:
-                parts["zero_mult"] = zero_mult
-        return parts
+        return self._portable(None)
 
     def dequantize(self) -> torch.Tensor:
         """The float weight (out, in) this layer multiplies by, as gguf.quants gives it (for tests and references)."""
         return dequantize_portable(self.portable())
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 (len(ids), in_features): rows ``ids`` of ``dequantize()``, the same bits, unpacked from
+        those rows' lanes alone (a tied embedding reads the head's weight this way)."""
+        return dequantize_portable(self._portable(ids))
+
     def extra_repr(self) -> str:
-        kind = f"bits={self.bits}" + (", minimum" if self.minimum and self.bits == 8 else "") + (
+        kind = f"bits={self.bits}" + (", minimum" if self.minimum and self.bits != 4 else "") + (
             ", multipliers" if self.s is not None else "")
         return (f"in={self.in_features}, out={self.out_features}, {kind}, "
                 f"activations={self.digits} int8 digit(s) per group of 32")

@@ -42,10 +42,11 @@ from pathlib import Path
 
 import torch
 
+from .layout import (GROUP, MAX_MULTIPLIED, TILE, multiplied_bound, narrowest_bits, offset,  # noqa: F401
+                     pack, pack_multipliers, unpack, value_range)
+
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("dot8.cpp", "attend.cpp", "pointwise.cpp"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("exp.h", "dot8_tiles.h", "dot8_acts.h"))
-TILE = 16
-GROUP = 32
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("exp.h", "dot8_tiles.h", "dot8_tiles56.h", "dot8_acts.h"))
 _loaded: bool | None = None
 _error: str | None = None
 _build_seconds: float | None = None  # set when this process compiled the library (else it was cached)
@@ -189,63 +190,7 @@ def pointwise(x: torch.Tensor) -> bool:
     return bool(_loaded) if torch.compiler.is_compiling() else available()
 
 
-# ---- the packed layout (dot8.cpp's header) ----------------------------------------
-
-# With multipliers a group's integer s_lo dot_lo + s_hi dot_hi stays below 2^24, so exact in fp32,
-# while 16 * 127 * (max|q_lo| |s_lo| + max|q_hi| |s_hi|) < 2^24 (Q6_K: 32 * 128 * 2 = 8192).
-MAX_MULTIPLIED = 8256
-
-
-def multiplied_bound(q: torch.Tensor, scale_mult: torch.Tensor) -> int:
-    """The largest max|q_lo| |s_lo| + max|q_hi| |s_hi| over the groups of q (out, in)."""
-    if not q.numel():
-        return 0
-    half = q.to(torch.int32).abs().view(q.shape[0], -1, 2, GROUP // 2).amax(-1)   # (out, groups, 2)
-    return int((half * scale_mult.to(torch.int32).abs()).sum(-1).max())
-
-
-def _tiles(v: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(out, ...) padded with zero rows to whole tiles of 16 channels: (tiles, 16, ...), tiles."""
-    out = v.shape[0]
-    tiles = -(-out // TILE)
-    pad = torch.zeros((tiles * TILE - out, *v.shape[1:]), dtype=v.dtype)
-    return torch.cat([v, pad]).view(tiles, TILE, *v.shape[1:]), tiles
-
-
-def pack(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (out, in): 0..15 (bits 4, w = d q + m) or -128..127 (bits 8, w = d q, or d q + m with mins),
-    in groups of 32 along the input with scales/mins (out, in // 32). Returns the kernel's (q, d, m)."""
-    out, inp = q.shape
-    if inp % GROUP:
-        raise ValueError(f"dot8 needs an input width divisible by {GROUP}, not {inp}")
-    groups = inp // GROUP
-    q = q.to(torch.int16)
-    if bits == 8:
-        q = q + 128
-        mins = torch.zeros_like(scales) if mins is None else mins
-    q, tiles = _tiles(q.view(out, groups, GROUP))                         # (tiles, 16, groups, 32)
-    if bits == 4:
-        # chunk j: lane c byte b = q[c, 8j + b] | q[c, 8j + 4 + b] << 4
-        g = q.view(tiles, TILE, groups, 4, 2, 4)
-        packed = (g[..., 0, :] | (g[..., 1, :] << 4))                  # (tiles, 16, groups, 4, 4)
-    else:
-        packed = q.view(tiles, TILE, groups, 8, 4)                        # chunk j: k = 4j..4j+3
-    packed = packed.permute(0, 2, 3, 1, 4).contiguous().to(torch.uint8)  # (tiles, groups, chunk, 16, 4)
-
-    def per_tile(v: torch.Tensor) -> torch.Tensor:
-        return _tiles(v.float())[0].permute(0, 2, 1).contiguous().half()  # (tiles, groups, 16)
-    return packed.flatten(), per_tile(scales), per_tile(mins)
-
-
-def pack_multipliers(scale_mult: torch.Tensor, zero_mult: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """scale_mult (out, groups, 2) and zero_mult (out, groups) int8 -> the kernel's s [tile][group][2][16]
-    and mn [tile][group][16]."""
-    s = _tiles(scale_mult.to(torch.int8))[0].permute(0, 2, 3, 1).contiguous()
-    mn = None if zero_mult is None else _tiles(zero_mult.to(torch.int8))[0].permute(0, 2, 1).contiguous()
-    return s, mn
-
+# ---- for tests: what the kernel computes --------------------------------------------
 
 def reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
               bits: int, digits: int = 1, scale_mult: torch.Tensor | None = None,
@@ -268,27 +213,3 @@ def reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torc
         y = dot * d[None] + m[None] * mn[None] * a.sum(-1)[:, None, :]
         total = total + (y * sx.double()[:, None, :]).sum(-1)
     return total
-
-
-def unpack_integers(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, out: int, inp: int, bits: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``pack`` inverted, exactly: q (out, in) as packed (0..15, or -128..127 for bits 8), and the
-    scales and minimums (out, in // 32) as the fp16 values the kernel reads, in fp32."""
-    tiles, groups = -(-out // TILE), inp // GROUP
-    b = packed.view(tiles, groups, -1, TILE, 4).to(torch.int16)
-    if bits == 4:
-        q = torch.stack([b & 0x0F, b >> 4], dim=3)                 # (tiles, groups, chunk, 2, 16, 4)
-        q = q.permute(0, 4, 1, 2, 3, 5).reshape(tiles * TILE, inp)
-    else:
-        q = b.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, inp) - 128
-    scale = d.float().permute(0, 2, 1).reshape(tiles * TILE, groups)
-    low = m.float().permute(0, 2, 1).reshape(tiles * TILE, groups)
-    return q[:out], scale[:out], low[:out]
-
-
-def unpack_multipliers(s: torch.Tensor, mn: torch.Tensor | None, out: int
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``pack_multipliers`` inverted: scale_mult (out, groups, 2) and zero_mult (out, groups)."""
-    scale_mult = s.permute(0, 3, 1, 2).flatten(0, 1)[:out]
-    zero_mult = None if mn is None else mn.permute(0, 2, 1).flatten(0, 1)[:out]
-    return scale_mult, zero_mult

@@ -4,22 +4,28 @@
 // same integers; the float epilogue runs in one fixed order per output, so a row's result is the
 // same bits for any row count, thread count or CPU.
 //
-// Weight layout (built by models/kernels/__init__.py: pack, pack_multipliers):
-//   tiles of 16 output channels; per tile, per group g, CHUNKS chunks of 64 bytes,
-//   lane c (4 bytes) of a chunk belongs to channel c of the tile:
-//     int4 (bits 4): chunk j holds k = 8j..8j+3 in the low nibbles and 8j+4..8j+7
-//                    in the high nibbles, q in 0..15, w = d * q + m;
-//     int8 (bits 8): chunk j holds k = 4j..4j+3 as u = q + 128, q in -128..127, w = d * q,
-//                    or w = d * q + m with ``minimum``.
-//   d and m: fp16, [tile][group][16].
+// Weight layout (built by models/kernels/layout.py):
+//   tiles of 16 output channels; per tile, per group g, ``bits`` chunks of 64 bytes,
+//   lane c (4 bytes) of a chunk belongs to channel c of the tile. Each input k holds
+//   u = q + offset (unsigned; offset 128 for int8, 16 for 5 bits without a minimum, 32 for 6
+//   bits, else 0):
+//     bits 4, 5, 6: chunk j < 4 holds k = 8j..8j+3 in the low nibbles and 8j+4..8j+7 in the high
+//                   nibbles (u's low 4 bits); 5 and 6 bits add planes (chunks 4 and 5) of the
+//                   high bits: nibble vector i = 2j + n (n = 0 low, 1 high nibbles of chunk j)
+//                   at bits hb * (i % p) of plane i / p, hb = bits - 4, p = 8 / hb;
+//     bits 8:       chunk j holds k = 4j..4j+3.
+//   w = d * q, or w = d * q + m with a minimum (int4 always has one).
+//   d and m: fp16, [tile][group][16], or [tile][group / 8][16] where a super-block of 8 groups
+//   shares them (the K-quants); m is empty without a minimum.
 //   Optional integer multipliers (GGUF's K-quants and IQ4_XS, whose scales D * sc are not fp16
 //   numbers): s int8 [tile][group][2][16], one for inputs 0..15 and one for 16..31 of the group,
-//   and with a minimum mn int8 [tile][group][16]; then w = d * s_half * q + m * mn.
+//   or [tile][group][16], one for the group; with a minimum mn int8 [tile][group][16]; then
+//   w = d * s_half * q + m * mn.
 // Per output channel n and row r:  y = sum_g sx[r,g] * v[n,g], with
 //   v = d * dot + m * asum                                     (no multipliers; m only with a minimum)
 //   v = d * float(s_lo dot_lo + s_hi dot_hi) + m * float(mn * asum)  (multipliers)
 // where dot = sum_k q[n,k] a[r,k] (over the half, for dot_lo and dot_hi), asum = sum_k a[r,k],
-// a = round(x / sx); on AVX-512 int8 dots are sum u a - 128 asum.
+// a = round(x / sx); vector paths compute dot as sum u a - offset * asum.
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -45,6 +51,7 @@
 namespace {
 
 #include "dot8_tiles.h"
+#include "dot8_tiles56.h"
 #include "dot8_acts.h"
 
 struct Path {
@@ -83,7 +90,8 @@ Path& path(int64_t force_scalar) {
   return force_scalar ? scalar : best;
 }
 
-// ``halves``: the weight is int8 with multipliers, whose AVX-512 dots need each half group's sum.
+// ``halves``: the weight has multipliers per half group and an offset, so its dots need each half
+// group's activation sum.
 Quantized quantize(const at::Tensor& x, int64_t force_scalar, int64_t digits, bool halves) {
   TORCH_CHECK(digits >= 1 && digits <= 3, "dot8: digits must be 1, 2 or 3");
   const int64_t M = x.size(0), K = x.size(1);
@@ -91,26 +99,34 @@ Quantized quantize(const at::Tensor& x, int64_t force_scalar, int64_t digits, bo
   return Quantized(x.data_ptr<c10::BFloat16>(), M, K, !force_scalar, digits, halves);
 }
 
-bool needs_halves(const Weights& w) { return w.bits == 8 && w.s; }
+bool needs_halves(const Weights& w) { return w.s && w.s_per == 2 && offset_of(w.bits, w.minimum) != 0; }
 
+// The layout's sizes decide d's grouping (per group or per 8) and the multipliers' (per half or per group).
 Weights checked_weights(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m, int64_t K, int64_t n,
                         int64_t bits, const char* what, const std::optional<at::Tensor>& s = std::nullopt,
                         const std::optional<at::Tensor>& mn = std::nullopt, bool minimum = false) {
-  TORCH_CHECK(bits == 4 || bits == 8, what, ": bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, what, ": bits must be 4, 5, 6 or 8");
   const int64_t G = K / GROUP, tiles = (n + TILE - 1) / TILE;
-  const int64_t chunk_bytes = (bits == 4 ? 4 : 8) * 64;
-  TORCH_CHECK(q.numel() == tiles * G * chunk_bytes && d.numel() == tiles * G * TILE && m.numel() == d.numel(),
-              what, ": the packed weight does not match the input width");
+  TORCH_CHECK(q.numel() == tiles * G * bits * 64, what, ": the packed weight does not match the input width");
+  const bool per_group = d.numel() == tiles * G * TILE;
+  TORCH_CHECK(per_group || (G % 8 == 0 && d.numel() == tiles * (G / 8) * TILE), what,
+              ": the scales must be fp16 [tile][group][16] or [tile][group / 8][16]");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && (m.numel() == 0 || m.scalar_type() == at::kHalf), what,
+              ": the scales and minimums must be fp16");
   minimum = minimum || bits == 4;
+  TORCH_CHECK(m.numel() == d.numel() || (!minimum && m.numel() == 0), what,
+              ": the minimums must have the scales' layout (or be empty without a minimum)");
   TORCH_CHECK(!mn || (s && minimum), what, ": a minimum's multipliers need scale multipliers and a minimum");
   TORCH_CHECK(!s || !minimum || mn, what, ": a weight with a minimum and scale multipliers needs the minimum's");
-  TORCH_CHECK(!s || (s->scalar_type() == at::kChar && s->numel() == tiles * G * 2 * TILE), what,
-              ": the scale multipliers must be int8 [tile][group][2][16]");
+  const int s_per = !s ? 0 : s->numel() == tiles * G * 2 * TILE ? 2 : 1;
+  TORCH_CHECK(!s || (s->scalar_type() == at::kChar && s->numel() == tiles * G * s_per * TILE), what,
+              ": the scale multipliers must be int8 [tile][group][2][16] or [tile][group][16]");
   TORCH_CHECK(!mn || (mn->scalar_type() == at::kChar && mn->numel() == tiles * G * TILE), what,
               ": the minimum's multipliers must be int8 [tile][group][16]");
   return Weights{q.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
-                 reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()), G, int(bits), minimum,
-                 s ? s->data_ptr<int8_t>() : nullptr, mn ? mn->data_ptr<int8_t>() : nullptr};
+                 minimum ? reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()) : nullptr, G, int(bits), minimum,
+                 s ? s->data_ptr<int8_t>() : nullptr, mn ? mn->data_ptr<int8_t>() : nullptr, s_per,
+                 per_group ? 0 : 3};
 }
 
 // y (M, n) = the quantized rows times the packed weight.

@@ -100,11 +100,11 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t digits, int8_t* a, 
 struct Quantized {
   std::vector<int8_t> a;
   std::vector<float> sx, fsum;
-  std::vector<int32_t> sum, sum128, half128;
+  std::vector<int32_t> sum, sum128, half, half128;
   int64_t K, G;
 
   // M rows of x, each as ``digits`` quantized rows (quantize_digits). ``halves``: also the sums
-  // of each group's two halves (AVX-512 reads them for int8 weights with multipliers).
+  // of each group's two halves (read for weights stored with an offset and multipliers per half).
   template <typename T>
   Quantized(const T* x, int64_t M, int64_t K_, bool simd, int64_t digits = 1, bool halves = false)
       : a(M * digits * K_), sx(M * digits * (K_ / GROUP)), fsum(M * digits * (K_ / GROUP)),
@@ -115,16 +115,19 @@ struct Quantized {
       sum128[i] = 128 * sum[i];
     }
     if (halves) {
+      half.resize(2 * M * digits * G);
       half128.resize(2 * M * digits * G);
       for (int64_t i = 0; i < M * digits * G; ++i) {
         int32_t first = 0;
         for (int k = 0; k < GROUP / 2; ++k) first += a[i * GROUP + k];
+        half[2 * i] = first;
+        half[2 * i + 1] = sum[i] - first;
         half128[2 * i] = 128 * first;
         half128[2 * i + 1] = 128 * (sum[i] - first);
       }
     }
   }
   Acts acts() const {
-    return Acts{a.data(), sx.data(), sum.data(), fsum.data(), sum128.data(), K, G, half128.data()};
+    return Acts{a.data(), sx.data(), sum.data(), fsum.data(), sum128.data(), K, G, half128.data(), half.data()};
   }
 };

@@ -1,9 +1,10 @@
 // dot8's tile functions: one tile of 16 output channels times up to 8 (6 on AVX2) quantized
 // rows, on the scalar, AVX-512 VNNI and AVX2 paths (dot8.cpp's header has the layout). Each is a
-// template over the weight's kind: BITS (4 or 8), MIN (w = d q + m; int4 always has one) and MULT
-// (integer multipliers per half group and for the minimum). The plain kinds (Q4_0/Q4_1 as int4,
-// Q8_0 as int8) instantiate with MULT false and compile to the loops they had before multipliers
-// existed. Every path makes the same integers and the same float operations in the same order.
+// template over the weight's kind: BITS (4, 5, 6 or 8), MIN (w = d q + m; int4 always has one) and
+// MULT (integer multipliers: 0 none, 1 one per group, 2 one per half group; the minimum's with
+// MIN). This header holds the shared pieces, the scalar reference and the int4 / int8 vector
+// loops; dot8_tiles56.h the 5- and 6-bit loops and the table of kinds. Every path makes the same
+// integers and the same float operations in the same order.
 // Included inside dot8.cpp's anonymous namespace.
 #pragma once
 
@@ -11,6 +12,13 @@ constexpr int TILE = 16;
 constexpr int GROUP = 32;
 constexpr int MAX_ROWS = 8;  // rows per register block
 constexpr int PREFETCH = 4096;  // bytes ahead in the weight stream
+
+// The stored value is u = q + OFFSET(BITS, MIN), unsigned: int8 holds q + 128; 5 bits hold
+// Q5_0's q in -16..15 as q + 16 and a minimum kind's 0..31 as it is; 6 bits hold -32..31 as
+// q + 32 (Q6_K, and a fused layer's Q4_K beside Q6_K parts, which has a minimum).
+constexpr int offset_of(int bits, bool minimum) {
+  return bits == 8 ? 128 : bits == 6 ? 32 : bits == 5 && !minimum ? 16 : 0;
+}
 
 struct Acts {
   const int8_t* a;        // (M, K)
@@ -20,23 +28,25 @@ struct Acts {
   const int32_t* sum128;  // (M, G): 128 * sum (int8 weights are stored as q + 128)
   int64_t K, G;
   const int32_t* half128; // (M, G, 2): 128 * the sums of inputs 0..15 and 16..31 (int8 with multipliers)
+  const int32_t* half;    // (M, G, 2): those sums (5 / 6 bits with an offset and multipliers per half)
 };
 
 struct Weights {
   const uint8_t* q;
-  const uint16_t* d;  // fp16 bits
-  const uint16_t* m;
+  const uint16_t* d;  // fp16 bits, per group or (dshift 3) per super-block of 8 groups
+  const uint16_t* m;  // the same layout as d; null without a minimum
   int64_t G;
-  int bits;
-  bool minimum;       // int8 with w = d q + m (int4 always)
-  const int8_t* s;    // [tile][group][2][16]: the multipliers of inputs 0..15 and 16..31, or null
+  int bits;           // 4, 5, 6 or 8: a group of a tile is ``bits`` chunks of 64 bytes
+  bool minimum;       // w = d q + m (int4 always)
+  const int8_t* s;    // [tile][group][s_per][16]: the multipliers, or null
   const int8_t* mn;   // [tile][group][16]: the minimum's multiplier, or null
-  int chunks() const { return bits == 4 ? 4 : 8; }
-  const uint8_t* tile(int64_t t) const { return q + t * G * chunks() * 64; }
-  const uint16_t* dt(int64_t t) const { return d + t * G * TILE; }
-  const uint16_t* mt(int64_t t) const { return m + t * G * TILE; }
-  const int8_t* st(int64_t t) const { return s + t * G * 2 * TILE; }
-  const int8_t* mnt(int64_t t) const { return mn + t * G * TILE; }
+  int s_per;          // 2: inputs 0..15 and 16..31 apart, 1: one per group
+  int dshift;         // 0: d, m per group; 3: per 8 groups
+  const uint8_t* tile(int64_t t) const { return q + t * G * bits * 64; }
+  const uint16_t* dg(int64_t t, int64_t g) const { return d + (t * (G >> dshift) + (g >> dshift)) * TILE; }
+  const uint16_t* mg(int64_t t, int64_t g) const { return m + (t * (G >> dshift) + (g >> dshift)) * TILE; }
+  const int8_t* sg(int64_t t, int64_t g) const { return s + (t * G + g) * s_per * TILE; }
+  const int8_t* mng(int64_t t, int64_t g) const { return mn + (t * G + g) * TILE; }
 };
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
@@ -47,47 +57,59 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
-// A group's chunks j < CH / 2 hold inputs 0..15 (int4: 8j..8j+7; int8: 4j..4j+3), the rest 16..31,
-// so each half's integer sum is ready after its chunks. With multipliers the group's value is
-//   v = d * float(s_lo dot_lo + s_hi dot_hi) + m * float(mn asum)
+// The stored value u of input k (0..31) of lane c in a group's chunks qg (dot8.cpp's header): int8
+// byte k % 4 of chunk k / 4; else nibble n = (k / 4) % 2 of byte k % 4 of chunk k / 8, and for 5 / 6
+// bits the HB = BITS - 4 high bits of nibble vector i = k / 4 at bits HB (i % P) of plane i / P
+// (chunk 4 + i / P), P = 8 / HB of them to a byte.
+template <int BITS>
+inline int32_t stored_value(const uint8_t* qg, int c, int k) {
+  const int b = k % 4;
+  if constexpr (BITS == 8) {
+    return qg[(k / 4) * 64 + c * 4 + b];
+  } else {
+    const int i = k / 4;
+    int32_t u = (qg[(i / 2) * 64 + c * 4 + b] >> (4 * (i % 2))) & 0x0F;
+    if constexpr (BITS > 4) {
+      constexpr int HB = BITS - 4, P = 8 / HB;
+      u |= ((qg[(4 + i / P) * 64 + c * 4 + b] >> (HB * (i % P))) & ((1 << HB) - 1)) << 4;
+    }
+    return u;
+  }
+}
+
+// A group's inputs 0..15 come before 16..31 (chunks j < 2 for int4 / 5 / 6 bits, j < 4 for int8),
+// so each half's integer sum is ready halfway. With multipliers the group's value is
+//   v = d * float(s_lo dot_lo + s_hi dot_hi) + m * float(mn asum)    (one multiplier: s_lo = s_hi)
 // where every product and the sum are integers below 2^24 (checked at packing: a group's
 // max|q_lo s_lo| + max|q_hi s_hi| <= 8256, and 16 * 127 * 8256 < 2^24), so the vector paths' float
-// multiply and fma of them are exact and equal the scalar path's int32 arithmetic.
+// multiply and fma of them are exact and equal the scalar path's int32 arithmetic; with one
+// multiplier s * float(dot) is that same integer.
 
 // ---- the reference path: plain C, the same integers and the same float order ----
 
-template <int BITS, bool MIN, bool MULT>
+template <int BITS, bool MIN, int MULT>
 struct Scalar {
   static void tile(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
                    int valid) {
-    constexpr int CH = BITS == 4 ? 4 : 8;
+    constexpr int OFF = offset_of(BITS, MIN);
     const uint8_t* q = w.tile(t);
     for (int r = 0; r < rows; ++r) {
       const int8_t* a = x.a + (r0 + r) * x.K;
       for (int c = 0; c < valid; ++c) {
         float y = 0.f;
         for (int64_t g = 0; g < w.G; ++g) {
-          const uint8_t* qg = q + g * CH * 64;
+          const uint8_t* qg = q + g * BITS * 64;
           int32_t dot[2] = {0, 0};  // inputs 0..15, 16..31
-          for (int j = 0; j < CH; ++j) {
-            const uint8_t* lane = qg + j * 64 + c * 4;
-            int32_t& acc = dot[j >= CH / 2];
-            for (int b = 0; b < 4; ++b) {
-              if (BITS == 4) {
-                acc += int32_t(lane[b] & 0x0F) * a[g * GROUP + 8 * j + b];
-                acc += int32_t(lane[b] >> 4) * a[g * GROUP + 8 * j + 4 + b];
-              } else {
-                acc += (int32_t(lane[b]) - 128) * a[g * GROUP + 4 * j + b];
-              }
-            }
-          }
+          for (int k = 0; k < GROUP; ++k)
+            dot[k >= GROUP / 2] += (stored_value<BITS>(qg, c, k) - OFF) * a[g * GROUP + k];
           const int64_t rg = (r0 + r) * x.G + g;
           int32_t total = dot[0] + dot[1];
-          if (MULT) total = w.st(t)[g * 2 * TILE + c] * dot[0] + w.st(t)[g * 2 * TILE + TILE + c] * dot[1];
-          float v = half_to_float(w.dt(t)[g * TILE + c]) * float(total);
+          if (MULT == 2) total = w.sg(t, g)[c] * dot[0] + w.sg(t, g)[TILE + c] * dot[1];
+          if (MULT == 1) total = w.sg(t, g)[c] * total;
+          float v = half_to_float(w.dg(t, g)[c]) * float(total);
           if (MIN) {
-            const int32_t asum = MULT ? w.mnt(t)[g * TILE + c] * x.sum[rg] : x.sum[rg];
-            v = std::fma(half_to_float(w.mt(t)[g * TILE + c]), float(asum), v);
+            const int32_t asum = MULT ? w.mng(t, g)[c] * x.sum[rg] : x.sum[rg];
+            v = std::fma(half_to_float(w.mg(t, g)[c]), float(asum), v);
           }
           y = std::fma(x.sx[rg], v, y);
         }
@@ -99,19 +121,122 @@ struct Scalar {
 
 #ifdef DOT8_X86
 
-// ---- AVX-512 VNNI: 16 channels per register ----
+// ---- the vector paths' epilogue, per group: the same float operations as the scalar path ----
 
-template <int R, int BITS, bool MIN, bool MULT>
+// A group's d, m and multipliers for 16 channels (AVX-512) or the 8 at ``lane`` (AVX2), as floats;
+// s is s_hi with two multipliers a group.
+struct Scales512 {
+  __m512 d, m, s, mn;
+};
+
+struct Scales256 {
+  __m256 d, m, s, mn;
+};
+
+template <bool MIN, int MULT>
+__attribute__((target("avx512f,avx512bw,f16c,fma")))
+inline Scales512 scales512(const Weights& w, int64_t t, int64_t g) {
+  Scales512 p;
+  p.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.dg(t, g))));
+  p.m = p.s = p.mn = _mm512_setzero_ps();
+  if constexpr (MIN) p.m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mg(t, g))));
+  if constexpr (MULT) {
+    p.s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sg(t, g) + (MULT == 2 ? TILE : 0)))));
+    if constexpr (MIN)
+      p.mn = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mng(t, g)))));
+  }
+  return p;
+}
+
+// v = d * float(s_lo dot_lo + s_hi dot_hi) + m * float(mn asum), with lo = s_lo * float(dot_lo).
+template <bool MIN, int MULT>
+__attribute__((target("avx512f,avx512bw,f16c,fma")))
+inline __m512 value512(const Scales512& p, __m512i dot, __m512 lo, float fsum) {
+  __m512 v;
+  if constexpr (MULT == 2) {
+    v = _mm512_mul_ps(p.d, _mm512_fmadd_ps(p.s, _mm512_cvtepi32_ps(dot), lo));
+  } else if constexpr (MULT == 1) {
+    v = _mm512_mul_ps(p.d, _mm512_mul_ps(p.s, _mm512_cvtepi32_ps(dot)));
+  } else {
+    v = _mm512_mul_ps(p.d, _mm512_cvtepi32_ps(dot));
+  }
+  if constexpr (MIN) {
+    const __m512 asum = MULT ? _mm512_mul_ps(p.mn, _mm512_set1_ps(fsum)) : _mm512_set1_ps(fsum);
+    v = _mm512_fmadd_ps(p.m, asum, v);
+  }
+  return v;
+}
+
+// 8 int8 multipliers as floats, exactly.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 multipliers(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <bool MIN, int MULT>
+__attribute__((target("avx2,fma,f16c")))
+inline Scales256 scales256(const Weights& w, int64_t t, int64_t g, int lane) {
+  Scales256 p;
+  p.d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dg(t, g) + lane)));
+  p.m = p.s = p.mn = _mm256_setzero_ps();
+  if constexpr (MIN) p.m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mg(t, g) + lane)));
+  if constexpr (MULT) {
+    p.s = multipliers(w.sg(t, g) + (MULT == 2 ? TILE : 0) + lane);
+    if constexpr (MIN) p.mn = multipliers(w.mng(t, g) + lane);
+  }
+  return p;
+}
+
+template <bool MIN, int MULT>
+__attribute__((target("avx2,fma,f16c")))
+inline __m256 value256(const Scales256& p, __m256i dot, __m256 lo, float fsum) {
+  __m256 v;
+  if constexpr (MULT == 2) {
+    v = _mm256_mul_ps(p.d, _mm256_fmadd_ps(p.s, _mm256_cvtepi32_ps(dot), lo));
+  } else if constexpr (MULT == 1) {
+    v = _mm256_mul_ps(p.d, _mm256_mul_ps(p.s, _mm256_cvtepi32_ps(dot)));
+  } else {
+    v = _mm256_mul_ps(p.d, _mm256_cvtepi32_ps(dot));
+  }
+  if constexpr (MIN) {
+    const __m256 asum = MULT ? _mm256_mul_ps(p.mn, _mm256_set1_ps(fsum)) : _mm256_set1_ps(fsum);
+    v = _mm256_fmadd_ps(p.m, asum, v);
+  }
+  return v;
+}
+
+// y's R rows of 8 channels, of which n exist (n may be 0 or less), to out + at.
+template <int R>
+__attribute__((target("avx2,fma,f16c")))
+inline void store256(const __m256* y, float* out, int64_t ldo, int n, int at) {
+  for (int r = 0; r < R; ++r) {
+    if (n >= 8) {
+      _mm256_storeu_ps(out + r * ldo + at, y[r]);
+    } else if (n > 0) {
+      alignas(32) float buf[8];
+      _mm256_store_ps(buf, y[r]);
+      std::memcpy(out + r * ldo + at, buf, sizeof(float) * n);
+    }
+  }
+}
+#endif  // DOT8_X86
+
+#ifdef DOT8_X86
+
+// ---- AVX-512 VNNI, int4 and int8: 16 channels per register ----
+
+template <int R, int BITS, bool MIN, int MULT>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))
 void tile_avx512_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, float* out, int64_t ldo, int valid) {
-  constexpr int CH = BITS == 4 ? 4 : 8;
+  constexpr int CH = BITS;
   const uint8_t* q = w.tile(t);
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.G; ++g) {
     __m512i acc[R];
-    __m512 lo[MULT ? R : 1];  // s_lo * dot_lo, exact
+    __m512 lo[MULT == 2 ? R : 1];  // s_lo * dot_lo, exact
+    lo[0] = _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
     const uint8_t* qg = q + g * CH * 64;
     const int64_t k0 = g * GROUP;
@@ -120,10 +245,10 @@ void tile_avx512_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, fl
     if (R >= 2)
       for (int j = 0; j < CH; ++j) _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
     for (int j = 0; j < CH; ++j) {
-      if constexpr (MULT) {
+      if constexpr (MULT == 2) {
         if (j == CH / 2) {
           const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.st(t) + g * 2 * TILE))));
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sg(t, g)))));
           for (int r = 0; r < R; ++r) {
             __m512i dot = acc[r];
             if (BITS == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(x.half128[((r0 + r) * x.G + g) * 2]));
@@ -148,69 +273,29 @@ void tile_avx512_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, fl
         }
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.dt(t) + g * TILE)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mt(t) + g * TILE)));
-    __m512 s_hi = _mm512_setzero_ps(), mn = _mm512_setzero_ps();
-    if constexpr (MULT) {
-      s_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.st(t) + g * 2 * TILE + TILE))));
-      if constexpr (MIN)
-        mn = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mnt(t) + g * TILE))));
-    }
+    const Scales512 p = scales512<MIN, MULT>(w, t, g);
     for (int r = 0; r < R; ++r) {
       const int64_t rg = (r0 + r) * x.G + g;
       __m512i dot = acc[r];
-      if (BITS == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(MULT ? x.half128[rg * 2 + 1] : x.sum128[rg]));
-      __m512 v;
-      if constexpr (MULT) {
-        v = _mm512_mul_ps(d, _mm512_fmadd_ps(s_hi, _mm512_cvtepi32_ps(dot), lo[r]));
-      } else {
-        v = _mm512_mul_ps(d, _mm512_cvtepi32_ps(dot));
-      }
-      if (MIN) {
-        const __m512 asum = MULT ? _mm512_mul_ps(mn, _mm512_set1_ps(x.fsum[rg])) : _mm512_set1_ps(x.fsum[rg]);
-        v = _mm512_fmadd_ps(m, asum, v);
-      }
-      y[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.sx[rg]), v, y[r]);
+      if (BITS == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(MULT == 2 ? x.half128[rg * 2 + 1] : x.sum128[rg]));
+      y[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.sx[rg]), value512<MIN, MULT>(p, dot, lo[MULT == 2 ? r : 0], x.fsum[rg]),
+                             y[r]);
     }
   }
   const __mmask16 mask = valid >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
 }
 
-template <int BITS, bool MIN, bool MULT>
-struct Avx512 {
-  static void tile(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
-                   int valid) {
-    switch (rows) {
-      case 1: return tile_avx512_rows<1, BITS, MIN, MULT>(w, t, x, r0, out, ldo, valid);
-      case 2: return tile_avx512_rows<2, BITS, MIN, MULT>(w, t, x, r0, out, ldo, valid);
-      case 3: return tile_avx512_rows<3, BITS, MIN, MULT>(w, t, x, r0, out, ldo, valid);
-      case 4: return tile_avx512_rows<4, BITS, MIN, MULT>(w, t, x, r0, out, ldo, valid);
-      case 5: return tile_avx512_rows<5, BITS, MIN, MULT>(w, t, x, r0, out, ldo, valid);
-      case 6: return tile_avx512_rows<6, BITS, MIN, MULT>(w, t, x, r0, out, ldo, valid);
-      case 7: return tile_avx512_rows<7, BITS, MIN, MULT>(w, t, x, r0, out, ldo, valid);
-      default: return tile_avx512_rows<8, BITS, MIN, MULT>(w, t, x, r0, out, ldo, valid);
-    }
-  }
-};
-
-// ---- AVX2: each tile as two halves of 8 channels ----
+// ---- AVX2, int4 and int8: each tile as two halves of 8 channels ----
 
 // Rows per register block: 6 rows' int16 and float accumulators take 12 of the 16 registers
 // (over the model's GEMMs, 6-row blocks ran 3-6% faster than 4-row ones at 4 to 12 rows).
 constexpr int AVX2_ROWS = 6;
 
-// 8 int8 multipliers as floats, exactly.
-__attribute__((target("avx2,fma,f16c"))) inline __m256 multipliers(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-template <int R, int BITS, bool MIN, bool MULT>
+template <int R, int BITS, bool MIN, int MULT>
 __attribute__((target("avx2,fma,f16c")))
 void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, float* out, int64_t ldo, int valid) {
-  constexpr int CH = BITS == 4 ? 4 : 8;
+  constexpr int CH = BITS;
   const uint8_t* q = w.tile(t);
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int half = 0; half < 2; ++half) {
@@ -218,7 +303,8 @@ void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, floa
     for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < w.G; ++g) {
       __m256i acc[R];
-      __m256 lo[MULT ? R : 1];  // s_lo * dot_lo, exact
+      __m256 lo[MULT == 2 ? R : 1];  // s_lo * dot_lo, exact
+      lo[0] = _mm256_setzero_ps();
       for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
       const uint8_t* qg = q + g * CH * 64 + half * 32;
       const int64_t k0 = g * GROUP;
@@ -231,9 +317,9 @@ void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, floa
         __m256i acc16[R];
         for (int r = 0; r < R; ++r) acc16[r] = _mm256_setzero_si256();
         for (int j = 0; j < CH; ++j) {
-          if constexpr (MULT) {
+          if constexpr (MULT == 2) {
             if (j == CH / 2) {
-              const __m256 s = multipliers(w.st(t) + g * 2 * TILE + half * 8);
+              const __m256 s = multipliers(w.sg(t, g) + half * 8);
               for (int r = 0; r < R; ++r) {
                 lo[r] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_madd_epi16(acc16[r], _mm256_set1_epi16(1))));
                 acc16[r] = _mm256_setzero_si256();
@@ -253,9 +339,9 @@ void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, floa
       } else {
         // int8: a pair can reach 2 * 128 * 127, so each pair sum widens at once.
         for (int j = 0; j < CH; ++j) {
-          if constexpr (MULT) {
+          if constexpr (MULT == 2) {
             if (j == CH / 2) {
-              const __m256 s = multipliers(w.st(t) + g * 2 * TILE + half * 8);
+              const __m256 s = multipliers(w.sg(t, g) + half * 8);
               for (int r = 0; r < R; ++r) {
                 lo[r] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(acc[r]));
                 acc[r] = _mm256_setzero_si256();
@@ -273,71 +359,16 @@ void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, floa
           }
         }
       }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dt(t) + g * TILE + half * 8)));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mt(t) + g * TILE + half * 8)));
-      __m256 s_hi = _mm256_setzero_ps(), mn = _mm256_setzero_ps();
-      if constexpr (MULT) {
-        s_hi = multipliers(w.st(t) + g * 2 * TILE + TILE + half * 8);
-        if constexpr (MIN) mn = multipliers(w.mnt(t) + g * TILE + half * 8);
-      }
-      for (int r = 0; r < R; ++r) {
+      const Scales256 p = scales256<MIN, MULT>(w, t, g, half * 8);
+      for (int r = 0; r < R; ++r) {  // int8: acc is already sum q a
         const int64_t rg = (r0 + r) * x.G + g;
-        __m256 v;  // int8: acc is already sum q a
-        if constexpr (MULT) {
-          v = _mm256_mul_ps(d, _mm256_fmadd_ps(s_hi, _mm256_cvtepi32_ps(acc[r]), lo[r]));
-        } else {
-          v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(acc[r]));
-        }
-        if (MIN) {
-          const __m256 asum = MULT ? _mm256_mul_ps(mn, _mm256_set1_ps(x.fsum[rg])) : _mm256_set1_ps(x.fsum[rg]);
-          v = _mm256_fmadd_ps(m, asum, v);
-        }
-        y[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.sx[rg]), v, y[r]);
+        y[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.sx[rg]), value256<MIN, MULT>(p, acc[r], lo[MULT == 2 ? r : 0], x.fsum[rg]),
+                               y[r]);
       }
     }
-    const int n = valid - half * 8;
-    for (int r = 0; r < R; ++r) {
-      if (n >= 8) {
-        _mm256_storeu_ps(out + r * ldo + half * 8, y[r]);
-      } else if (n > 0) {
-        alignas(32) float buf[8];
-        _mm256_store_ps(buf, y[r]);
-        std::memcpy(out + r * ldo + half * 8, buf, sizeof(float) * n);
-      }
-    }
+    store256<R>(y, out, ldo, valid - half * 8, half * 8);
   }
 }
 
-template <int BITS, bool MIN, bool MULT>
-struct Avx2 {
-  static void tile(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
-                   int valid) {
-    switch (rows) {
-      case 1: return tile_avx2_rows<1, BITS, MIN, MULT>(w, t, x, r0, out, ldo, valid);
-      case 2: return tile_avx2_rows<2, BITS, MIN, MULT>(w, t, x, r0, out, ldo, valid);
-      case 3: return tile_avx2_rows<3, BITS, MIN, MULT>(w, t, x, r0, out, ldo, valid);
-      case 4: return tile_avx2_rows<4, BITS, MIN, MULT>(w, t, x, r0, out, ldo, valid);
-      case 5: return tile_avx2_rows<5, BITS, MIN, MULT>(w, t, x, r0, out, ldo, valid);
-      default: return tile_avx2_rows<6, BITS, MIN, MULT>(w, t, x, r0, out, ldo, valid);
-    }
-  }
-};
 
 #endif  // DOT8_X86
-
-// The weight kinds, an index into a path's table of tile functions.
-enum Kind { W4, W4_MULT, W8, W8_MIN, W8_MULT, W8_MIN_MULT, KINDS };  // int4/int8, with a minimum, multipliers
-
-inline Kind kind_of(const Weights& w) {
-  if (w.bits == 4) return w.s ? W4_MULT : W4;
-  if (w.s) return w.minimum ? W8_MIN_MULT : W8_MULT;
-  return w.minimum ? W8_MIN : W8;
-}
-
-using TileFn = void (*)(const Weights&, int64_t, const Acts&, int64_t, int, float*, int64_t, int);
-
-template <template <int, bool, bool> class P>
-struct Table {
-  TileFn fn[KINDS] = {P<4, true, false>::tile, P<4, true, true>::tile, P<8, false, false>::tile,
-                      P<8, true, false>::tile, P<8, false, true>::tile, P<8, true, true>::tile};
-};

@@ -33,10 +33,11 @@ def test_pack_and_unpack_round_trip(bits: int, shape) -> None:
         mins = None
         want = q.float().view(shape[0], -1, 32) * scales[..., None]
     packed = kernels.pack(q, scales, mins, bits)
-    got_q, got_scales, got_mins = kernels.unpack_integers(*packed, shape[0], shape[1], bits)
-    assert torch.equal(got_q, q.to(got_q.dtype)) and torch.equal(got_scales, scales.half().float())
+    parts = kernels.unpack(*packed, None, None, shape[0], shape[1], bits, mins is not None)
+    assert torch.equal(parts["qweight"], q.to(parts["qweight"].dtype))
+    assert torch.equal(parts["scales"], scales.half().float())
     if bits == 4:
-        assert torch.equal(got_mins, mins.half().float())
+        assert torch.equal(parts["zeros"], mins.half().float())
     layer = Dot8Linear(q, scales, mins, bits)
     assert torch.equal(layer.dequantize(), want.view(shape))
     assert torch.equal(Dot8Linear.from_portable(layer.portable()).packed, layer.packed)
@@ -144,3 +145,128 @@ def test_describe_names_the_path_or_why_there_is_none(monkeypatch) -> None:
     monkeypatch.setattr(kernels, "_error", "building the kernels failed: x.cpp:1: error: boom\nmore")
     assert kernels.describe() == ("kernels unavailable: building the kernels failed: x.cpp:1: error: boom; "
                                   "w4a8/w4a16 not offered, attention uses SDPA")
+
+
+# ---- 5- and 6-bit weights, compact scales, packing in chunks ----
+
+def narrow_entry(bits: int, minimum: bool, mult: int, out: int = 40, inp: int = 512, seed: int = 0) -> dict:
+    """A portable weight whose values span ``bits`` (kernels.value_range), with K-quant-like scales
+    (one D per super-block of 8 groups) and multipliers: none, equal halves (1) or per half (2)."""
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = kernels.value_range(bits, minimum)
+    q = torch.randint(lo, hi + 1, (out, inp), generator=gen, dtype=torch.int16).to(torch.int8)
+    groups = inp // 32
+    per_block = (torch.rand(out, groups // 8, generator=gen) * 0.01 + 1e-4).half().float()
+    parts = {"qweight": q, "scales": per_block.repeat_interleave(8, 1) if mult else
+             (torch.rand(out, groups, generator=gen) * 0.01).half().float()}
+    if minimum:
+        zeros = -parts["scales"] * 3 if mult else torch.randn(out, groups, generator=gen) * 0.01
+        parts["zeros"] = zeros.half().float()
+    if mult:
+        s = torch.randint(-127, 128, (out, groups, 2), generator=gen).clamp(-8256 // (2 * max(-lo, hi)),
+                                                                          8256 // (2 * max(-lo, hi)))
+        parts["scale_mult"] = (s if mult == 2 else s[..., :1].expand(-1, -1, 2)).to(torch.int8).contiguous()
+        if minimum:
+            parts["zero_mult"] = torch.randint(0, 64, (out, groups), generator=gen).to(torch.int8)
+    return parts
+
+
+NARROW = [(bits, minimum, mult) for bits in (5, 6) for minimum in (False, True) for mult in (0, 1, 2)]
+
+
+def as_int8(parts: dict, digits: int) -> Dot8Linear:
+    """The same weight in the int8 representation (the kinds that existed before 5 and 6 bits)."""
+    return Dot8Linear(parts["qweight"], parts["scales"], parts.get("zeros"), 8, None, digits,
+                      parts.get("scale_mult"), parts.get("zero_mult"))
+
+
+@pytest.mark.parametrize("bits,minimum,mult", NARROW)
+def test_narrow_weights_pack_compactly_and_round_trip(bits: int, minimum: bool, mult: int) -> None:
+    parts = narrow_entry(bits, minimum, mult)
+    layer = Dot8Linear.from_portable(parts)
+    assert layer.bits == bits and layer.packed.numel() == 3 * 16 * bits * 64  # 3 tiles, 16 groups
+    assert (layer.d.shape[1] == 2) == bool(mult)  # D per super-block where the scales repeat over 8 groups
+    assert layer.m.numel() == (layer.d.numel() if minimum else 0)
+    assert mult != 1 or layer.s.shape == (3, 16, 16)  # one multiplier a group where both halves agree
+    back = layer.portable()
+    assert back.keys() == parts.keys() and all(torch.equal(back[k], parts[k]) for k in parts)
+    assert torch.equal(Dot8Linear.from_portable(back).packed, layer.packed)
+
+
+@pytest.mark.parametrize("bits,minimum,mult", NARROW)
+def test_narrow_weights_give_the_int8_representations_bits(bits: int, minimum: bool, mult: int) -> None:
+    """Same integers, same epilogue: on the AVX-512 (or the host's) and scalar paths, for 1, 3, 8 and 9
+    rows and one or two digits; and the compact scales give the bits of their expanded forms."""
+    parts = narrow_entry(bits, minimum, mult, seed=bits + 2 * minimum + 4 * mult)
+    torch.manual_seed(5)
+    x = torch.randn(9, 512)
+    x[0, :32] = 0
+    ops = torch.ops.dualserve
+    for digits in (1, 2):
+        narrow, wide = Dot8Linear.from_portable(parts, digits=digits), as_int8(parts, digits)
+        assert narrow.bits == bits and wide.bits == 8
+        full = wide(x)
+        for rows in (1, 3, 8, 9):
+            assert torch.equal(narrow(x[:rows]), full[:rows]), rows
+        d = narrow.d.repeat_interleave(8, 1) if narrow.d.shape[1] != 16 else narrow.d
+        m = narrow.m.repeat_interleave(8, 1) if minimum and narrow.m.shape[1] != 16 else narrow.m
+        s = narrow.s if narrow.s is None or narrow.s.dim() == 4 else torch.stack([narrow.s, narrow.s], 2)
+        for force in (0, 1):
+            for args in ((narrow.d, narrow.m, narrow.s), (d, m, s)):
+                got = ops.dot8_linear(x, narrow.packed, args[0], args[1], 40, bits, force, digits, args[2],
+                                      narrow.mn, minimum)
+                assert torch.equal(got, full), (force, args[0].shape)
+
+
+def test_the_avx2_path_gives_the_int8_representations_bits(tmp_path) -> None:
+    """Every 5- and 6-bit kind and its int8 twin, in a child forced onto the AVX2 path."""
+    import os
+    import subprocess
+    import sys
+
+    layers = {}
+    for bits, minimum, mult in NARROW:
+        parts = narrow_entry(bits, minimum, mult, out=72, inp=256, seed=9)
+        for digits in (1, 2):
+            layers[f"{bits}/{minimum}/{mult}/{digits}"] = Dot8Linear.from_portable(parts, digits=digits)
+            layers[f"{bits}/{minimum}/{mult}/{digits}/int8"] = as_int8(parts, digits)
+    torch.manual_seed(6)
+    x = torch.randn(9, 256)
+    torch.save({"layers": layers, "x": x}, tmp_path / "job.pt")
+    code = ("import sys, torch; from dualserve.models import kernels; kernels.available(); "
+            "job = torch.load(sys.argv[1], weights_only=False); x = job['x']; "
+            "torch.save({k: [l(x[:r]) for r in (1, 3, 8, 9)] for k, l in job['layers'].items()}, sys.argv[2]); "
+            "print(kernels.code_path())")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "job.pt"), str(tmp_path / "out.pt")],
+                          env={**os.environ, "DUALSERVE_DOT8_PATH": "avx2"}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    if done.stdout.split()[-1] != "avx2":
+        pytest.skip("this CPU has no AVX2")
+    got = torch.load(tmp_path / "out.pt")
+    for name, layer in layers.items():
+        want = layer(x)
+        for rows, y in zip((1, 3, 8, 9), got[name]):
+            assert torch.equal(y, want[:rows]), (name, rows)
+        if not name.endswith("int8"):
+            assert all(torch.equal(a, b) for a, b in zip(got[name], got[name + "/int8"])), name
+
+
+def test_packing_in_chunks_gives_the_same_bytes(monkeypatch) -> None:
+    from dualserve.models.kernels import layout
+
+    parts = narrow_entry(6, True, 2, out=100, inp=256)
+    whole = Dot8Linear.from_portable(parts)
+    monkeypatch.setattr(layout, "CHUNK_WEIGHTS", 16 * 256 * 2)  # two tiles a step, a partial last one
+    chunked = Dot8Linear.from_portable(parts)
+    assert torch.equal(chunked.packed, whole.packed)
+    back = chunked.portable()
+    assert all(torch.equal(back[k], parts[k]) for k in parts)
+
+
+def test_narrow_values_out_of_range_are_refused() -> None:
+    with pytest.raises(ValueError, match="-16..15"):
+        kernels.pack(torch.full((16, 32), 16), torch.ones(16, 1), None, 5)
+    with pytest.raises(ValueError, match="0..31"):
+        kernels.pack(torch.full((16, 32), -1), torch.ones(16, 1), torch.zeros(16, 1), 5)
+    assert kernels.narrowest_bits(torch.tensor([[-32, 31]]), False) == 6
+    assert kernels.narrowest_bits(torch.tensor([[-33, 0]]), True) == 8

@@ -208,3 +208,37 @@ def test_shards_of_a_multiplier_layer_are_exact() -> None:
     assert torch.equal(cols.dequantize(), w[:, 64:320]) and cols.digits == 2
     x = torch.randn(3, 512)
     assert torch.equal(take_rows(layer, rows)(x), layer(x)[:, rows])
+
+
+# Bits per weight in memory (packed values, d and m, multipliers) and the values' bits, by type.
+MEMORY_BITS = {"Q4_0": (4, 5.0), "Q4_1": (4, 5.0), "Q8_0": (8, 8.5), "Q5_0": (5, 5.5), "Q5_1": (5, 6.0),
+               "Q4_K": (4, 4.625), "Q5_K": (5, 5.625), "Q6_K": (6, 6.5625), "IQ4_NL": (8, 8.5), "IQ4_XS": (8, 8.3125)}
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", GGUF_PACKED)
+def test_each_type_takes_its_bits_in_memory(kind: str) -> None:
+    layer = Dot8Linear.from_portable(gguf_blocks(random_rows(kind, 64, 512, seed=10), kind))
+    held = sum(b.numel() * b.element_size() for b in (layer.packed, layer.d, layer.m, layer.s, layer.mn)
+               if b is not None)
+    assert (layer.bits, 8 * held / (64 * 512)) == MEMORY_BITS[kind]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", GGUF_PACKED)
+def test_rows_are_the_dequantized_rows(kind: str) -> None:
+    layer = Dot8Linear.from_portable(gguf_blocks(random_rows(kind, 40, 512, seed=11), kind))
+    w = layer.dequantize()
+    for ids in (torch.tensor([0]), torch.tensor([39, 3, 17, 3, 16, 15]), torch.arange(40)):
+        got = layer.rows(ids)
+        assert got.dtype == torch.float32 and torch.equal(got, w[ids])
+
+
+@needs_kernel
+def test_a_q4_k_m_files_fused_projection_keeps_six_bits() -> None:
+    """Q4_K q and k beside a Q6_K v: one 6-bit layer with a minimum (values -32..31), exact."""
+    datas = [random_rows(k, 32, 256, seed=12 + i) for i, k in enumerate(("Q4_K", "Q4_K", "Q6_K"))]
+    layer = Dot8Linear.from_portable(concat_portable([gguf_blocks(d, k) for d, k in
+                                                      zip(datas, ("Q4_K", "Q4_K", "Q6_K"))]))
+    assert layer.bits == 6 and layer.minimum
+    assert torch.equal(layer.dequantize(), torch.cat([gguf_weight(d, k) for d, k in zip(datas, ("Q4_K", "Q4_K", "Q6_K"))]))
