@@ -20,9 +20,8 @@ order and kernels (fp32 norms with ``pow(-0.5)``, fp32 router softmax, ``grouped
 transformers' SDPA dispatch), so the logits are bit-identical to it.
 
 What a token may see is the attention backend's business (the encoder: causal, within W on sliding
-layers; the denoiser: the cached prefix, its last W-1 tokens on sliding layers, and the whole
-canvas). The config gives each layer's KV shape and window; ``attend`` is the kernel the backends
-run (the engine's ``WindowedPagedAttention``, the decoder's ``DenseCache``).
+layers; the denoiser: the cached prefix, its last W-1 tokens on sliding layers, and the whole canvas).
+The config gives each layer's KV shape and window; ``attend`` is the kernel the backends run.
 """
 
 from __future__ import annotations
@@ -382,9 +381,7 @@ class SelfConditioning(nn.Module):
 # ---- the model -----------------------------------------------------------------------------------
 
 class DiffusionGemma(nn.Module):
-    # The paged engine runs this network's own attention (its scale and SDPA dispatch) over a cache
-    # with a shape per layer (``config.kv_shapes``), within ``config.windows``.
-    attention_kernel: ClassVar = staticmethod(attend)
+    attention_kernel: ClassVar = staticmethod(attend)  # the engine runs this network's own attention
 
     def __init__(self, config: DiffusionGemmaConfig):
         super().__init__()
@@ -486,18 +483,14 @@ def read_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def load_diffusion_gemma(path: Path | str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                          *, name: str | None = None, tokenizer: Tokenizer | None = None) -> LoadedModel:
     """Load a ``DiffusionGemmaForBlockDiffusion`` directory (safetensors only) for text: built on
     meta, then the tensors assigned (strict: a missing or extra one is an error)."""
     start = time.perf_counter()
     path = Path(path)
-    config = DiffusionGemmaConfig.from_hf(_read_json(path / "config.json"),
-                                          _read_json(path / "generation_config.json"))
+    read = lambda file: json.loads(file.read_text()) if file.is_file() else {}  # noqa: E731
+    config = DiffusionGemmaConfig.from_hf(read(path / "config.json"), read(path / "generation_config.json"))
     with torch.device("meta"):
         model = DiffusionGemma(config)
     state = {k: v.to(device=device, dtype=dtype) for k, v in read_state(path).items()}

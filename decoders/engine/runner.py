@@ -40,7 +40,8 @@ from dualserve.models.transformer import Transformer
 from .compile_worker import CompileWorker
 from .compiled import ROWS_MAX, CompiledStep
 from .paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache, SdpaPagedAttention, SeqAttention,
-                              SeqMask, WindowedPagedAttention, flash_available)
+                              SeqMask, flash_available)
+from .windowed import WindowedPagedAttention
 
 log = logging.getLogger(__name__)
 
