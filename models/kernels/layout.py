@@ -51,12 +51,14 @@ def narrowest_bits(q: torch.Tensor, minimum: bool) -> int:
 
 
 def multiplied_bound(q: torch.Tensor, scale_mult: torch.Tensor) -> int:
-    """The largest max|q_lo| |s_lo| + max|q_hi| |s_hi| over the groups of q (out, in)."""
-    if not q.numel():
-        return 0
-    h = q.view(q.shape[0], -1, 2, GROUP // 2)
-    top = torch.maximum(h.amax(-1).to(torch.int32).abs(), h.amin(-1).to(torch.int32).abs())  # (out, groups, 2)
-    return int((top * scale_mult.to(torch.int32).abs()).sum(-1).max())
+    """The largest max|q_lo| |s_lo| + max|q_hi| |s_hi| over the groups of q (out, in), a few rows at a time."""
+    out, inp = q.shape
+    step, bound = max(1, CHUNK_WEIGHTS // max(inp, 1)), 0
+    for r in range(0, out, step):
+        h = q[r: r + step].view(-1, inp // GROUP, 2, GROUP // 2)
+        top = torch.maximum(h.amax(-1).to(torch.int32).abs(), h.amin(-1).to(torch.int32).abs())  # (rows, groups, 2)
+        bound = max(bound, int((top * scale_mult[r: r + step].to(torch.int32).abs()).sum(-1).max()))
+    return bound
 
 
 def _per_tile(v: torch.Tensor, tiles: int) -> torch.Tensor:
@@ -76,10 +78,10 @@ def pack_scales(scales: torch.Tensor, mins: torch.Tensor | None) -> tuple[torch.
     """scales, mins (out, groups) -> the kernel's fp16 d and m, [tile][group][16], or [tile][group / 8][16]
     where each super-block shares them; m is empty without mins."""
     tiles, groups = -(-scales.shape[0] // TILE), scales.shape[1]
-    d = _per_tile(scales.float(), tiles).permute(0, 2, 1).contiguous().half()   # (tiles, groups, 16)
+    d = _per_tile(scales.half(), tiles).permute(0, 2, 1).contiguous()   # (tiles, groups, 16); fp16 values, exact
     m = torch.empty(0, dtype=torch.float16)
     if mins is not None:
-        m = _per_tile(mins.float(), tiles).permute(0, 2, 1).contiguous().half()
+        m = _per_tile(mins.half(), tiles).permute(0, 2, 1).contiguous()
     if groups and groups % SUPER == 0 and _same_per_super_block(d) and (mins is None or _same_per_super_block(m)):
         d = d[:, ::SUPER].contiguous()
         m = m if mins is None else m[:, ::SUPER].contiguous()
