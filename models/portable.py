@@ -37,6 +37,8 @@ PortableKind = Literal["int4", "int8_grouped", "int8_asym"]
 # GGUF block types kept in their own integers (``gguf_blocks``); the loader dequantizes the others.
 GGUF_PACKED = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
+BLOCK_ROWS_BYTES = 1 << 19  # of a GGUF tensor's raw rows converted at a time (``gguf_blocks``)
+
 # IQ4_NL's and IQ4_XS's 16 non-linear levels (ggml-common.h: kvalues_iq4nl).
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
@@ -143,7 +145,23 @@ def _k_quant(b: np.ndarray, q: np.ndarray, rows: int, bits: int) -> dict[str, to
 
 
 def gguf_blocks(data: np.ndarray, kind: str) -> dict[str, torch.Tensor]:
-    """Raw GGUF rows (rows, bytes) of a ``GGUF_PACKED`` type -> the portable layout, no rounding."""
+    """Raw GGUF rows (rows, bytes) of a ``GGUF_PACKED`` type -> the portable layout, no rounding. Rows
+    are converted a few at a time (``BLOCK_ROWS_BYTES`` of the file each) into the preallocated
+    result, so the temporaries stay a few MB for any tensor (an output head's among them)."""
+    rows = data.shape[0]
+    step = max(1, BLOCK_ROWS_BYTES // max(data.shape[1], 1))
+    first = _blocks(data[:step], kind)
+    if step >= rows:
+        return first
+    out = {k: torch.empty((rows, *v.shape[1:]), dtype=v.dtype) for k, v in first.items()}
+    for r in range(0, rows, step):
+        part = first if r == 0 else _blocks(data[r: r + step], kind)
+        for k, v in part.items():
+            out[k][r: r + step] = v
+    return out
+
+
+def _blocks(data: np.ndarray, kind: str) -> dict[str, torch.Tensor]:
     rows = data.shape[0]
     if kind == "Q4_0":  # d, 16 bytes of nibbles; w = d (q - 8)
         b = data.reshape(rows, -1, 18)

@@ -242,3 +242,15 @@ def test_a_q4_k_m_files_fused_projection_keeps_six_bits() -> None:
                                                       zip(datas, ("Q4_K", "Q4_K", "Q6_K"))]))
     assert layer.bits == 6 and layer.minimum
     assert torch.equal(layer.dequantize(), torch.cat([gguf_weight(d, k) for d, k in zip(datas, ("Q4_K", "Q4_K", "Q6_K"))]))
+
+
+def test_rows_convert_a_few_at_a_time_with_the_same_result(monkeypatch) -> None:
+    from dualserve.models import portable
+
+    for kind in ("Q4_K", "Q6_K", "Q5_0"):
+        data = random_rows(kind, 37, 512, seed=13)
+        whole = gguf_blocks(data, kind)
+        monkeypatch.setattr(portable, "BLOCK_ROWS_BYTES", 5 * data.shape[1])  # 5 rows a step, a partial last one
+        parts = gguf_blocks(data, kind)
+        monkeypatch.undo()
+        assert parts.keys() == whole.keys() and all(torch.equal(parts[k], whole[k]) for k in whole), kind
