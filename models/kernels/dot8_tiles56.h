@@ -72,8 +72,8 @@ void tile56_avx512_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, 
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
     const uint8_t* qg = q + g * BITS * 64;
     const int8_t* a = x.a + r0 * x.K + g * GROUP;
-    if (R >= 2)  // as in tile_avx512_rows
-      for (int j = 0; j < BITS; ++j) _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
+    for (int j = 0; j < BITS; ++j)  // prefetch, as in tile_avx512_rows
+      _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
     __m512i planes[HB];
     for (int p = 0; p < HB; ++p) planes[p] = _mm512_loadu_si512(qg + (4 + p) * 64);
     chunk_avx512<R, HB, 0>(acc, qg, planes, a, x.K);
@@ -134,7 +134,7 @@ void tile56_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, fl
       for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
       const uint8_t* qg = q + g * BITS * 64 + half * 32;
       const int8_t* a = x.a + r0 * x.K + g * GROUP;
-      if (R >= 2 && half == 0)
+      if (R >= 2 && half == 0)  // as in tile_avx2_rows
         for (int j = 0; j < BITS; ++j) _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
       __m256i planes[HB];
       for (int p = 0; p < HB; ++p) planes[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + (4 + p) * 64));
