@@ -14,9 +14,10 @@ decoding streams 4 to 8 times fewer bytes than fp32:
     so a row's result is the same bits for any row count, blocking or thread count,
     on any CPU; float GEMMs are not (MKL picks kernels by row count and splits long
     reductions across threads). The twin's adapter uses it for that reason.
-  * ``Dot8Linear``: int4 groups (``w = q * scale + min``, GGUF's Q4_1) or int8 groups
-    (``w = q * scale``, Q8_0, or ``+ min``, Q5_1) of 32 inputs, optionally with integer
-    multipliers of the scale per half group and of the minimum (the K-quants, IQ4_XS), times
+  * ``Dot8Linear``: groups of 32 inputs of 4-bit (``w = q * scale + min``, GGUF's Q4_1), 5- or
+    6-bit (Q5_0, Q5_1, Q5_K; Q6_K) or 8-bit values (``w = q * scale``, Q8_0, optionally ``+ min``),
+    each held in the fewest bits its values need, optionally with integer multipliers of the
+    scale per group or half group and of the minimum (the K-quants, IQ4_XS), times
     activations quantized per row to int8 groups of 32 at run time, as llama.cpp multiplies:
     the project's ``dot8`` kernel (``models.kernels``). Every GGUF type in ``GGUF_PACKED`` is
     one of these exactly. Two formats use it, the file's blocks and head as they are:

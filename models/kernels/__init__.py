@@ -9,13 +9,13 @@ floats: at one token they stream the weights as fast as memory allows, but each
 more token costs another pass of float work, so eight tokens (an EAGLE verify, a
 diffusion block) cost 2.4x one on a 2-core AVX-512 host. ``dot8`` multiplies the
 way llama.cpp does: activations are quantized per row to int8 groups of 32, each
-group's dot product with the int4 or int8 weight group is an exact integer sum
-(AVX512-VNNI ``vpdpbusd``: 64 multiply-adds per instruction), and a weight group
+group's dot product with the 4-, 5-, 6- or 8-bit weight group (packed by ``layout.py``)
+is an exact integer sum (AVX512-VNNI ``vpdpbusd``: 64 multiply-adds per instruction), and a weight group
 is unpacked once for up to eight rows. Integer sums are exact, so a row's result
 does not depend on how many rows came with it, on the thread count, or on which
 code path (AVX512-VNNI, AVX2, plain C) the host runs.
 
-The sources are compiled at first use with the host's C++ compiler (about 30 s) into
+The sources are compiled at first use with the host's C++ compiler (about 40 s) into
 ``<cache>/kernels/`` under a name that hashes the sources, the compiler and the
 torch build, and loaded with ``torch.ops.load_library``. Without a compiler (or with
 ``DUALSERVE_NO_KERNELS=1``) the kernels are reported unavailable: the formats that need
