@@ -57,7 +57,7 @@ def dequantize_portable(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     scale = parts["scales"].float()[..., None]                            # (out, groups, 1)
     if "scale_mult" in parts:
         scale = scale * parts["scale_mult"].float()                        # (out, groups, 2): per half group
-    w = q.float().view(out, groups, scale.shape[-1], -1) * scale[..., None]
+    w = q.float().view(out, groups, scale.shape[-1], inp // (groups * scale.shape[-1])) * scale[..., None]
     if "zeros" in parts:
         zero = parts["zeros"].float()
         if "zero_mult" in parts:

@@ -149,7 +149,7 @@ def _values(sel: torch.Tensor, bits: int) -> torch.Tensor:
     """Gathered lanes (n, groups, bits, 4) uint8 -> the stored values u (n, in) int16."""
     n, groups = sel.shape[:2]
     if bits == 8:
-        return sel.reshape(n, -1).to(torch.int16)
+        return sel.reshape(n, groups * GROUP).to(torch.int16)
     nib = sel[:, :, :4]
     u = torch.stack([nib & 0x0F, nib >> 4], dim=3).view(n, groups, 8, 4)       # nibble vector i = 2j + n
     if bits > 4:
@@ -157,7 +157,7 @@ def _values(sel: torch.Tensor, bits: int) -> torch.Tensor:
         shifts = (hb * (torch.arange(8) % per)).to(torch.uint8).view(8, 1)
         high = (sel[:, :, 4:].repeat_interleave(per, dim=2) >> shifts) & ((1 << hb) - 1)
         u = u | (high << 4)
-    return u.reshape(n, -1).to(torch.int16)
+    return u.reshape(n, groups * GROUP).to(torch.int16)
 
 
 def _gather(v: torch.Tensor, ids: torch.Tensor, groups: int) -> torch.Tensor:

@@ -93,10 +93,11 @@ def test_the_scalar_path_gives_the_same_bits(kind: str) -> None:
 
 
 @needs_kernel
-def test_a_projection_with_multipliers_and_its_adapter_in_one_call() -> None:
-    """dot8_lora with a Q4_K projection gives the bits of the three dot8_linear calls."""
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "Q5_K"])
+def test_a_projection_with_multipliers_and_its_adapter_in_one_call(kind: str) -> None:
+    """dot8_lora with a K-quant or 5-bit projection gives the bits of the three dot8_linear calls."""
     ops = torch.ops.dualserve
-    base = Dot8Linear.from_portable(gguf_blocks(random_rows("Q4_K", 200, 512, seed=3), "Q4_K"))
+    base = Dot8Linear.from_portable(gguf_blocks(random_rows(kind, 200, 512, seed=3), kind))
     torch.manual_seed(3)
     a = Dot8Linear.from_float(torch.randn(32, 512) * 0.05, bits=8)
     u = Dot8Linear.from_float(torch.randn(200, 32) * 0.05, bits=8)
@@ -229,6 +230,7 @@ def test_each_type_takes_its_bits_in_memory(kind: str) -> None:
 def test_rows_are_the_dequantized_rows(kind: str) -> None:
     layer = Dot8Linear.from_portable(gguf_blocks(random_rows(kind, 40, 512, seed=11), kind))
     w = layer.dequantize()
+    assert layer.rows(torch.tensor([], dtype=torch.long)).shape == (0, 512)
     for ids in (torch.tensor([0]), torch.tensor([39, 3, 17, 3, 16, 15]), torch.arange(40)):
         got = layer.rows(ids)
         assert got.dtype == torch.float32 and torch.equal(got, w[ids])
