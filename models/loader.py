@@ -21,7 +21,6 @@ import logging
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Literal
 

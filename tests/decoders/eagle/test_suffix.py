@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from dualserve.decoders.eagle.budget import (EXPLORE_AFTER, LEARNED_EMA, Batch, CostCurve, DraftBudget, Offer, Reach,
                                              SourceRate, choose_budget, expected_accepted)
