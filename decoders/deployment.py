@@ -31,7 +31,7 @@ from dualserve.models.loader import LoadedModel
 from .ar import ARDecoder
 from .engine.compile_worker import CompileWorker
 from .engine.engine import Engine, EngineConfig
-from .engine.heap import trim_heap
+from dualserve.models.heap import trim_heap
 from .engine.paged_attention import KVCache
 from .engine.parallel import ParallelGroup, TensorParallelRunner
 from .engine.runner import ModelRunner

@@ -26,6 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import ModelConfig
+from .heap import trim_heap
 from .portable import PORTABLE_KEYS, concat_portable, dequantize_portable, portable_kind
 from .quant import QuantEmbedding, Quantization, float_to_linear, head_linear, to_linear
 from .tokenizer import Tokenizer
@@ -116,6 +117,7 @@ def _quantize_into(model: Transformer, weights: Iterable[tuple[str, Weight]], fm
     done: dict[str, torch.Tensor] = {}
     rest: dict[str, Weight] = {}
     waiting: dict[str, dict[str, Weight]] = {}
+    built = 0
 
     def place(name: str, module: nn.Module) -> None:
         if "." in name:
@@ -137,6 +139,10 @@ def _quantize_into(model: Transformer, weights: Iterable[tuple[str, Weight]], fm
             w = got["weight"]
             place(module, to_linear(w, fmt, bias, dtype, device) if isinstance(w, dict)
                   else float_to_linear(w.to(device), bias, fmt, dtype))
+            del got, w
+            built += 1
+            if built % 8 == 0:
+                trim_heap()  # the freed sources and packing temporaries, back to the system as we go
     if waiting:
         raise ValueError(f"linear layers without their weights in the checkpoint: {sorted(waiting)[:4]}")
     emb = rest.pop("embed_tokens.weight")

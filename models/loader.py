@@ -230,7 +230,7 @@ def convert_gguf(path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-SHARD_BYTES = 256 << 20
+SHARD_BYTES = 64 << 20
 
 
 def write_shards(weights: Iterator[tuple[str, Weight]], out_dir: Path, metadata: dict[str, str]) -> set[str]:

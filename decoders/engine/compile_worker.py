@@ -13,7 +13,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from .heap import trim_heap
+from dualserve.models.heap import trim_heap
 
 log = logging.getLogger("dualserve.compile")
 

@@ -11,7 +11,7 @@ import textwrap
 
 ENGINE = ["dualserve.decoders.engine." + m for m in (
     "admission", "aoti", "blocks", "compile_worker", "compiled", "cuda_graphs", "decoder", "detokenize", "engine",
-    "grammar", "heap", "isolation", "openmp", "paged_attention", "parallel", "request", "runner", "sampling",
+    "grammar", "isolation", "openmp", "paged_attention", "parallel", "request", "runner", "sampling",
     "scheduler")] + ["dualserve.decoders.deployment"]
 
 # Imports each module named on the command line in a fresh interpreter where ``fcntl`` is missing.
@@ -45,7 +45,7 @@ def imports_without_fcntl(modules: list[str]) -> subprocess.CompletedProcess:
 def test_the_engine_s_own_modules_need_no_fcntl():
     """The engine loop, scheduler, pool and compile machinery (aoti's build cleanup included)."""
     own = [m for m in ENGINE if m.rsplit(".", 1)[1] in (
-        "admission", "aoti", "blocks", "compile_worker", "decoder", "detokenize", "engine", "grammar", "heap",
+        "admission", "aoti", "blocks", "compile_worker", "decoder", "detokenize", "engine", "grammar",
         "isolation", "request", "sampling", "scheduler")]
     done = imports_without_fcntl(own)
     assert done.returncode == 0, done.stdout + done.stderr
