@@ -142,7 +142,7 @@ def _quantize_into(model: Transformer, weights: Iterable[tuple[str, Weight]], fm
             del got, w
             built += 1
             if built % 8 == 0:
-                trim_heap()  # the freed sources and packing temporaries, back to the system as we go
+                trim_heap(collect=False)  # the freed sources and packing temporaries, back as we go
     if waiting:
         raise ValueError(f"linear layers without their weights in the checkpoint: {sorted(waiting)[:4]}")
     emb = rest.pop("embed_tokens.weight")

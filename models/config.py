@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from .families import GGUF_ARCHITECTURES, HF_MODEL_TYPES, UnsupportedModel, of_gguf
+from .families import FAMILIES, GGUF_ARCHITECTURES, HF_MODEL_TYPES, UnsupportedModel, of_gguf
 
 __all__ = ["GGUF_ARCHITECTURES", "HF_MODEL_TYPES", "UnsupportedModel", "ModelConfig", "RopeScaling"]
 
@@ -30,7 +30,7 @@ Family = Literal["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "llada"
 FAST_DLLM_V2_MASK_ID = 151665
 
 # The families whose checkpoints are diffusion models (the rest are autoregressive).
-DIFFUSION_FAMILIES = frozenset({"llada", "dream", "block_diffusion"})
+DIFFUSION_FAMILIES = frozenset(f.name for f in FAMILIES if f.diffusion and f.network == "core")
 
 
 @dataclass(frozen=True)

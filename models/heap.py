@@ -11,16 +11,27 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import logging
 
 log = logging.getLogger("dualserve.heap")
 
 
-def trim_heap() -> None:
-    gc.collect()
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None (found once: ``find_library`` runs a subprocess)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc
         log.debug("malloc_trim unavailable", exc_info=True)
+        return None
+
+
+def trim_heap(collect: bool = True) -> None:
+    """``collect``: run the cycle collector first (not needed where only reference counts free memory)."""
+    if collect:
+        gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

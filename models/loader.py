@@ -116,10 +116,6 @@ def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf_state(reader, config: ModelConfig) -> dict[str, Weight]:
-    return dict(gguf_weights(reader, config))
-
-
 def gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, Weight]]:
     """A GGUF's tensors under canonical HF names, one at a time: packed block types in the portable
     layout (``portable.gguf_blocks``), the others dequantized to fp32."""
@@ -240,19 +236,24 @@ def write_shards(weights: Iterator[tuple[str, Weight]], out_dir: Path, metadata:
     names: set[str] = set()
     weight_map: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
+    size = 0
     files: list[str] = []
 
     def flush() -> None:
+        nonlocal size
         file = f"model-{len(files) + 1:05d}.safetensors"
         save_file(shard, str(out_dir / file), metadata=metadata)
         weight_map.update(dict.fromkeys(shard, file))
         files.append(file)
         shard.clear()
+        size = 0
 
     for name, w in weights:
         names.add(name)
-        shard.update(portable_tensors(name, w) if isinstance(w, dict) else {name: w})
-        if sum(t.numel() * t.element_size() for t in shard.values()) >= SHARD_BYTES:
+        tensors = portable_tensors(name, w) if isinstance(w, dict) else {name: w}
+        shard.update(tensors)
+        size += sum(t.numel() * t.element_size() for t in tensors.values())
+        if size >= SHARD_BYTES:
             flush()
     if shard or not files:
         flush()

@@ -202,8 +202,10 @@ class SdpaPagedAttention:
         self.meta = meta
         # Per layer: None, or a sliding window W (Gemma 3's local layers: a token sees the W positions
         # ending at itself). Only windows that some sequence outgrows this step change a mask.
-        longest = max((s.context_len + s.query_len for s in meta.seqs), default=0)
-        self.windows = [w if w is not None and longest > w else None for w in windows]
+        self.windows: list[int | None] = []
+        if windows:
+            longest = max((s.context_len + s.query_len for s in meta.seqs), default=0)
+            self.windows = [w if w is not None and longest > w else None for w in windows]
         self._masks: list[torch.Tensor | None] | None = None
         self._decode: DecodeBatch | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
