@@ -166,6 +166,9 @@ def deploy(args: argparse.Namespace):
                 print("compiled graphs:", ", ".join(f"{k} {v} ({runner.compiled.seconds[k]:.1f} s)"
                                                    for k, v in runner.compiled.how.items()), file=sys.stderr)
     decoder = dep.engine.decoders[(name, "eagle")]
+    head_graph = getattr(decoder.sources.get("head"), "graph", None)
+    if compile_spec is not None and head_graph is not None:
+        print(f"the head's graph: {head_graph.how or 'eager'} ({head_graph.seconds:.1f} s)", file=sys.stderr)
     if args.budget == "fixed":
         decoder.cost = None
     if args.depth:

@@ -21,7 +21,7 @@ events after warm-up, so host work the GPU waits for counts):
   tree mask over the same context, capturing EAGLE-3's three auxiliary layers, and the output
   head on all N rows (the decoder asks for them one visited node at a time, which re-reads the
   head per node: a batched call is the floor);
-- ``eagle-draft``: the head's own cost: ``grow_tree`` as the decoder calls it (the decoder's GPU or
+- ``eagle-draft``: the head's own cost: ``draft_tree`` as the decoder calls it (the decoder's GPU or
   CPU tree), ``depth - 1`` head forwards of ``top_k`` nodes plus their draft logits, top-k and
   the Python between them, with ``--steps eager`` (the head is never compiled). Its roofline is
   those forwards' work. The head's catch-up forward and its feature projection (a few rows per
@@ -48,7 +48,8 @@ from typing import Callable, Literal, Sequence
 import torch
 
 from dualserve.decoders.eagle.decoder import CPU_TREE, GPU_TREE
-from dualserve.decoders.eagle.tree import DraftTree, DraftTreeAttention, TreeConfig, grow_tree
+from dualserve.decoders.eagle.head_graph import HeadGraph, draft_tree, fed_nodes
+from dualserve.decoders.eagle.tree import DraftTree, TreeConfig
 from dualserve.decoders.engine.compiled import ROWS_MAX, StepShape
 from dualserve.decoders.engine.runner import ForwardItem, ModelRunner
 from dualserve.models.config import ModelConfig
@@ -219,15 +220,19 @@ def run_cases(runner: ModelRunner, cases: Sequence[Case], step: Step, report: Re
 
 
 def run_draft(runner: ModelRunner, head, tree: TreeConfig, context: int, report: Report, bytes_per: int) -> None:
-    """``grow_tree`` from a root at position ``context``, the head attending over ``context`` cached slots."""
+    """A tree as the decoder drafts it (``head_graph.draft_tree``, eager) from a root at position
+    ``context``, the head attending over ``context`` cached slots."""
     c = head.config.layer
-    kv = runner.head_kv(head.config.num_layers, c.num_kv_heads, c.head_dim)
+    spare = fed_nodes(tree)
+    kv = runner.head_kv(head.config.num_layers, c.num_kv_heads, c.head_dim, spare)
+    graph = HeadGraph(head, kv, runner.kv.num_blocks * runner.block_size, spare)
     slots = torch.arange(context, device=runner.device)  # (context,) blocks 0.. hold it, as in items_for
     last_hidden = torch.randn(c.hidden_size, device=runner.device, dtype=runner.dtype)  # (hidden,) at the root
 
     def once() -> None:
         with torch.inference_mode():
-            grow_tree(head, DraftTreeAttention(kv, slots), 0, last_hidden, context, tree, tree.depth)
+            logp = torch.log_softmax(head.logits(last_hidden[None])[0], -1)
+            draft_tree(graph, 0, logp, last_hidden, slots, context, tree, tree.depth)
 
     try:
         ms = time_ms(once, runner.device, report.args.warmup, report.args.iters)

@@ -191,6 +191,8 @@ def register_eagle(engine: Engine, spec: ServedSpec, runner: ModelRunner, device
     decoder = EagleDecoder(runner, engine.pool, head, cost=verify_cost(base, device, format_table), block=block)
     if compile is not None and compile.background and runner.compiled is not None and decoder.aux_layers:
         runner.compiled.prewarm(decoder.aux_layers)
+    if compile is not None and compile.background:
+        decoder.prewarm()  # the head's graph, queued after the target's
     engine.add_decoder(spec.name, decoder, base.tokenizer, base.config.vocab_size)
 
 

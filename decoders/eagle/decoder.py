@@ -143,6 +143,12 @@ class EagleDecoder:
         self.prefer: Source | None = prefer or next((m for m in ("head", "block") if m in self.sources), None)
         self.budget = DraftBudget(cost)
 
+    def prewarm(self) -> None:
+        """Load or build the draft models' compiled graphs now (where the target's steps are compiled)."""
+        head = self.sources.get("head")
+        if head is not None:
+            head.prewarm()
+
     @property
     def kv_owner(self) -> ModelRunner:
         return self.runner

@@ -15,7 +15,8 @@ request's blocks hold both), so the decoder drives them the same way each step:
 
 * ``HeadSource`` (EAGLE-1/2/3): catch-up runs the head over (feature j, token j+1)
   pairs; drafting grows an EAGLE-2 tree level by level, one head forward a level
-  (``tree.grow_tree``). A deeper draft costs more: a drafting unit per level.
+  (``tree.grow_tree``). Both run the one head graph of ``head_graph.py`` (a package where
+  the target's steps are compiled). A deeper draft costs more: a drafting unit per level.
 * ``BlockSource`` (DFlash, ``models/dflash.py``): catch-up projects each feature into
   every draft layer's key and value (no layer runs); drafting is ONE forward over
   [root, mask, ...] with the block attending to itself in both directions, and the
@@ -42,7 +43,8 @@ from ..engine.paged_attention import AttentionMetadata, SeqAttention
 from ..engine.request import Request
 from ..engine.runner import ModelRunner
 from .budget import NO_REACH, Reach, Source
-from .tree import DraftTree, DraftTreeAttention, TreeConfig, grow_tree
+from .head_graph import HeadGraph, draft_tree
+from .tree import DraftTree, TreeConfig
 
 # Features waiting for a model: past this many it catches up even on a step it does not draft,
 # so a request drafting from suffix lookup alone does not hold features for its whole output;
@@ -62,6 +64,7 @@ class ModelState:
     pending: torch.Tensor        # (n, raw width) raw features of positions kv_end .. kv_end + n - 1
     last_hidden: torch.Tensor | None = None  # head output at the newest pair: predicts the root's child
                                  # (a DFlash drafter: set once caught up; it drafts without it)
+    last_logp: torch.Tensor | None = None    # the head's draft log-probabilities there (the root's children)
 
 
 class ModelSource:
@@ -70,12 +73,13 @@ class ModelSource:
     name: Source
 
     def __init__(self, runner: ModelRunner, pool: BlockPool, model: EagleHead | DFlashDrafter,
-                 verify_layers: tuple[int, ...]):
+                 verify_layers: tuple[int, ...], spare: int = 0):
         """``verify_layers``: the target layers whose features the verify forward computes (this
-        model's among them), in the order ``observe`` receives them."""
+        model's among them), in the order ``observe`` receives them; ``spare``: slots of the draft
+        KV past the pool's blocks, owned by no request (``ModelRunner.head_kv``)."""
         self.runner, self.pool, self.model = runner, pool, model
         c = model.config.layer
-        self.kv = runner.head_kv(model.config.num_layers, c.num_kv_heads, c.head_dim)
+        self.kv = runner.head_kv(model.config.num_layers, c.num_kv_heads, c.head_dim, spare)
         self.aux_layers: tuple[int, ...] = tuple(model.config.aux_layers)
         self._picks = [verify_layers.index(i) for i in self.aux_layers]
         self._raw_width = (len(self.aux_layers) or 1) * runner.config.hidden_size
@@ -103,7 +107,7 @@ class ModelSource:
             return False
         if stale:
             st.kv_end += len(st.pending)
-            st.kv_start, st.pending, st.last_hidden = st.kv_end, st.pending[:0], None
+            st.kv_start, st.pending, st.last_hidden, st.last_logp = st.kv_end, st.pending[:0], None, None
             return False
         return True
 
@@ -143,14 +147,23 @@ class ModelSource:
 
 
 class HeadSource(ModelSource):
-    """An EAGLE head: catch-up over feature/token pairs, then an EAGLE-2 tree."""
+    """An EAGLE head: catch-up over feature/token pairs, then an EAGLE-2 tree, both one graph."""
 
     name: Source = "head"
+    SPARE = 64  # the head cache's spare slots: the fed nodes of a tree up to depth 9 at top-k 8
 
     def __init__(self, runner: ModelRunner, pool: BlockPool, head: EagleHead, tree: TreeConfig,
                  verify_layers: tuple[int, ...]):
-        super().__init__(runner, pool, head, verify_layers)
+        super().__init__(runner, pool, head, verify_layers, self.SPARE)
         self.tree = tree
+        self.graph = HeadGraph(head, self.kv, runner.kv.num_blocks * runner.block_size, self.SPARE)
+
+    def prewarm(self) -> None:
+        """Where the target's steps are compiled, load or build the head's package (on the compile
+        thread, after the target's graphs); it drafts eagerly until then."""
+        compiled = self.runner.compiled
+        if compiled is not None:
+            self.graph.request(compiled.package_dir, compiled.worker, compiled.cache_dir)
 
     @property
     def max_depth(self) -> int:
@@ -170,6 +183,7 @@ class HeadSource(ModelSource):
         todo = [(r, st) for r, st in zip(reqs, states) if len(st.pending)]
         if not todo:
             return 0
+        self.prewarm()
         ids, pos, hidden, seqs, slots = [], [], [], [], []
         for r, st in todo:
             n = len(st.pending)
@@ -180,14 +194,14 @@ class HeadSource(ModelSource):
             seqs.append(SeqAttention(len(ctx), n, r.table.blocks, "causal", ctx))
             slots.append(torch.tensor(self.pool.slot_mapping(r.table, st.kv_end, st.kv_end + n)))
         dev = self.runner.device
-        meta = AttentionMetadata(seqs, torch.cat(slots).to(dev), self.runner.block_size)
-        out = self.model(torch.cat(ids).to(dev), self.model.project(torch.cat(hidden)), torch.cat(pos).to(dev),
-                         self.runner.attention(self.kv, meta))
+        rows, context, mask = self.graph.sequences(seqs)
+        out, logp = self.graph(torch.cat(ids).to(dev), self.model.project(torch.cat(hidden)), torch.cat(pos).to(dev),
+                               rows, context, mask, torch.cat(slots).to(dev))
         offset = 0
         for _, st in todo:
             n = len(st.pending)
             offset += n
-            st.last_hidden = out[offset - 1]
+            st.last_hidden, st.last_logp = out[offset - 1], logp[offset - 1]
             st.kv_end += n
             st.pending = st.pending[:0]
         return offset
@@ -197,9 +211,11 @@ class HeadSource(ModelSource):
         root = req.all_ids[-1]
         if not self.caught_up(req, st):
             return DraftTree([root], [-1])
-        attn = DraftTreeAttention(self.kv, self.context(req, st))
+        if st.last_logp is None:
+            st.last_logp = torch.log_softmax(self.model.logits(st.last_hidden[None])[0], -1)
         config = TreeConfig(depth, self.tree.top_k, nodes)
-        return grow_tree(self.model, attn, root, st.last_hidden, req.num_tokens - 1, config, req.remaining - 1)
+        return draft_tree(self.graph, root, st.last_logp, st.last_hidden, self.context(req, st), req.num_tokens - 1,
+                          config, req.remaining - 1)
 
 
 class BlockSource(ModelSource):

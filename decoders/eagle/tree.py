@@ -32,9 +32,6 @@ from typing import Callable
 
 import torch
 
-from dualserve.models.attention import sdpa
-
-from ..engine.paged_attention import KVCache
 
 
 @dataclass(frozen=True)
@@ -150,72 +147,39 @@ def select_nodes(scores: torch.Tensor, num: int) -> torch.Tensor:
     return order.sort().values
 
 
-class DraftTreeAttention:
-    """The head's attention while it grows a tree.
-
-    Keys/values of the real prefix come from the head's paged cache (gathered
-    once per layer); tree nodes are kept in dense scratch tensors that die with
-    the step. ``visible`` (new nodes x nodes fed so far) says which earlier
-    nodes each new node sees: its ancestors.
-    """
-
-    def __init__(self, cache: KVCache, prefix_slots: torch.Tensor | None):
-        self.cache = cache
-        self.prefix_slots = prefix_slots
-        self.prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.nodes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.visible: torch.Tensor | None = None  # set by the caller before each forward
-
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        n = q.shape[0]
-        if layer_idx not in self.prefix:
-            if self.prefix_slots is None or not len(self.prefix_slots):
-                empty = k[:0]
-                self.prefix[layer_idx] = (empty, empty)
-            else:
-                kf, vf = self.cache.flat(layer_idx)
-                self.prefix[layer_idx] = (kf.index_select(0, self.prefix_slots).to(k.dtype),
-                                          vf.index_select(0, self.prefix_slots).to(v.dtype))
-        pk, pv = self.prefix[layer_idx]
-        nk, nv = self.nodes.get(layer_idx, (k[:0], v[:0]))
-        keys = torch.cat([pk, nk, k])  # (prefix + fed + new, kv_heads, head_dim)
-        values = torch.cat([pv, nv, v])
-        visible = self.visible if self.visible is not None else torch.zeros(n, len(nk), dtype=torch.bool)
-        mask = torch.cat([torch.ones(n, len(pk), dtype=torch.bool), visible,
-                          torch.eye(n, dtype=torch.bool)], dim=1).to(q.device)
-        self.nodes[layer_idx] = (torch.cat([nk, k]), torch.cat([nv, v]))
-        return sdpa(q, keys, values, mask)
+# What growing a tree asks of the head: feed the frontier, (target ids (k,), hidden (k, hidden),
+# level, visibility (k, fed) over the nodes fed before, in feeding order) -> (h (k, hidden),
+# draft log-probabilities (k, draft vocab)). ``head_graph.draft_tree`` runs it as one graph.
+Expand = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def grow_tree(head, attn: DraftTreeAttention, root: int, last_hidden: torch.Tensor, position: int,
-              config: TreeConfig, max_depth: int) -> DraftTree:
-    """EAGLE-2 dynamic tree from the head's output at the root (``last_hidden``, (hidden,)).
+def grow_tree(expand: Expand, to_target: Callable[[torch.Tensor], torch.Tensor], root: int,
+              root_logp: torch.Tensor, root_hidden: torch.Tensor, config: TreeConfig, max_depth: int) -> DraftTree:
+    """EAGLE-2 dynamic tree from the head's output at the root: ``root_hidden`` (hidden,) and its
+    draft log-probabilities ``root_logp`` (draft vocab,).
 
-    ``position`` is the root's absolute position; a node at depth d is fed to the
-    head at RoPE position ``position + d - 1`` (the head's pair convention:
-    feature j with token j+1 sits at position j). ``max_depth`` caps the depth
-    (no point drafting past max_tokens).
+    Level ``level`` (1-based) feeds the frontier to the head (``expand``; a node at depth d is fed
+    at RoPE position root + d - 1: the head's pair convention, feature j with token j+1 at
+    position j). ``max_depth`` caps the depth (no point drafting past max_tokens).
     """
     depth = min(config.depth, max_depth)
     if depth < 1:
         return DraftTree([root], [-1])
     k = config.top_k
-    logp = torch.log_softmax(head.logits(last_hidden[None])[0], -1)
-    scores, ids = logp.topk(k)  # level 1: (k,)
+    scores, ids = root_logp.topk(k)  # level 1: (k,)
     pool_scores, pool_ids, pool_parent = [scores], [ids], [torch.full((k,), -1)]  # parent = pool index
     frontier = torch.arange(k)          # pool indices of the frontier
-    frontier_hidden = last_hidden[None].expand(k, -1)
+    frontier_hidden = root_hidden[None].expand(k, -1).contiguous()
     fed_rows: list[torch.Tensor] = []   # per fed node: its visibility row over fed nodes
     ancestors_of = {}                   # pool index -> fed index, for fed nodes
     offset = k
     for level in range(1, depth):
         tokens = torch.cat(pool_ids)[frontier]
-        attn.visible = _visible_rows(frontier, torch.cat(pool_parent), ancestors_of, len(fed_rows), fed_rows)
-        pos = torch.full((k,), position + level - 1, device=last_hidden.device)
-        out = head(head.to_target(tokens), frontier_hidden, pos, attn)
+        visible = _visible_rows(frontier, torch.cat(pool_parent), ancestors_of, len(fed_rows), fed_rows)
+        out, logp = expand(to_target(tokens), frontier_hidden, level, visible)
         for j, f in enumerate(frontier.tolist()):
             ancestors_of[f] = len(fed_rows) - k + j
-        child_logp, child_ids = torch.log_softmax(head.logits(out), -1).topk(k, dim=-1)  # (k, k)
+        child_logp, child_ids = logp.topk(k, dim=-1)  # (k, k)
         cum = (child_logp + scores[:, None]).reshape(-1)  # (k * k,) cumulative path log-prob
         pool_scores.append(cum)
         pool_ids.append(child_ids.reshape(-1))
@@ -228,7 +192,7 @@ def grow_tree(head, attn: DraftTreeAttention, root: int, last_hidden: torch.Tens
     chosen = select_nodes(all_scores, min(config.num_nodes, len(all_scores)))
     tree_index = {int(c): i + 1 for i, c in enumerate(chosen.tolist())}
     parents = [-1] + [tree_index.get(int(all_parent[c]), 0) for c in chosen.tolist()]
-    tokens = [root] + head.to_target(all_ids[chosen]).tolist()
+    tokens = [root] + to_target(all_ids[chosen]).tolist()
     return DraftTree(tokens, parents)
 
 

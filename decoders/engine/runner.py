@@ -117,10 +117,12 @@ class ModelRunner:
         """Move the keys/values of single slots in every layer (src[i] -> dst[i])."""
         self.kv.move_slots(src, dst)
 
-    def head_kv(self, num_layers: int, num_kv_heads: int, head_dim: int) -> KVCache:
-        """A KV cache for a draft head, indexed by the same block ids as the model's own."""
-        return KVCache(num_layers, self.kv.num_blocks, self.block_size, num_kv_heads, head_dim, self.kv.dtype,
-                       self.device)
+    def head_kv(self, num_layers: int, num_kv_heads: int, head_dim: int, spare: int = 0) -> KVCache:
+        """A KV cache for a draft head, indexed by the same block ids as the model's own, with at
+        least ``spare`` slots past them (from ``kv.num_blocks * block_size``) that the head owns."""
+        spare_blocks = -(-spare // self.block_size)
+        return KVCache(num_layers, self.kv.num_blocks + spare_blocks, self.block_size, num_kv_heads, head_dim,
+                       self.kv.dtype, self.device)
 
     def store_head_kv(self, kv: KVCache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write a draft model's keys and values (layers, tokens, kv_heads, head_dim) at ``slots`` of

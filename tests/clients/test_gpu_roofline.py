@@ -38,7 +38,7 @@ def test_a_failing_case_is_a_row_and_the_rest_still_run(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("Expected all tensors to be on the same device")
 
-    monkeypatch.setattr("dualserve.clients.gpu_roofline.grow_tree", broken)
+    monkeypatch.setattr("dualserve.clients.gpu_roofline.draft_tree", broken)
     out = tmp_path / "roofline.json"
     assert main(["--tiny", "--device", "cpu", "--groups", "eagle", "--json", str(out)]) == 1
     rows = json.loads(out.read_text())["results"]
