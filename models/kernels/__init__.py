@@ -46,7 +46,7 @@ from .layout import (GROUP, MAX_MULTIPLIED, TILE, multiplied_bound, narrowest_bi
                      pack, pack_multipliers, unpack, value_range)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("dot8.cpp", "attend.cpp", "pointwise.cpp"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("exp.h", "dot8_tiles.h", "dot8_tiles56.h", "dot8_acts.h"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("exp.h", "dot8_tiles.h", "dot8_tiles56.h", "dot8_acts.h", "dot8_amx.h"))
 _loaded: bool | None = None
 _error: str | None = None
 _build_seconds: float | None = None  # set when this process compiled the library (else it was cached)
@@ -134,10 +134,18 @@ def unavailable_reason() -> str | None:
 
 
 def code_path() -> str:
-    """The instruction set the kernel runs with on this CPU: avx512_vnni, avx2 or scalar."""
+    """The instruction set the kernel runs with on this CPU: avx512_vnni, avx2 or scalar (AMX tiles
+    join avx512_vnni from ``amx_from()`` rows)."""
     if not available():
         raise RuntimeError(_error)
     return torch.ops.dualserve.dot8_path()
+
+
+def amx_from() -> int:
+    """The fewest quantized rows (rows x digits) from which dot8 uses AMX tiles here (0: never)."""
+    if not available():
+        raise RuntimeError(_error)
+    return int(torch.ops.dualserve.dot8_amx_from())
 
 
 def describe() -> str:
@@ -149,7 +157,8 @@ def describe() -> str:
     version = re.search(r"(\d+\.\d+)(\.\d+)*\s*$", first)
     compiler = Path(_compiler()).name + (f" {version.group(1)}" if version else "")
     how = "cached" if _build_seconds is None else f"compiled now, {_build_seconds:.0f} s"
-    return f"dot8 {code_path()}, attend_rows, pointwise; built by {compiler} ({how})"
+    amx = f" + amx from {amx_from()} rows" if amx_from() else ""
+    return f"dot8 {code_path()}{amx}, attend_rows, pointwise; built by {compiler} ({how})"
 
 
 def _register_fake() -> None:

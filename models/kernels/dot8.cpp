@@ -44,8 +44,13 @@
 #include <vector>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define DOT8_X86 1
+#endif
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -53,6 +58,7 @@ namespace {
 #include "dot8_tiles.h"
 #include "dot8_tiles56.h"
 #include "dot8_acts.h"
+#include "dot8_amx.h"
 
 struct Path {
   const char* name;
@@ -84,10 +90,47 @@ Path pick_path() {
   return {"scalar", SCALAR.fn, MAX_ROWS};
 }
 
+// force_scalar: 0 the best path for the row count, 1 plain C, 2 the vector path without AMX, 3 AMX
+// at every row count where the CPU has it (tests and benchmarks compare them).
 Path& path(int64_t force_scalar) {
   static Path best = pick_path();
   static Path scalar = {"scalar", SCALAR.fn, MAX_ROWS};
-  return force_scalar ? scalar : best;
+  return force_scalar == 1 ? scalar : best;
+}
+
+#ifdef DOT8_X86
+const Table<Amx> AMX;
+#endif
+
+// AMX_FROM: the fewest quantized rows (rows x digits) at which the AMX path ran faster than
+// AVX-512 VNNI on a 2-core Intel Xeon (family 6 model 167; docs/kernels.md, Measurements).
+// DUALSERVE_DOT8_AMX=0 turns it off, =N uses it from N rows.
+constexpr int AMX_FROM = 9;
+
+int pick_amx_from() {
+#ifdef DOT8_X86
+  if (std::string(path(0).name) != "avx512_vnni" || !amx_permitted()) return 0;
+  const char* want = std::getenv("DUALSERVE_DOT8_AMX");
+  if (want && *want) return std::max(0, std::atoi(want));
+  return AMX_FROM;
+#else
+  return 0;
+#endif
+}
+
+// The fewest rows of a product that the AMX path takes (0: never).
+int amx_from(int64_t force_scalar) {
+  static const int from = pick_amx_from();
+  if (force_scalar == 1 || force_scalar == 2) return 0;
+  if (force_scalar == 3) {
+#ifdef DOT8_X86
+    static const bool ok = std::string(path(0).name) == "avx512_vnni" && amx_permitted();
+    return ok ? 1 : 0;
+#else
+    return 0;
+#endif
+  }
+  return from;
 }
 
 // ``halves``: the weight has multipliers per half group and an offset, so its dots need each half
@@ -95,8 +138,9 @@ Path& path(int64_t force_scalar) {
 Quantized quantize(const at::Tensor& x, int64_t force_scalar, int64_t digits, bool halves) {
   TORCH_CHECK(digits >= 1 && digits <= 3, "dot8: digits must be 1, 2 or 3");
   const int64_t M = x.size(0), K = x.size(1);
-  if (x.scalar_type() == at::kFloat) return Quantized(x.data_ptr<float>(), M, K, !force_scalar, digits, halves);
-  return Quantized(x.data_ptr<c10::BFloat16>(), M, K, !force_scalar, digits, halves);
+  const bool simd = force_scalar != 1;
+  if (x.scalar_type() == at::kFloat) return Quantized(x.data_ptr<float>(), M, K, simd, digits, halves);
+  return Quantized(x.data_ptr<c10::BFloat16>(), M, K, simd, digits, halves);
 }
 
 bool needs_halves(const Weights& w) { return w.s && w.s_per == 2 && offset_of(w.bits, w.minimum) != 0; }
@@ -137,6 +181,29 @@ void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y,
   // A small product (a LoRA factor, a draft head's layer) runs on the calling thread: waking the
   // other threads costs more than its work. Rows never depend on the thread that computes them.
   const int64_t grain = M * n * acts.K < (int64_t(1) << 18) ? tiles : 4;
+#ifdef DOT8_X86
+  const int from = amx_from(force_scalar);
+  if (from && M >= from) {
+    // Blocks of at most 16 rows, as even as they come; each thread configures its tiles for its
+    // block's rows (the configuration is per thread) and releases them when done.
+    const TileFn afn = AMX.fn[kind_of(w)];
+    const int64_t blocks = (M + AMX_ROWS - 1) / AMX_ROWS, step = (M + blocks - 1) / blocks;
+    const bool halves = w.s && w.s_per == 2;
+    at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+      int configured = 0;
+      for (int64_t t = begin; t < end; ++t) {
+        const int valid = int(std::min<int64_t>(TILE, n - t * TILE));
+        for (int64_t r0 = 0; r0 < M; r0 += step) {
+          const int rows = int(std::min<int64_t>(step, M - r0));
+          if (rows != configured) amx_configure(configured = rows, halves);
+          afn(w, t, acts, r0, rows, y + r0 * n + t * TILE, n, valid);
+        }
+      }
+      if (configured) amx_release();
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int valid = int(std::min<int64_t>(TILE, n - t * TILE));
@@ -211,13 +278,15 @@ at::Tensor dot8_lora(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   product_digits(w, qx.acts(), M, digits, n, y, force_scalar);
   std::vector<float> ax(M * rank), up(M * n);
   product_digits(wa, qx.acts(), M, digits, rank, ax.data(), force_scalar);
-  const Quantized qa_x(ax.data(), M, rank, !force_scalar, digits);
+  const Quantized qa_x(ax.data(), M, rank, force_scalar != 1, digits);
   product_digits(wb, qa_x.acts(), M, digits, n, up.data(), force_scalar);
   for (int64_t i = 0; i < M * n; ++i) y[i] += up[i];
   return out;
 }
 
 std::string dot8_path() { return path(0).name; }
+
+int64_t dot8_amx_from() { return amx_from(0); }
 
 }  // namespace
 
@@ -228,6 +297,7 @@ TORCH_LIBRARY(dualserve, lib) {
           "int rank, Tensor qb, Tensor db, Tensor mb, int force_scalar=0, int digits=1, Tensor? s=None, "
           "Tensor? mn=None, bool minimum=False) -> Tensor");
   lib.def("dot8_path() -> str", &dot8_path);
+  lib.def("dot8_amx_from() -> int", &dot8_amx_from);
 }
 
 TORCH_LIBRARY_IMPL(dualserve, CPU, lib) {

@@ -140,7 +140,8 @@ def test_the_narrower_paths_a_host_may_take_give_the_same_bits(tmp_path, path: s
 
 def test_describe_names_the_path_or_why_there_is_none(monkeypatch) -> None:
     line = kernels.describe()
-    assert line.startswith(f"dot8 {kernels.code_path()}, attend_rows, pointwise; built by ") and "\n" not in line
+    amx = f" + amx from {kernels.amx_from()} rows" if kernels.amx_from() else ""
+    assert line.startswith(f"dot8 {kernels.code_path()}{amx}, attend_rows, pointwise; built by ") and "\n" not in line
     monkeypatch.setattr(kernels, "_loaded", False)
     monkeypatch.setattr(kernels, "_error", "building the kernels failed: x.cpp:1: error: boom\nmore")
     assert kernels.describe() == ("kernels unavailable: building the kernels failed: x.cpp:1: error: boom; "

@@ -1,0 +1,233 @@
+// dot8's Intel AMX path: a block of up to 16 quantized rows times one tile of 16 output channels,
+// each group's integer dots by one tile multiply (TDPBSSD, K = 32, or two of K = 16 with
+// multipliers per half group), then the AVX-512 path's float epilogue, the same operations in the
+// same order, so the same bits. The weight layout is AMX's B-tile layout already: a group's int8
+// chunk j holds inputs 4j..4j+3 of each channel; int4 / 5 / 6 bits unpack a chunk's low and high
+// nibbles to B rows 2j and 2j + 1. Every value is stored as the signed q = u - offset, so the tile
+// sums are sum q a exactly, with no offset correction.
+// Linux gives a process the AMX tile state only on request (arch_prctl); the tile configuration is
+// per thread, so each thread loads it for each block of rows it runs (amx_configure).
+// Included inside dot8.cpp's anonymous namespace, after dot8_tiles56.h.
+#pragma once
+
+#ifdef DOT8_X86
+
+constexpr int AMX_ROWS = 16;  // rows of an A / C tile
+constexpr int AMX_BUILD = 2;  // groups between building a B tile and its multiply
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether this CPU and kernel let the process use AMX int8 tiles (asked once).
+bool amx_permitted() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool tile = d & (1u << 24), int8 = d & (1u << 25);
+  if (!tile || !int8 || !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG and XTILEDATA enabled by the OS
+#ifdef __linux__
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+  return false;
+#endif
+}
+
+// tmm0..3: C (rows x 16 int32); tmm4, 5: A (rows x 32 activation bytes, 16 with halves); tmm6, 7: B
+// (8 rows of 64 bytes: inputs 4i..4i+3 of 16 channels, 4 rows with halves).
+__attribute__((target("amx-tile"))) void amx_configure(int rows, bool halves) {
+  TileConfig cfg;
+  for (int i = 0; i < 4; ++i) {
+    cfg.rows[i] = uint8_t(rows);
+    cfg.colsb[i] = 64;
+  }
+  for (int i = 4; i < 6; ++i) {
+    cfg.rows[i] = uint8_t(rows);
+    cfg.colsb[i] = halves ? 16 : 32;
+  }
+  for (int i = 6; i < 8; ++i) {
+    cfg.rows[i] = halves ? 4 : 8;
+    cfg.colsb[i] = 64;
+  }
+  // GCC 12 does not see that ldtilecfg reads the configuration, and drops the stores without this.
+  __asm__ volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
+
+// Chunk J of a 4-, 5- or 6-bit group (its low and high nibbles) as B rows 2J and 2J + 1, signed.
+template <int BITS, bool MIN, int J>
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline void b_rows(const uint8_t* qg, const __m512i* planes,
+                                                                              int8_t* b) {
+  constexpr int OFF = offset_of(BITS, MIN);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i v = _mm512_loadu_si512(qg + J * 64);
+  __m512i ul = _mm512_and_si512(v, low), uh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  if constexpr (BITS > 4) {
+    constexpr int HB = BITS - 4;
+    const __m512i mask = _mm512_set1_epi8(HB == 1 ? 0x10 : 0x30);
+    ul = _mm512_ternarylogic_epi32(ul, high_at4<HB, 2 * J>(planes), mask, 0xF8);
+    uh = _mm512_ternarylogic_epi32(uh, high_at4<HB, 2 * J + 1>(planes), mask, 0xF8);
+  }
+  if constexpr (OFF != 0) {
+    ul = _mm512_sub_epi8(ul, _mm512_set1_epi8(char(OFF)));
+    uh = _mm512_sub_epi8(uh, _mm512_set1_epi8(char(OFF)));
+  }
+  _mm512_store_si512(b + (2 * J) * 64, ul);
+  _mm512_store_si512(b + (2 * J + 1) * 64, uh);
+}
+
+// Group qg's 32 inputs of 16 channels as a signed B tile (8 rows of 64 bytes) at b.
+template <int BITS, bool MIN>
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline void b_tile(const uint8_t* qg, int8_t* b) {
+  if constexpr (BITS == 8) {
+    for (int j = 0; j < 8; ++j)  // u - 128 as a signed byte
+      _mm512_store_si512(b + j * 64, _mm512_xor_si512(_mm512_loadu_si512(qg + j * 64), _mm512_set1_epi8(char(0x80))));
+  } else {
+    __m512i planes[BITS == 4 ? 1 : BITS - 4];
+    if constexpr (BITS > 4)
+      for (int p = 0; p < BITS - 4; ++p) planes[p] = _mm512_loadu_si512(qg + (4 + p) * 64);
+    b_rows<BITS, MIN, 0>(qg, planes, b);
+    b_rows<BITS, MIN, 1>(qg, planes, b);
+    b_rows<BITS, MIN, 2>(qg, planes, b);
+    b_rows<BITS, MIN, 3>(qg, planes, b);
+  }
+}
+
+// Group g of a tile's weight q into slot S: its B tile built at b, multiplied by A (the rows'
+// activations a, stride lda), and its integer dots (with halves: dot_lo, then dot_hi) stored as
+// rows x 16 int32 at c. Slot S uses C tile S (with halves: 2S and 2S + 1) and the A and B tiles of
+// its parity, so that the multiplies of consecutive groups need not wait on each other.
+template <int BITS, bool MIN, int MULT, int S>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw"), always_inline))
+inline void amx_issue(const int8_t* a, int64_t lda, int64_t g, const int8_t* b, int32_t* c) {
+  const int8_t* ag = a + g * GROUP;
+  constexpr int HALF = AMX_ROWS * TILE;  // int32s of one C tile
+  if constexpr (MULT == 2) {
+    // Each half group apart: A's 16 inputs of the half times B's 4 rows of it.
+#define DOT8_AMX_HALVES(CLO, CHI, A0, A1, B0, B1) \
+  _tile_loadd(A0, ag, lda);                       \
+  _tile_loadd(A1, ag + 16, lda);                  \
+  _tile_loadd(B0, b, 64);                         \
+  _tile_loadd(B1, b + 256, 64);                   \
+  _tile_zero(CLO);                                \
+  _tile_zero(CHI);                                \
+  _tile_dpbssd(CLO, A0, B0);                      \
+  _tile_dpbssd(CHI, A1, B1);                      \
+  _tile_stored(CLO, c, 64);                       \
+  _tile_stored(CHI, c + HALF, 64);
+    if constexpr (S == 0) { DOT8_AMX_HALVES(0, 1, 4, 5, 6, 7) }
+    else { DOT8_AMX_HALVES(2, 3, 4, 5, 6, 7) }
+#undef DOT8_AMX_HALVES
+  } else {
+#define DOT8_AMX_GROUP(C, A, B) \
+  _tile_loadd(A, ag, lda);      \
+  _tile_loadd(B, b, 64);        \
+  _tile_zero(C);                \
+  _tile_dpbssd(C, A, B);        \
+  _tile_stored(C, c, 64);
+    if constexpr (S == 0) { DOT8_AMX_GROUP(0, 4, 6) }
+    else if constexpr (S == 1) { DOT8_AMX_GROUP(1, 5, 7) }
+    else if constexpr (S == 2) { DOT8_AMX_GROUP(2, 4, 6) }
+    else { DOT8_AMX_GROUP(3, 5, 7) }
+#undef DOT8_AMX_GROUP
+  }
+}
+
+// The epilogue of tile_avx512_rows for group g, whose dots are at c, into the rows' sums y (in
+// registers: the loop unrolls over RB rows).
+template <int RB, bool MIN, int MULT>
+__attribute__((target("avx512f,avx512bw,f16c,fma"), always_inline))
+inline void amx_epilogue(__m512* y, int rows, const Weights& w, int64_t t, int64_t g, const float* sx,
+                         const float* fsum, int64_t G, const int32_t* c) {
+  constexpr int HALF = AMX_ROWS * TILE;
+  const Scales512 p = scales512<MIN, MULT>(w, t, g);
+  __m512 s_lo = _mm512_setzero_ps();
+  if constexpr (MULT == 2)
+    s_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sg(t, g)))));
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) {
+    if (r < rows) {
+      __m512 lo = _mm512_setzero_ps();
+      if constexpr (MULT == 2) lo = _mm512_mul_ps(s_lo, _mm512_cvtepi32_ps(_mm512_load_si512(c + r * TILE)));
+      const __m512i dot = _mm512_load_si512(c + (MULT == 2 ? HALF : 0) + r * TILE);
+      y[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * G + g]), value512<MIN, MULT>(p, dot, lo, fsum[r * G + g]), y[r]);
+    }
+  }
+}
+
+// Group g's B tile at b (with the weight stream's prefetch, as in tile_avx512_rows).
+template <int BITS, bool MIN>
+__attribute__((target("avx512f,avx512bw"), always_inline))
+inline void amx_build(const uint8_t* q, int64_t g, int8_t* b) {
+  const uint8_t* qg = q + g * BITS * 64;
+  for (int j = 0; j < BITS; ++j) _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
+  b_tile<BITS, MIN>(qg, b);
+}
+
+// Rows r0..r0 + rows - 1 (rows <= RB <= 16, the tiles configured for them) times tile t. Software
+// pipelined, so that the vector work and the tile unit overlap instead of waiting on each other:
+// a group's B tile is built AMX_BUILD groups ahead of its multiply (a tile load waits until the
+// vector stores that built it reach the cache), and the multiply runs AHEAD groups ahead of the float
+// epilogue, which reads the dots it stored. Each row's sums still take the groups in order.
+template <int RB, int BITS, bool MIN, int MULT>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni,f16c,fma")))
+void tile_amx(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo, int valid) {
+  constexpr int SLOTS = MULT == 2 ? 2 : 4, AHEAD = MULT == 2 ? 1 : 2, H = MULT == 2 ? 2 : 1;
+  constexpr int BUILD = AMX_BUILD + AHEAD, BS = 8;  // BUILD < BS
+  alignas(64) int8_t b[BS][512];
+  alignas(64) int32_t c[SLOTS][H * AMX_ROWS * TILE];
+  __m512 y[RB];
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) y[r] = _mm512_setzero_ps();
+  const uint8_t* q = w.tile(t);
+  const int8_t* a = x.a + r0 * x.K;
+  const int64_t G = w.G;
+  const float* sx = x.sx + r0 * G;
+  const float* fsum = x.fsum + r0 * G;
+  for (int64_t g = 0; g < std::min<int64_t>(BUILD, G); ++g) amx_build<BITS, MIN>(q, g, b[g % BS]);
+#define DOT8_AMX_ISSUE(S, g) amx_issue<BITS, MIN, MULT, S>(a, x.K, g, b[(g) % BS], c[S])
+  DOT8_AMX_ISSUE(0, 0);
+  if (AHEAD > 1 && G > 1) DOT8_AMX_ISSUE(1, 1);
+  for (int64_t g0 = 0; g0 < G; g0 += SLOTS) {
+    // group g0 + i: build group g + BUILD's B, issue group g + AHEAD's multiply into its slot,
+    // then the epilogue of slot i
+#define DOT8_AMX_STEP(I)                                                           \
+  if (g0 + I < G) {                                                                \
+    if (g0 + I + BUILD < G) amx_build<BITS, MIN>(q, g0 + I + BUILD, b[(g0 + I + BUILD) % BS]); \
+    if (g0 + I + AHEAD < G) DOT8_AMX_ISSUE((I + AHEAD) % SLOTS, g0 + I + AHEAD);    \
+    amx_epilogue<RB, MIN, MULT>(y, rows, w, t, g0 + I, sx, fsum, G, c[I]);              \
+  }
+    DOT8_AMX_STEP(0)
+    DOT8_AMX_STEP(1)
+    if constexpr (SLOTS == 4) {
+      DOT8_AMX_STEP(2)
+      DOT8_AMX_STEP(3)
+    }
+#undef DOT8_AMX_STEP
+  }
+#undef DOT8_AMX_ISSUE
+  const __mmask16 mask = valid >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r)
+    if (r < rows) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
+}
+
+template <int BITS, bool MIN, int MULT>
+struct Amx {
+  static void tile(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
+                   int valid) {
+    if (rows <= 4) return tile_amx<4, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);
+    if (rows <= 8) return tile_amx<8, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);
+    tile_amx<16, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);
+  }
+};
+
+#endif  // DOT8_X86
