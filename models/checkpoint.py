@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Union
@@ -28,7 +29,8 @@ from torch import nn
 from .config import ModelConfig
 from .heap import trim_heap
 from .portable import PORTABLE_KEYS, concat_portable, dequantize_portable, portable_kind
-from .quant import QuantEmbedding, Quantization, float_to_linear, head_linear, to_linear
+from .quant import DOT8_DIGITS, GROUP, QuantEmbedding, Quantization, float_to_linear, head_linear, to_linear
+from .tied_embedding import HeadRowsEmbedding, tied_embedding
 from .tokenizer import Tokenizer
 from .transformer import Transformer
 
@@ -60,6 +62,10 @@ FUSED: list[tuple[tuple[str, ...], str]] = [
 # the default model's Q8_0 head, where 4 bits would not.
 HEAD_QUANTIZATION: Quantization = "int8"
 
+# A tied model's embedding reads its rows from a dot8 head that holds the file's table exactly
+# (``tied_embedding.py``), instead of keeping a second copy; False keeps the copy (tests compare).
+TIED_FROM_HEAD = True
+
 
 def rename(name: str, table: list[tuple[str, str]]) -> str | None:
     for pattern, repl in table:
@@ -79,7 +85,8 @@ def _concat(parts: list[Weight]) -> Weight:
 
 def stream_module_names(canonical: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
     """Canonical HF names -> our parameter names, concatenating fused projections as soon as their
-    last part arrives, so a checkpoint streams through with only a layer's parts held at once."""
+    last part arrives, so a checkpoint streams through with only a layer's parts held at once. The
+    parts' portable entries are emptied once concatenated (``to_module_names`` passes copies)."""
     pending: dict[str, dict[str, Weight]] = {}
     for name, tensor in canonical:
         short = name.removeprefix("model.")
@@ -91,7 +98,15 @@ def stream_module_names(canonical: Iterable[tuple[str, Weight]]) -> Iterator[tup
                 pending.setdefault(key, {})[hit] = tensor
                 if len(pending[key]) == len(parts):
                     got = pending.pop(key)
-                    yield key, _concat([got[p] for p in parts])
+                    trim_heap(collect=False)  # the parts' reading temporaries, back before the concatenation
+                    whole = _concat([got[p] for p in parts])
+                    for part in got.values():  # consumed: their tensors go before the fused layer is built,
+                        if isinstance(part, dict):  # though the stream below may still hold the entries
+                            part.clear()
+                    del got, tensor
+                    trim_heap(collect=False)  # and the parts, before the fused layer is built
+                    yield key, whole
+                    del whole  # and the fused source before the next tensor is read
                 break
         else:
             yield short, tensor
@@ -100,8 +115,8 @@ def stream_module_names(canonical: Iterable[tuple[str, Weight]]) -> Iterator[tup
 
 
 def to_module_names(canonical: dict[str, Weight]) -> dict[str, Weight]:
-    """``stream_module_names`` over a whole state dict."""
-    return dict(stream_module_names(canonical.items()))
+    """``stream_module_names`` over a whole state dict (left as it is)."""
+    return dict(stream_module_names((k, dict(v) if isinstance(v, dict) else v) for k, v in canonical.items()))
 
 
 def _quantize_into(model: Transformer, weights: Iterable[tuple[str, Weight]], fmt: Quantization,
@@ -110,6 +125,9 @@ def _quantize_into(model: Transformer, weights: Iterable[tuple[str, Weight]], fm
     as its weight (and bias) arrives from ``weights`` and its source tensors then dropped: a checkpoint
     streams through with one layer's source held at once beside the model being built.
 
+    A tied model's table (``config.tie_word_embeddings``) becomes its dot8 head on arrival and its
+    embedding reads the head's rows (``tied_embedding.py``); elsewhere the embedding keeps a table.
+
     Returns the new modules' tensors, by name, for the strict load, the other entries (norms), and
     whether the checkpoint had no head of its own (tied to the embedding).
     """
@@ -117,7 +135,10 @@ def _quantize_into(model: Transformer, weights: Iterable[tuple[str, Weight]], fm
     done: dict[str, torch.Tensor] = {}
     rest: dict[str, Weight] = {}
     waiting: dict[str, dict[str, Weight]] = {}
-    built = 0
+    # A tied table becomes the dot8 head as soon as it arrives, its source dropped: one table is held
+    # through the stream instead of the source until the end and then the head beside it.
+    early = TIED_FROM_HEAD and model.config.tie_word_embeddings and fmt in DOT8_DIGITS
+    head: nn.Module | None = None
 
     def place(name: str, module: nn.Module) -> None:
         if "." in name:
@@ -128,11 +149,17 @@ def _quantize_into(model: Transformer, weights: Iterable[tuple[str, Weight]], fm
 
     for name, weight in weights:
         module, _, leaf = name.rpartition(".")
+        if (early and name == "embed_tokens.weight" and isinstance(weight, dict)
+                and weight["qweight"].shape[1] % GROUP == 0):
+            head = head_linear(weight, fmt, dtype, device)
+            del weight
+            continue
         if module not in linears or leaf not in ("weight", "bias"):
             rest[name] = weight
             continue
         got = waiting.setdefault(module, {})
         got[leaf] = weight
+        del weight  # the source goes as soon as its layer is built, before the next one is read
         if "weight" in got and ("bias" in got or not linears[module]):
             got = waiting.pop(module)
             bias = None if got.get("bias") is None else got["bias"].to(device)
@@ -140,15 +167,25 @@ def _quantize_into(model: Transformer, weights: Iterable[tuple[str, Weight]], fm
             place(module, to_linear(w, fmt, bias, dtype, device) if isinstance(w, dict)
                   else float_to_linear(w.to(device), bias, fmt, dtype))
             del got, w
-            built += 1
-            if built % 8 == 0:
-                trim_heap(collect=False)  # the freed sources and packing temporaries, back as we go
+            trim_heap(collect=False)  # the freed sources and packing temporaries, back before the next layer
     if waiting:
         raise ValueError(f"linear layers without their weights in the checkpoint: {sorted(waiting)[:4]}")
+    if head is not None:  # the table arrived and is packed as the head
+        if "lm_head.weight" in rest:  # a head of its own after all: the table is the embedding's alone
+            place("embed_tokens", QuantEmbedding.from_portable({k: v.to(device) for k, v in head.portable().items()},
+                                                              dtype))
+            place("lm_head", head_linear(rest.pop("lm_head.weight"), fmt, dtype, device))
+            return done, rest, False
+        place("lm_head", head)
+        model.embed_tokens = HeadRowsEmbedding(head, dtype)
+        return done, rest, True
     emb = rest.pop("embed_tokens.weight")
     tied = "lm_head.weight" not in rest
     place("lm_head", head_linear(rest.pop("lm_head.weight", emb), fmt, dtype, device))
-    if isinstance(emb, dict):  # a GGUF table: its int8 groups as they are (Q8_0, Q6_K ...), else quantized again
+    shared = tied_embedding(model.lm_head, emb, dtype) if tied and TIED_FROM_HEAD else None
+    if shared is not None:  # one table: the lookup reads the head's packed rows (tied_embedding.py)
+        model.embed_tokens = shared
+    elif isinstance(emb, dict):  # a GGUF table: its int8 groups as they are (Q8_0, Q6_K ...), else quantized again
         place("embed_tokens", QuantEmbedding.from_portable({k: v.to(device) for k, v in emb.items()}, dtype))
     else:
         place("embed_tokens", QuantEmbedding.from_float(emb.to(device), dtype))
@@ -204,14 +241,35 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+# The format's dtype names (a file with another is read through ``safe_open``).
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+
+
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor, one file after another, in name order within a file (a module's tensors are then
-    next to each other). Each is a copy: a tensor safetensors returns shares the file's memory map, and
-    one kept in the model (a norm) would keep the whole file's pages resident."""
+    next to each other). Each is read from the file into memory of its own: no memory map, whose pages
+    count in the process's resident memory while the file is open (up to a shard, 64 MB, at the peak
+    of a load) and would need a copy besides (a tensor kept in the model, a norm, would keep them)."""
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in sorted(f.keys()):
-                yield name, f.get_tensor(name).clone()
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+            header.pop("__metadata__", None)
+            if any(info["dtype"] not in SAFETENSORS_DTYPES for info in header.values()):
+                with safe_open(str(file), framework="pt") as g:
+                    for name in sorted(g.keys()):
+                        yield name, g.get_tensor(name).clone()
+                continue
+            for name in sorted(header):
+                info = header[name]
+                begin, end = info["data_offsets"]
+                raw = torch.empty(end - begin, dtype=torch.uint8)
+                f.seek(8 + size + begin)
+                if f.readinto(raw.numpy()) != end - begin:
+                    raise ValueError(f"{file}: {name} runs past the end of the file")
+                yield name, raw.view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
 def iter_weights(path: Path) -> Iterator[tuple[str, Weight]]:

@@ -332,8 +332,10 @@ def load_model(path: Path | str, *, name: str | None = None, dtype: torch.dtype 
     if quantization == "auto":
         quantization = stored_quantization(source)
     config = ModelConfig.from_hf(raw)
-    model = build(config, load_hf_state(source, config), dtype, device, quantization)
+    # The tokenizer first: parsing a large vocabulary (Gemma's 262k tokens) briefly takes hundreds of
+    # MB, which would otherwise come on top of the loaded weights at the load's peak.
     tokenizer = Tokenizer.from_hf_dir(source)
+    model = build(config, load_hf_state(source, config), dtype, device, quantization)
     if tokenizer.chat_template is None:  # a file without one: the family's own turn format
         tokenizer.chat_template = family(config.family).chat_template
     return LoadedModel(name=name or (path.stem if path.is_file() else path.name), path=path,

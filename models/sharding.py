@@ -45,6 +45,7 @@ from torch import nn
 
 from .adapter import LoRA, MaskedEmbedding
 from .quant import GROUP, Dot8Linear, Int4Linear, Int8Linear, QuantEmbedding, W8A8Linear
+from .tied_embedding import HeadRowsEmbedding
 from .transformer import Attention, DecoderLayer, SwiGLU, Transformer
 
 
@@ -239,9 +240,9 @@ class Sharder:
         self.shard = shard
         # id(module) -> (module, its shard); the module is held so its id is not reused meanwhile.
         # Drop the sharder when done: it keeps the unsharded modules alive.
-        self.memo: dict[tuple[int, bool], tuple[nn.Module, nn.Module]] = {}
+        self.memo: dict[tuple[int, bool | str], tuple[nn.Module, nn.Module]] = {}
 
-    def once(self, old: nn.Module, make, variant: bool = False) -> nn.Module:
+    def once(self, old: nn.Module, make, variant: bool | str = False) -> nn.Module:
         key = (id(old), variant)
         if key not in self.memo:
             new = make(old)
@@ -305,7 +306,9 @@ class Sharder:
         lo, hi = span(split_sizes(vocab, self.shard.world), self.shard.rank)
 
         def make(m: nn.Module) -> nn.Module:
-            if isinstance(m, QuantEmbedding):
+            if isinstance(m, HeadRowsEmbedding):  # reads this rank's rows of the head, the head's shard
+                local = HeadRowsEmbedding(self.vocab_rows(m.head, vocab), m.dtype)
+            elif isinstance(m, QuantEmbedding):
                 local = QuantEmbedding(m.qweight[lo:hi].clone(), m.scales[lo:hi].clone(), m.dtype)
             elif isinstance(m, nn.Embedding):
                 local = nn.Embedding(hi - lo, m.embedding_dim, device="meta")
@@ -323,8 +326,14 @@ class Sharder:
             local = nn.Linear(emb.weight.shape[1], hi - lo, bias=False, device="meta")
             local.weight = emb.weight
             return VocabParallelHead(local, sizes, self.shard.group)
-        return self.once(model.lm_head,
-                         lambda m: VocabParallelHead(take_rows(m, torch.arange(lo, hi)), sizes, self.shard.group))
+        vocab = model.config.vocab_size
+        return self.once(model.lm_head, lambda m: VocabParallelHead(self.vocab_rows(m, vocab), sizes, self.shard.group))
+
+    def vocab_rows(self, head: nn.Module, vocab: int) -> nn.Module:
+        """This rank's vocabulary rows of an output head: one module for the head and for a tied
+        embedding that reads the head's rows (``HeadRowsEmbedding``)."""
+        lo, hi = span(split_sizes(vocab, self.shard.world), self.shard.rank)
+        return self.once(head, lambda m: take_rows(m, torch.arange(lo, hi)), variant="vocab")
 
     def __call__(self, model: Transformer) -> Transformer:
         """Shard ``model`` in place (its layers, embedding and head) and return it."""
