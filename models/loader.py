@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import shutil
 import tempfile
 import time
@@ -146,6 +147,22 @@ def gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, Weight]]:
             parts = {k: unpermute_rope(v, heads) for k, v in parts.items()}
         tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in parts.items()}
         yield name, tensors.pop("w") if "w" in tensors else tensors
+        _drop_pages(reader, t)
+
+
+def _drop_pages(reader, tensor) -> None:
+    """Let go of the file pages a converted tensor was read from: a memory map's pages count in the
+    process's resident memory until it is closed, so a whole GGUF would be resident by the end of
+    its conversion. Pages read again later come back from the file."""
+    mapped = getattr(reader.data, "_mmap", None)
+    if mapped is None or not hasattr(mapped, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = tensor.data_offset - tensor.data_offset % mmap.PAGESIZE
+    end = min(tensor.data_offset + tensor.n_bytes, len(mapped))
+    try:
+        mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError):  # a platform that refuses: the pages stay until the map closes
+        pass
 
 
 def hf_config_dict(config: ModelConfig) -> dict:
