@@ -427,13 +427,14 @@ class Service:
         return results
 
     def route(self, model: ServedModel, body: SamplingFields, decoder: str | None, *, infill: bool = False,
-              structured: bool = False) -> Route:
+              structured: bool = False, agent: bool = False) -> Route:
         """Route a request whose client asked for ``decoder`` (body field, else header; None: the
-        policy's default). ``infill``: it has a suffix to fill up to."""
+        policy's default). ``infill``: it has a suffix to fill up to; ``agent``: a chat turn with
+        tools offered or tool calls and results in it."""
         route = self.router.route(model.name, model.decoders, decoder, priority=body.priority,
                                   latency_budget_ms=body.latency_budget_ms, n=body.n,
                                   infill=infill and model.native_infill, structured=structured,
-                                  traits=model.traits, fim=infill and not model.native_infill)
+                                  traits=model.traits, fim=infill and not model.native_infill, agent=agent)
         if body.draft and route.traits.drafts and body.draft not in route.traits.drafts:
             raise bad_request(f"draft {body.draft!r} names a draft model that {model.name!r} does not load; its "
                               f"{route.decoder} decoder drafts with: {', '.join(route.traits.drafts)}", "draft",

@@ -34,6 +34,13 @@ ALL = ["ar", "eagle", "diffusion"]
     (ALL, "auto", {"structured": True}, "ar"),
     (ALL, "auto", {"structured": True, "priority": "high_value"}, "ar"),
     (ALL, None, {"priority": "interactive"}, "diffusion"),
+    # an agent turn: lossless speculation drafts what it copies, latency-bound or not
+    (ALL, "auto", {"agent": True}, "eagle"),
+    (ALL, "auto", {"agent": True, "priority": "interactive"}, "eagle"),
+    (ALL, "auto", {"agent": True, "n": 3}, "ar"),
+    (ALL, "auto", {"agent": True, "structured": True}, "ar"),
+    (["ar", "diffusion"], "auto", {"agent": True, "priority": "interactive"}, "diffusion"),
+    (ALL, "ar", {"agent": True}, "ar"),
     # what is loaded limits the choice
     (["ar"], "auto", {"priority": "interactive"}, "ar"),
     (["ar", "eagle"], "auto", {"priority": "interactive"}, "eagle"),

@@ -111,6 +111,23 @@ def test_streamed_tool_call_deltas(client, decoder):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+def test_an_agent_turn_routes_to_lossless_speculation(client):
+    """Tools offered (no grammar: the model may answer in text) or a tool's result in the
+    conversation: ``auto`` picks eagle, whose suffix drafts verify the input the answer copies."""
+    tool_result = [{"role": "user", "content": "Weather in Oslo?"},
+                   {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": json.dumps({"city": "Oslo", "unit": "C"})}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": json.dumps({"temperature": 4, "sky": "rain"})}]
+    for kw in ({"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": TOOLS},
+               {"messages": tool_result}):
+        r = client.chat.completions.with_raw_response.create(model=MODEL, max_tokens=8, temperature=0, **kw)
+        assert r.headers["x-dualserve-decoder"] == "eagle", r.headers["x-dualserve-route-reason"]
+        assert r.headers["x-dualserve-route-reason"].startswith("agent turn")
+    plain = client.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=8, temperature=0, messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    assert not plain.headers["x-dualserve-route-reason"].startswith("agent turn")
+
+
 def test_tool_choice_naming_an_unknown_function_is_a_400(client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
