@@ -275,6 +275,37 @@ def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: t
         _end_build(work)
 
 
+def traced_sources(module: torch.nn.Module, *extra: object) -> list[object]:
+    """What a graph of ``module`` is traced from, for ``package_key``: the project's modules that
+    define its submodules' classes (by name), then ``extra`` (the step's own classes)."""
+    return [*sorted({inspect.getmodule(type(m)) for m in module.modules()
+                     if type(m).__module__.startswith("dualserve.")}, key=lambda m: m.__name__), *extra]
+
+
+def load_or_build(module: torch.nn.Module, path: Path, inputs: Callable[[int], tuple[torch.Tensor, ...]],
+                  dynamic: tuple[dict[int, object], ...], inductor: dict[str, object], *, example: int,
+                  checks: Sequence[int], tolerance: float, inductor_cache: Path | None = None,
+                  announce: Callable[[], None] = lambda: None,
+                  progress: Callable[[float], None] | None = None) -> tuple[PackagedGraph, str]:
+    """``module``'s package at ``path``, loaded, or built there first (``build`` on ``inputs(example)``,
+    after ``announce()``), and used only once it matches the eager module on ``inputs(n)`` for each n
+    of ``checks`` (``matches`` at ``tolerance``). Returns the graph and how it came: "loaded" or "built"."""
+    how = "loaded"
+    if not path.exists():
+        announce()
+        build(module, inputs(example), dynamic, path, inductor, inductor_cache=inductor_cache, progress=progress)
+        how = "built"
+    mark_used(path)
+    graph = PackagedGraph(path, module)
+    with torch.inference_mode():
+        for n in checks:
+            step = inputs(n)
+            problem = matches(graph(*step), module(*step), tolerance)
+            if problem:
+                raise RuntimeError(f"the package {path.name} does not match the eager forward: {problem}")
+    return graph, how
+
+
 def _wait(child: subprocess.Popen, progress: Callable[[float], None] | None) -> tuple[str, str]:
     """The child's output once it exits, reporting the time elapsed while it runs."""
     start = time.monotonic()

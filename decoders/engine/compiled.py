@@ -44,7 +44,6 @@ the queue ("graph 2 of 4") and its time; a build also logs its elapsed time whil
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
@@ -411,35 +410,23 @@ class CompiledStep:
         shape, aux = key
         module = ForwardWithFeatures(self.model, aux, shape.chunks, self.attend_kernel)
         # The code the graph is traced from: the model's own modules, and the step's classes here.
-        sources = [*sorted({inspect.getmodule(type(m)) for m in self.model.modules()
-                            if type(m).__module__.startswith("dualserve.")}, key=lambda m: m.__name__),
-                   PaddedPagedAttention, ForwardWithFeatures]
+        sources = aoti.traced_sources(self.model, PaddedPagedAttention, ForwardWithFeatures)
         # A rows graph calls the attention kernel where it is built, and loading a package that calls
         # it needs the kernels' library loaded first (a model without dot8 layers has not loaded it).
         uses_kernel = self.attend_kernel and kernels.available()
         digest = aoti.package_key(self.model, sources, self.cache.dtype, shape, aux, sorted(PACKAGE_INDUCTOR.items()),
                                   uses_kernel, kernels.library_path().name if kernels.available() else None)
         path = self.package_dir / f"step-{shape.name.replace('/', '-')}-{digest}.pt2"
-        how = "loaded"
-        if not path.exists():
-            log.info("building the %s forward%s in a child process: once per host and model, minutes on a "
-                     "small CPU; its steps run eagerly until it is ready", shape.name, where)
-            aoti.build(module, self._inputs(shape, 5), shape.dynamic_dims(), path, PACKAGE_INDUCTOR,
-                       inductor_cache=self.cache_dir,
-                       progress=lambda s: log.info("building the %s forward%s: %.0f s so far", shape.name, where, s))
-            how = "built"
-        aoti.mark_used(path)
-        graph = aoti.PackagedGraph(path, module)
         # A model computed by the project's ops alone must match bit for bit (docs/numerics.md): a
         # package that does not would answer differently from the eager steps it replaces.
         tolerance = 0.0 if bit_exact(self.model, self.attend_kernel) else 0.2
-        with torch.inference_mode():
-            for n in (3, 6):
-                inputs = self._inputs(shape, n)
-                problem = aoti.matches(graph(*inputs), module(*inputs), tolerance)
-                if problem:
-                    raise RuntimeError(f"the package {path.name} does not match the eager forward: {problem}")
-        return graph, how
+        return aoti.load_or_build(
+            module, path, lambda n: self._inputs(shape, n), shape.dynamic_dims(), PACKAGE_INDUCTOR, example=5,
+            checks=(3, 6), tolerance=tolerance, inductor_cache=self.cache_dir,
+            announce=lambda: log.info("building the %s forward%s in a child process: once per host and model, "
+                                      "minutes on a small CPU; its steps run eagerly until it is ready",
+                                      shape.name, where),
+            progress=lambda s: log.info("building the %s forward%s: %.0f s so far", shape.name, where, s))
 
     def _torch_compile(self, key: tuple[StepShape, tuple[int, ...]]) -> Callable[..., Sequence[torch.Tensor]]:
         # Every CompiledStep traces the same ``forward`` code object, and dynamo caps the graphs

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from dualserve.clients import write_gguf as wg
+from tiny_gguf import trimmed
 
 QUANTS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1")
 TINY = {"llama": dict(arch="llama", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128),
@@ -34,22 +35,6 @@ TINY_K = dict(arch="qwen2", hidden=256, layers=2, heads=4, kv_heads=2, head_dim=
 def shape(arch: str, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
           tied: bool = True) -> wg.Shape:
     return wg.Shape(arch, hidden, layers, heads, kv_heads, head_dim, ffn, 10000.0, 1e-6, 256, tied)
-
-
-def trimmed(fields: list[wg.MetaField], n: int = 512) -> list[wg.MetaField]:
-    """The first ``n`` tokens and the merges among them: a valid BPE vocabulary small enough that a
-    reader parses it in milliseconds (the full one takes seconds, in every reader, each time)."""
-    meta = {f.key: f.value for f in fields}
-    keep = set(meta["tokenizer.ggml.tokens"][:n])
-    merges = [m for m in meta["tokenizer.ggml.merges"] if (lambda a, b: {a, b, a + b} <= keep)(*m.split(" "))]
-    out = []
-    for f in fields:
-        if f.key == "tokenizer.ggml.merges":
-            f = wg.MetaField(f.key, merges, f.vtype, f.sub_type)
-        elif f.sub_type is not None and len(f.value) == len(meta["tokenizer.ggml.tokens"]):
-            f = wg.MetaField(f.key, f.value[:n], f.vtype, f.sub_type)  # tokens, token types, scores
-        out.append(f)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ import torch
 from dualserve.models import kernels
 from dualserve.models.quant import Dot8Linear, quantize_int4
 
+from dot8_child import run_in_child
+
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the dot8 kernel")
 
 
@@ -109,10 +111,6 @@ def test_the_kernel_library_is_cached_by_source() -> None:
 @pytest.mark.parametrize("path", ["avx2", "scalar"])
 def test_the_narrower_paths_a_host_may_take_give_the_same_bits(tmp_path, path: str) -> None:
     """Run in a child with DUALSERVE_DOT8_PATH forcing the path an AVX2-only host takes."""
-    import os
-    import subprocess
-    import sys
-
     torch.manual_seed(4)
     from dualserve.models.adapter import LoRA
     layers = {bits: Dot8Linear.from_float(torch.randn(72, 96) * 0.05, bits=bits) for bits in (4, 8)}
@@ -121,19 +119,10 @@ def test_the_narrower_paths_a_host_may_take_give_the_same_bits(tmp_path, path: s
     layers["lora"] = LoRA.from_factors(layers[4], torch.randn(32, 96) * 0.05, torch.randn(72, 32) * 0.05, 2.0)
     assert layers["lora"].fused
     x = torch.randn(11, 96)
-    torch.save({"layers": layers, "x": x}, tmp_path / "job.pt")
-    code = ("import sys, torch; from dualserve.models import kernels; kernels.available(); "
-            "job = torch.load(sys.argv[1], weights_only=False); "
-            "torch.save({b: l(job['x']) for b, l in job['layers'].items()}, sys.argv[2]); "
-            "print(kernels.code_path())")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "job.pt"), str(tmp_path / "out.pt")],
-                          env={**os.environ, "DUALSERVE_DOT8_PATH": path}, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    took = done.stdout.split()[-1]
+    took, got = run_in_child(tmp_path, layers, x, {"DUALSERVE_DOT8_PATH": path})
     if path == "avx2" and took != "avx2":
         pytest.skip(f"this CPU has no AVX2 (took {took})")
     assert took == path
-    got = torch.load(tmp_path / "out.pt")
     for bits, layer in layers.items():
         assert torch.equal(got[bits], layer(x)), bits
 
@@ -221,10 +210,6 @@ def test_narrow_weights_give_the_int8_representations_bits(bits: int, minimum: b
 
 def test_the_avx2_path_gives_the_int8_representations_bits(tmp_path) -> None:
     """Every 5- and 6-bit kind and its int8 twin, in a child forced onto the AVX2 path."""
-    import os
-    import subprocess
-    import sys
-
     layers = {}
     for bits, minimum, mult in NARROW:
         parts = narrow_entry(bits, minimum, mult, out=72, inp=256, seed=9)
@@ -233,17 +218,9 @@ def test_the_avx2_path_gives_the_int8_representations_bits(tmp_path) -> None:
             layers[f"{bits}/{minimum}/{mult}/{digits}/int8"] = as_int8(parts, digits)
     torch.manual_seed(6)
     x = torch.randn(9, 256)
-    torch.save({"layers": layers, "x": x}, tmp_path / "job.pt")
-    code = ("import sys, torch; from dualserve.models import kernels; kernels.available(); "
-            "job = torch.load(sys.argv[1], weights_only=False); x = job['x']; "
-            "torch.save({k: [l(x[:r]) for r in (1, 3, 8, 9)] for k, l in job['layers'].items()}, sys.argv[2]); "
-            "print(kernels.code_path())")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "job.pt"), str(tmp_path / "out.pt")],
-                          env={**os.environ, "DUALSERVE_DOT8_PATH": "avx2"}, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    if done.stdout.split()[-1] != "avx2":
+    took, got = run_in_child(tmp_path, layers, x, {"DUALSERVE_DOT8_PATH": "avx2"}, rows=(1, 3, 8, 9))
+    if took != "avx2":
         pytest.skip("this CPU has no AVX2")
-    got = torch.load(tmp_path / "out.pt")
     for name, layer in layers.items():
         want = layer(x)
         for rows, y in zip((1, 3, 8, 9), got[name]):

@@ -11,6 +11,7 @@ import torch
 from dualserve.models import kernels
 from dualserve.models.quant import Dot8Linear
 
+from dot8_child import run_in_child
 from test_dot8 import NARROW, narrow_entry
 
 VNNI, AMX = 2, 3  # force_scalar values
@@ -104,20 +105,11 @@ def test_a_projection_with_its_adapter_on_amx() -> None:
 @pytest.mark.parametrize("setting,want", [("0", 0), ("1", 1)])
 def test_the_environment_turns_amx_off_or_on_from_any_row_count(tmp_path, setting: str, want: int) -> None:
     """DUALSERVE_DOT8_AMX (read once, in a child): 0 keeps dot8 off AMX, N takes it from N rows."""
-    import os
-    import subprocess
-    import sys
-
     torch.manual_seed(11)
     layer = Dot8Linear.from_float(torch.randn(72, 96) * 0.05, digits=2)
     x = torch.randn(5, 96)
-    torch.save({"layer": layer, "x": x}, tmp_path / "job.pt")
-    code = ("import sys, torch; from dualserve.models import kernels; kernels.available(); "
-            "job = torch.load(sys.argv[1], weights_only=False); "
-            "torch.save([job['layer'](job['x'][:r]) for r in (1, 5)], sys.argv[2]); print(kernels.amx_from())")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "job.pt"), str(tmp_path / "out.pt")],
-                          env={**os.environ, "DUALSERVE_DOT8_AMX": setting}, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert int(done.stdout.split()[-1]) == want
-    got = torch.load(tmp_path / "out.pt")
+    said, out = run_in_child(tmp_path, {"layer": layer}, x, {"DUALSERVE_DOT8_AMX": setting}, rows=(1, 5),
+                             report="amx_from")
+    assert int(said) == want
+    got = out["layer"]
     assert all(torch.equal(y, layer(x[:r])) for y, r in zip(got, (1, 5)))

@@ -13,6 +13,8 @@ from dualserve.models import kernels
 from dualserve.models.portable import GGUF_PACKED, concat_portable, dequantize_portable, gguf_blocks, portable_kind
 from dualserve.models.quant import Dot8Linear, Int4Linear, QuantEmbedding, head_linear, to_linear
 
+from dot8_child import run_in_child
+
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the dot8 kernel")
 
 # Per type: the byte offsets of its fp16 fields, and the field's typical size (weights of about
@@ -122,28 +124,15 @@ def test_multipliers_beyond_exact_integer_sums_are_refused() -> None:
 @pytest.mark.parametrize("path", ["avx2", "scalar"])
 def test_the_narrower_paths_a_host_may_take_give_the_same_bits(tmp_path, path: str) -> None:
     """Every packed type, one and two digits, in a child forced onto the path an AVX2-only host takes."""
-    import os
-    import subprocess
-    import sys
-
     layers = {f"{kind}/{digits}": Dot8Linear.from_portable(gguf_blocks(random_rows(kind, 72, 256, seed=4), kind),
                                                            digits=digits)
               for kind in GGUF_PACKED for digits in (1, 2)}
     torch.manual_seed(4)
     x = torch.randn(11, 256)
-    torch.save({"layers": layers, "x": x}, tmp_path / "job.pt")
-    code = ("import sys, torch; from dualserve.models import kernels; kernels.available(); "
-            "job = torch.load(sys.argv[1], weights_only=False); "
-            "torch.save({k: l(job['x']) for k, l in job['layers'].items()}, sys.argv[2]); "
-            "print(kernels.code_path())")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "job.pt"), str(tmp_path / "out.pt")],
-                          env={**os.environ, "DUALSERVE_DOT8_PATH": path}, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    took = done.stdout.split()[-1]
+    took, got = run_in_child(tmp_path, layers, x, {"DUALSERVE_DOT8_PATH": path})
     if path == "avx2" and took != "avx2":
         pytest.skip(f"this CPU has no AVX2 (took {took})")
     assert took == path
-    got = torch.load(tmp_path / "out.pt")
     for name, layer in layers.items():
         assert torch.equal(got[name], layer(x)), name
 

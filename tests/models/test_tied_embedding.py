@@ -19,28 +19,12 @@ from dualserve.models.quant import Dot8Linear, QuantEmbedding
 from dualserve.models.tied_embedding import HeadRowsEmbedding, head_rows
 
 from test_dot8_gguf import random_rows
+from tiny_gguf import trimmed
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the dot8 kernel")
 
 TINY = dict(arch="llama", hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=512)  # K-quant rows: 256s
 PROMPT = [1, 17, 300, 5, 42, 511, 7, 8]
-
-
-def trimmed(fields: list, n: int = 512) -> list:
-    """The first ``n`` tokens and the merges among them (a vocabulary a reader parses in milliseconds)."""
-    from dualserve.clients import write_gguf as wg
-
-    meta = {f.key: f.value for f in fields}
-    keep = set(meta["tokenizer.ggml.tokens"][:n])
-    merges = [m for m in meta["tokenizer.ggml.merges"] if (lambda a, b: {a, b, a + b} <= keep)(*m.split(" "))]
-    out = []
-    for f in fields:
-        if f.key == "tokenizer.ggml.merges":
-            f = wg.MetaField(f.key, merges, f.vtype, f.sub_type)
-        elif f.sub_type is not None and len(f.value) == len(meta["tokenizer.ggml.tokens"]):
-            f = wg.MetaField(f.key, f.value[:n], f.vtype, f.sub_type)
-        out.append(f)
-    return out
 
 
 @pytest.fixture(scope="module")
