@@ -30,50 +30,60 @@ inline float exp_scalar(float x) {
 
 
 #if defined(__x86_64__)
+// exp_scalar's steps on 16 lanes (x <= 0).
+__attribute__((target("avx512f"))) inline __m512 exp512(__m512 v) {
+  v = _mm512_max_ps(v, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_setzero_ps(), k), _mm512_set1_ps(LN2_HI), v);
+  r = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_setzero_ps(), k), _mm512_set1_ps(LN2_LO), r);
+  __m512 p = _mm512_set1_ps(P0);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P5));
+  __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
 __attribute__((target("avx512f")))
 inline void exp_avx512(float* x, int64_t n) {  // in place, x <= 0
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    __m512 v = _mm512_max_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_set1_ps(-87.0f));
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_setzero_ps(), k), _mm512_set1_ps(LN2_HI), v);
-    r = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_setzero_ps(), k), _mm512_set1_ps(LN2_LO), r);
-    __m512 p = _mm512_set1_ps(P0);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P5));
-    __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    _mm512_mask_storeu_ps(x + i, m, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+    _mm512_mask_storeu_ps(x + i, m, exp512(_mm512_maskz_loadu_ps(m, x + i)));
   }
 }
 
 #endif
 
 #if defined(__x86_64__)
+// exp_scalar's steps on 8 lanes (x <= 0).
+__attribute__((target("avx2,fma"))) inline __m256 exp256(__m256 v) {
+  v = _mm256_max_ps(v, _mm256_set1_ps(-87.0f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), k), _mm256_set1_ps(LN2_HI), v);
+  r = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), k), _mm256_set1_ps(LN2_LO), r);
+  __m256 p = _mm256_set1_ps(P0);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P5));
+  __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
 __attribute__((target("avx2,fma")))
 inline void exp_avx2(float* x, int64_t n) {  // in place, x <= 0; exp_scalar's steps
   for (int64_t i = 0; i < n; i += 8) {
     const int64_t left = n - i;
     alignas(32) float buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     std::memcpy(buf, x + i, sizeof(float) * (left >= 8 ? 8 : left));
-    __m256 v = _mm256_max_ps(_mm256_load_ps(buf), _mm256_set1_ps(-87.0f));
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), k), _mm256_set1_ps(LN2_HI), v);
-    r = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), k), _mm256_set1_ps(LN2_LO), r);
-    __m256 p = _mm256_set1_ps(P0);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P5));
-    __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
-    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    _mm256_store_ps(buf, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+    _mm256_store_ps(buf, exp256(_mm256_load_ps(buf)));
     std::memcpy(x + i, buf, sizeof(float) * (left >= 8 ? 8 : left));
   }
 }

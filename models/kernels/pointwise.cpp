@@ -75,7 +75,47 @@ void exp_neg_abs(float* e, int64_t n, int64_t force) {
   for (int64_t i = 0; i < n; ++i) e[i] = exp_scalar(e[i]);
 }
 
-// silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|): 1 / (1 + e) for g >= 0, e / (1 + e) below.
+// silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|): 1 / (1 + e) for g >= 0, e / (1 + e) below;
+// y = (g * sigmoid) * u. The vector forms make the same IEEE operations (a division is correctly
+// rounded on every path), so every path gives the same bits.
+void silu_row_scalar(const float* g, const float* u, float* y, int64_t n, int64_t force) {
+  std::vector<float> e(g, g + n);
+  exp_neg_abs(e.data(), n, force);
+  for (int64_t j = 0; j < n; ++j) {
+    const float sig = g[j] >= 0.f ? 1.0f / (1.0f + e[j]) : e[j] / (1.0f + e[j]);
+    y[j] = (g[j] * sig) * u[j];
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) void silu_row_avx512(const float* g, const float* u, float* y, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __m512 gv = _mm512_maskz_loadu_ps(m, g + j);
+    const __m512 e = exp512(_mm512_castsi512_ps(  // -|g|
+        _mm512_or_si512(_mm512_castps_si512(gv), _mm512_set1_epi32(int(0x80000000u)))));
+    const __mmask16 pos = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ);
+    const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(pos, e, one), _mm512_add_ps(one, e));
+    _mm512_mask_storeu_ps(y + j, m, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_maskz_loadu_ps(m, u + j)));
+  }
+}
+
+__attribute__((target("avx2,fma"))) void silu_row_avx2(const float* g, const float* u, float* y, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + j);
+    const __m256 e = exp256(_mm256_or_ps(gv, sign));  // -|g|
+    const __m256 pos = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_GE_OQ);
+    const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(e, one, pos), _mm256_add_ps(one, e));
+    _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + j)));
+  }
+  if (j < n) silu_row_scalar(g + j, u + j, y + j, n - j, 2);
+}
+#endif
+
 at::Tensor silu_mul(const at::Tensor& gu, int64_t force_scalar) {
   TORCH_CHECK(gu.scalar_type() == at::kFloat, "silu_mul: fp32 only");
   TORCH_CHECK(gu.size(-1) % 2 == 0, "silu_mul: the last dimension must hold gate and up");
@@ -86,18 +126,25 @@ at::Tensor silu_mul(const at::Tensor& gu, int64_t force_scalar) {
   at::Tensor out = at::empty(shape, gu.options());
   const float* px = xc.data_ptr<float>();
   float* py = out.data_ptr<float>();
+#if defined(__x86_64__)
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
   at::parallel_for(0, M, GRAIN, [&](int64_t begin, int64_t end) {
-    std::vector<float> e(inner);
     for (int64_t r = begin; r < end; ++r) {
       const float* g = px + r * width;
-      const float* u = g + inner;
-      std::memcpy(e.data(), g, sizeof(float) * inner);
-      exp_neg_abs(e.data(), inner, force_scalar);
       float* y = py + r * inner;
-      for (int64_t j = 0; j < inner; ++j) {
-        const float sig = g[j] >= 0.f ? 1.0f / (1.0f + e[j]) : e[j] / (1.0f + e[j]);
-        y[j] = (g[j] * sig) * u[j];
+#if defined(__x86_64__)
+      if (avx512 && force_scalar == 0) {
+        silu_row_avx512(g, g + inner, y, inner);
+        continue;
       }
+      if (avx2 && force_scalar != 1) {
+        silu_row_avx2(g, g + inner, y, inner);
+        continue;
+      }
+#endif
+      silu_row_scalar(g, g + inner, y, inner, force_scalar);
     }
   });
   return out;
