@@ -437,8 +437,9 @@ def _child(job: str, package: str, parent: str | None = None) -> None:
     """``build``'s child process: the saved job, exported and compiled into ``package``. The job is
     deleted once read; a package not finished is deleted on the way out; and when ``parent`` exits
     first (killed), the build's directory goes with this process."""
+    work = Path(job).parent
     if parent is not None:
-        _exit_with(int(parent), Path(job).parent)
+        _exit_with(int(parent), work)
     done = False
     try:
         spec = torch.load(job, weights_only=False)
@@ -449,6 +450,10 @@ def _child(job: str, package: str, parent: str | None = None) -> None:
     finally:
         if not done:
             Path(package).unlink(missing_ok=True)
+        # This thread may end the process (an error, say its job removed by the watch) while the
+        # watch is still removing the directory; interpreter exit would stop the watch half-way.
+        if parent is not None and os.name == "posix" and os.getppid() != int(parent):
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def _exit_with(parent: int, work: Path) -> None:
@@ -459,7 +464,7 @@ def _exit_with(parent: int, work: Path) -> None:
 
     def watch() -> None:
         while os.getppid() == parent:
-            time.sleep(1.0)
+            time.sleep(0.25)
         shutil.rmtree(work, ignore_errors=True)
         os._exit(1)
 

@@ -60,7 +60,7 @@ def gone(pid: int) -> bool:
         return True
 
 
-def until(condition, seconds: float = 30.0) -> bool:
+def until(condition, seconds: float = 60.0) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if condition():
