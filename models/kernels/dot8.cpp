@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -223,10 +224,10 @@ void product_digits(const Weights& w, const Acts& acts, int64_t M, int64_t digit
     product(w, acts, M, n, y, force_scalar);
     return;
   }
-  std::vector<float> parts(M * digits * n);
-  product(w, acts, M * digits, n, parts.data(), force_scalar);
+  std::unique_ptr<float[]> parts(new float[M * digits * n]);  // every entry written by product
+  product(w, acts, M * digits, n, parts.get(), force_scalar);
   for (int64_t r = 0; r < M; ++r) {
-    const float* p = parts.data() + r * digits * n;
+    const float* p = parts.get() + r * digits * n;
     float* out = y + r * n;
     for (int64_t c = 0; c < n; ++c) out[c] = p[c];
     for (int64_t k = 1; k < digits; ++k)

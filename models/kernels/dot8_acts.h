@@ -20,46 +20,17 @@ inline void quantize_group_scalar(const float* v, int8_t* a, float* sx, int32_t*
   *sum = total;
 }
 
-#ifdef DOT8_X86
-__attribute__((target("avx512f,avx512bw")))
-void quantize_group_avx512(const float* v, int8_t* a, float* sx, int32_t* sum) {
-  const __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-  const float s = amax / 127.f;
-  *sx = s;
-  if (!(s > 0.f)) {
-    std::memset(a, 0, GROUP);
-    *sum = 0;
-    return;
-  }
-  const __m512 vs = _mm512_set1_ps(s);
-  const __m512i q0 = _mm512_cvtps_epi32(_mm512_div_ps(x0, vs)), q1 = _mm512_cvtps_epi32(_mm512_div_ps(x1, vs));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm512_cvtsepi32_epi8(q0));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(a + 16), _mm512_cvtsepi32_epi8(q1));
-  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-}
-#endif
-
 // One group as ``digits`` int8 digits: digit k quantizes what the digits before it left over
 // (x - a0 sx0 - a1 sx1 ...), each with its own scale, so two digits carry about 15 bits of the
 // group (the residual is within half a step of the first digit, 1/254 of the group's range).
 // The residual is computed in the same fp32 operations on every path (contraction is off).
 inline void quantize_digits(const float* f, int64_t digits, int8_t* a, float* sx, int32_t* sum, int64_t stride_a,
-                            int64_t stride_s, bool wide) {
+                            int64_t stride_s) {
   float rest[GROUP];
   const float* v = f;
   for (int64_t k = 0; k < digits; ++k) {
     int8_t* ak = a + k * stride_a;
-#ifdef DOT8_X86
-    if (wide) {
-      quantize_group_avx512(v, ak, sx + k * stride_s, sum + k * stride_s);
-    } else {
-      quantize_group_scalar(v, ak, sx + k * stride_s, sum + k * stride_s);
-    }
-#else
-    (void)wide;
     quantize_group_scalar(v, ak, sx + k * stride_s, sum + k * stride_s);
-#endif
     if (k + 1 < digits) {
       const float s = sx[k * stride_s];
       for (int i = 0; i < GROUP; ++i) rest[i] = v[i] - float(ak[i]) * s;
@@ -68,56 +39,128 @@ inline void quantize_digits(const float* f, int64_t digits, int8_t* a, float* sx
   }
 }
 
-// Row r's digit k is quantized row r * digits + k: a row's digits sit side by side, and every
-// quantized row is computed alone, so nothing depends on how many rows came together.
-template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int64_t digits, int8_t* a, float* sx, int32_t* sum, bool simd) {
-  const int64_t G = K / GROUP;
 #ifdef DOT8_X86
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  const bool wide = avx512 && simd;
-#else
-  const bool wide = false;
-#endif
-  float v[GROUP];
-  for (int64_t r = 0; r < M; ++r) {
-    for (int64_t g = 0; g < G; ++g) {
-      const T* xg = x + r * K + g * GROUP;
-      const float* f;
-      if constexpr (std::is_same_v<T, float>) {
-        f = xg;
-      } else {
-        for (int i = 0; i < GROUP; ++i) v[i] = static_cast<float>(xg[i]);
-        f = v;
-      }
-      const int64_t row = r * digits;
-      quantize_digits(f, digits, a + row * K + g * GROUP, sx + row * G + g, sum + row * G + g, K, G, wide);
-    }
+// 16 values of x as fp32: a bf16 is the high half of its float, so the widening is exact.
+template <typename T>
+__attribute__((target("avx512f,avx512bw"))) inline __m512 load16_ps(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
 }
 
-// x's rows quantized to int8 groups of 32, with what every tile function reads.
+// One group's ``digits`` digits with the residual kept in registers: quantize_digits' operations
+// on 16 lanes (the maximum, one division per value, rounding to nearest even, the residual
+// x - float(a) * s with a the stored int8), so the same bits; also writes each digit's float sum, 128 * sum and, with ``halves``, the sums of
+// the group's two halves (and 128 times them).
+template <typename T>
+__attribute__((target("avx512f,avx512bw"))) void quantize_group_digits_avx512(
+    const T* xg, int64_t digits, int8_t* a, float* sx, int32_t* sum, float* fsum, int32_t* sum128,
+    int32_t* half, int32_t* half128, int64_t stride_a, int64_t stride_s, bool halves) {
+  __m512 x0 = load16_ps(xg), x1 = load16_ps(xg + 16);
+  for (int64_t k = 0; k < digits; ++k) {
+    int8_t* ak = a + k * stride_a;
+    const int64_t i = k * stride_s;
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float s = amax / 127.f;
+    sx[i] = s;
+    int32_t total = 0, first = 0;
+    __m128i a0 = _mm_setzero_si128(), a1 = _mm_setzero_si128();
+    if (s > 0.f) {
+      const __m512 vs = _mm512_set1_ps(s);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_div_ps(x0, vs)), q1 = _mm512_cvtps_epi32(_mm512_div_ps(x1, vs));
+      a0 = _mm512_cvtsepi32_epi8(q0);
+      a1 = _mm512_cvtsepi32_epi8(q1);
+      total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(ak), a0);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(ak + 16), a1);
+    sum[i] = total;
+    fsum[i] = float(total);
+    sum128[i] = 128 * total;
+    if (halves) {  // from the stored digits, as the scalar path counts them
+      first = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(a0));
+      half[2 * i] = first;
+      half[2 * i + 1] = total - first;
+      half128[2 * i] = 128 * first;
+      half128[2 * i + 1] = 128 * (total - first);
+    }
+    if (k + 1 < digits) {
+      const __m512 vs = _mm512_set1_ps(s);
+      x0 = _mm512_sub_ps(x0, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a0)), vs));
+      x1 = _mm512_sub_ps(x1, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a1)), vs));
+    }
+  }
+}
+#endif
+
+// x's rows quantized to int8 groups of 32, with what every tile function reads. Row r's digit k is
+// quantized row r * digits + k: a row's digits sit side by side, and every quantized row is
+// computed alone, so nothing depends on how many rows came together or which thread quantized it.
+// The buffers are left uninitialized: every entry read is written.
 struct Quantized {
-  std::vector<int8_t> a;
-  std::vector<float> sx, fsum;
-  std::vector<int32_t> sum, sum128, half, half128;
+  std::unique_ptr<int8_t[]> a;
+  std::unique_ptr<float[]> sx, fsum;
+  std::unique_ptr<int32_t[]> sum, sum128, half, half128;
   int64_t K, G;
 
   // M rows of x, each as ``digits`` quantized rows (quantize_digits). ``halves``: also the sums
   // of each group's two halves (read for weights stored with an offset and multipliers per half).
   template <typename T>
   Quantized(const T* x, int64_t M, int64_t K_, bool simd, int64_t digits = 1, bool halves = false)
-      : a(M * digits * K_), sx(M * digits * (K_ / GROUP)), fsum(M * digits * (K_ / GROUP)),
-        sum(M * digits * (K_ / GROUP)), sum128(M * digits * (K_ / GROUP)), K(K_), G(K_ / GROUP) {
-    quantize_rows(x, M, K, digits, a.data(), sx.data(), sum.data(), simd);
-    for (int64_t i = 0; i < M * digits * G; ++i) {
+      : K(K_), G(K_ / GROUP) {
+    const int64_t rows = M * digits, n = rows * G;
+    a.reset(new int8_t[rows * K]);
+    sx.reset(new float[n]);
+    fsum.reset(new float[n]);
+    sum.reset(new int32_t[n]);
+    sum128.reset(new int32_t[n]);
+    if (halves) {
+      half.reset(new int32_t[2 * n]);
+      half128.reset(new int32_t[2 * n]);
+    }
+#ifdef DOT8_X86
+    static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    if (avx512 && simd) {
+      // Groups are independent: a large activation is split between the threads.
+      const int64_t grain = M * G * digits * GROUP < (int64_t(1) << 14) ? M * G : 64;
+      at::parallel_for(0, M * G, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t r = i / G, g = i % G, row = r * digits;
+          quantize_group_digits_avx512(x + r * K + g * GROUP, digits, a.get() + row * K + g * GROUP,
+                                       sx.get() + row * G + g, sum.get() + row * G + g, fsum.get() + row * G + g,
+                                       sum128.get() + row * G + g, halves ? half.get() + 2 * (row * G + g) : nullptr,
+                                       halves ? half128.get() + 2 * (row * G + g) : nullptr, K, G, halves);
+        }
+      });
+      return;
+    }
+#endif
+    (void)simd;
+    float v[GROUP];
+    for (int64_t r = 0; r < M; ++r) {
+      for (int64_t g = 0; g < G; ++g) {
+        const T* xg = x + r * K + g * GROUP;
+        const float* f;
+        if constexpr (std::is_same_v<T, float>) {
+          f = xg;
+        } else {
+          for (int i = 0; i < GROUP; ++i) v[i] = static_cast<float>(xg[i]);
+          f = v;
+        }
+        const int64_t row = r * digits;
+        quantize_digits(f, digits, a.get() + row * K + g * GROUP, sx.get() + row * G + g, sum.get() + row * G + g,
+                        K, G);
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
       fsum[i] = float(sum[i]);
       sum128[i] = 128 * sum[i];
     }
     if (halves) {
-      half.resize(2 * M * digits * G);
-      half128.resize(2 * M * digits * G);
-      for (int64_t i = 0; i < M * digits * G; ++i) {
+      for (int64_t i = 0; i < n; ++i) {
         int32_t first = 0;
         for (int k = 0; k < GROUP / 2; ++k) first += a[i * GROUP + k];
         half[2 * i] = first;
@@ -128,6 +171,6 @@ struct Quantized {
     }
   }
   Acts acts() const {
-    return Acts{a.data(), sx.data(), sum.data(), fsum.data(), sum128.data(), K, G, half128.data(), half.data()};
+    return Acts{a.get(), sx.get(), sum.get(), fsum.get(), sum128.get(), K, G, half128.get(), half.get()};
   }
 };

@@ -67,12 +67,20 @@ def test_dot8_computes_the_documented_sum(bits: int, rows: int, digits: int) -> 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_code_path_gives_the_same_bits(bits: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("digits", [1, 2, 3])
+@pytest.mark.parametrize("rows,width", [(11, 160), (24, 1536)])  # the second is quantized on both threads
+def test_every_code_path_gives_the_same_bits(bits: int, dtype: torch.dtype, digits: int, rows: int, width: int) -> None:
     torch.manual_seed(2)
-    layer = Dot8Linear.from_float(torch.randn(200, 160) * 0.05, bits=bits)
-    x = torch.randn(11, 160).to(dtype).contiguous()
-    args = (layer.packed, layer.d, layer.m, 200, bits)
-    assert torch.equal(torch.ops.dualserve.dot8_linear(x, *args), torch.ops.dualserve.dot8_linear(x, *args, 1))
+    layer = Dot8Linear.from_float(torch.randn(40, width) * 0.05, bits=bits)
+    x = torch.randn(rows, width)
+    x[1, :32] = 0            # a group of zeros
+    x[2, 32:64] = 1e-30      # and one whose second digit is all zero
+    x[3] *= 1e4
+    x = x.to(dtype).contiguous()
+    args = (layer.packed, layer.d, layer.m, 40, bits)
+    want = torch.ops.dualserve.dot8_linear(x, *args, 1, digits)
+    for force in (0, 2, 3):
+        assert torch.equal(torch.ops.dualserve.dot8_linear(x, *args, force, digits), want), force
     assert kernels.code_path() in ("avx512_vnni", "avx2", "scalar")
 
 
