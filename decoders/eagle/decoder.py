@@ -254,9 +254,11 @@ class EagleDecoder:
         items = [self._item(s, trees.get(id(s.request))) for s in batch]
         final, aux = self.runner.forward(items, aux_layers=self.aux_layers)
         num_tokens = sum(len(it.token_ids) for it in items)
+        known = self._path_logits(batch, items, trees, final)
+        # A verify's cost is its forward and the output head over the rows it will likely accept
+        # (a plain step's, like ``ar``'s, is one row): a bigger tree pays for both.
         if all(id(s.request) in trees for s in batch):  # decode steps only
             self.budget.verified(num_tokens, time.perf_counter() - started)
-        known = self._path_logits(batch, items, trees, final)
         offset, emitted = 0, 0
         for s, item in zip(batch, items):
             n = len(item.token_ids)
