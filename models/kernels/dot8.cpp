@@ -134,14 +134,20 @@ int amx_from(int64_t force_scalar) {
   return from;
 }
 
+// The quantizer of the code path: plain C on the scalar path (or a CPU with neither vector unit).
+Quantizer quantizer(int64_t force_scalar) {
+  const std::string name = path(force_scalar).name;
+  return name == "avx512_vnni" ? Quantizer::AVX512 : name == "avx2" ? Quantizer::AVX2 : Quantizer::SCALAR;
+}
+
 // ``halves``: the weight has multipliers per half group and an offset, so its dots need each half
 // group's activation sum.
 Quantized quantize(const at::Tensor& x, int64_t force_scalar, int64_t digits, bool halves) {
   TORCH_CHECK(digits >= 1 && digits <= 3, "dot8: digits must be 1, 2 or 3");
   const int64_t M = x.size(0), K = x.size(1);
-  const bool simd = force_scalar != 1;
-  if (x.scalar_type() == at::kFloat) return Quantized(x.data_ptr<float>(), M, K, simd, digits, halves);
-  return Quantized(x.data_ptr<c10::BFloat16>(), M, K, simd, digits, halves);
+  const Quantizer how = quantizer(force_scalar);
+  if (x.scalar_type() == at::kFloat) return Quantized(x.data_ptr<float>(), M, K, how, digits, halves);
+  return Quantized(x.data_ptr<c10::BFloat16>(), M, K, how, digits, halves);
 }
 
 bool needs_halves(const Weights& w) { return w.s && w.s_per == 2 && offset_of(w.bits, w.minimum) != 0; }
@@ -279,7 +285,7 @@ at::Tensor dot8_lora(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   product_digits(w, qx.acts(), M, digits, n, y, force_scalar);
   std::vector<float> ax(M * rank), up(M * n);
   product_digits(wa, qx.acts(), M, digits, rank, ax.data(), force_scalar);
-  const Quantized qa_x(ax.data(), M, rank, force_scalar != 1, digits);
+  const Quantized qa_x(ax.data(), M, rank, quantizer(force_scalar), digits);
   product_digits(wb, qa_x.acts(), M, digits, n, up.data(), force_scalar);
   for (int64_t i = 0; i < M * n; ++i) y[i] += up[i];
   return out;

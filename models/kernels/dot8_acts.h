@@ -94,7 +94,79 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_group_digits_avx512(
     }
   }
 }
+
+// 8 values of x as fp32 (load16_ps on 8 lanes).
+template <typename T>
+__attribute__((target("avx2"))) inline __m256 load8_ps(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+__attribute__((target("avx2"))) inline int32_t hsum8_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// quantize_group_digits_avx512 on 8 lanes, for AVX2 CPUs: the same operations, so the same bits.
+template <typename T>
+__attribute__((target("avx2"))) void quantize_group_digits_avx2(
+    const T* xg, int64_t digits, int8_t* a, float* sx, int32_t* sum, float* fsum, int32_t* sum128,
+    int32_t* half, int32_t* half128, int64_t stride_a, int64_t stride_s, bool halves) {
+  __m256 x[4];
+  for (int j = 0; j < 4; ++j) x[j] = load8_ps(xg + 8 * j);
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t k = 0; k < digits; ++k) {
+    int8_t* ak = a + k * stride_a;
+    const int64_t i = k * stride_s;
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x[0], sign), _mm256_and_ps(x[1], sign)),
+                             _mm256_max_ps(_mm256_and_ps(x[2], sign), _mm256_and_ps(x[3], sign)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float s = _mm_cvtss_f32(m4) / 127.f;
+    sx[i] = s;
+    int32_t total = 0;
+    __m256i packed = _mm256_setzero_si256();  // the 32 digits, in order
+    if (s > 0.f) {
+      const __m256 vs = _mm256_set1_ps(s);
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_div_ps(x[j], vs));
+      // Saturating packs interleave the 128-bit lanes; the permutation puts the bytes back in order.
+      const __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
+      packed = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      total = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ak), packed);
+    sum[i] = total;
+    fsum[i] = float(total);
+    sum128[i] = 128 * total;
+    const __m128i lo16 = _mm256_castsi256_si128(packed), hi16 = _mm256_extracti128_si256(packed, 1);
+    if (halves) {
+      const int32_t first = hsum8_epi32(_mm256_add_epi32(_mm256_cvtepi8_epi32(lo16),
+                                                         _mm256_cvtepi8_epi32(_mm_srli_si128(lo16, 8))));
+      half[2 * i] = first;
+      half[2 * i + 1] = total - first;
+      half128[2 * i] = 128 * first;
+      half128[2 * i + 1] = 128 * (total - first);
+    }
+    if (k + 1 < digits) {
+      const __m256 vs = _mm256_set1_ps(s);
+      const __m128i parts[4] = {lo16, _mm_srli_si128(lo16, 8), hi16, _mm_srli_si128(hi16, 8)};
+      for (int j = 0; j < 4; ++j)
+        x[j] = _mm256_sub_ps(x[j], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[j])), vs));
+    }
+  }
+}
 #endif
+
+// How a product's activations are quantized: in plain C, or on the vector unit of its code path.
+enum class Quantizer { SCALAR, AVX2, AVX512 };
 
 // x's rows quantized to int8 groups of 32, with what every tile function reads. Row r's digit k is
 // quantized row r * digits + k: a row's digits sit side by side, and every quantized row is
@@ -109,7 +181,7 @@ struct Quantized {
   // M rows of x, each as ``digits`` quantized rows (quantize_digits). ``halves``: also the sums
   // of each group's two halves (read for weights stored with an offset and multipliers per half).
   template <typename T>
-  Quantized(const T* x, int64_t M, int64_t K_, bool simd, int64_t digits = 1, bool halves = false)
+  Quantized(const T* x, int64_t M, int64_t K_, Quantizer how, int64_t digits = 1, bool halves = false)
       : K(K_), G(K_ / GROUP) {
     const int64_t rows = M * digits, n = rows * G;
     a.reset(new int8_t[rows * K]);
@@ -122,23 +194,22 @@ struct Quantized {
       half128.reset(new int32_t[2 * n]);
     }
 #ifdef DOT8_X86
-    static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-    if (avx512 && simd) {
+    if (how != Quantizer::SCALAR) {
       // Groups are independent: a large activation is split between the threads.
       const int64_t grain = M * G * digits * GROUP < (int64_t(1) << 14) ? M * G : 64;
+      const auto group = how == Quantizer::AVX512 ? quantize_group_digits_avx512<T> : quantize_group_digits_avx2<T>;
       at::parallel_for(0, M * G, grain, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           const int64_t r = i / G, g = i % G, row = r * digits;
-          quantize_group_digits_avx512(x + r * K + g * GROUP, digits, a.get() + row * K + g * GROUP,
-                                       sx.get() + row * G + g, sum.get() + row * G + g, fsum.get() + row * G + g,
-                                       sum128.get() + row * G + g, halves ? half.get() + 2 * (row * G + g) : nullptr,
-                                       halves ? half128.get() + 2 * (row * G + g) : nullptr, K, G, halves);
+          group(x + r * K + g * GROUP, digits, a.get() + row * K + g * GROUP, sx.get() + row * G + g,
+                sum.get() + row * G + g, fsum.get() + row * G + g, sum128.get() + row * G + g,
+                halves ? half.get() + 2 * (row * G + g) : nullptr, halves ? half128.get() + 2 * (row * G + g) : nullptr,
+                K, G, halves);
         }
       });
       return;
     }
 #endif
-    (void)simd;
     float v[GROUP];
     for (int64_t r = 0; r < M; ++r) {
       for (int64_t g = 0; g < G; ++g) {

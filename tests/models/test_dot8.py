@@ -135,6 +135,24 @@ def test_the_narrower_paths_a_host_may_take_give_the_same_bits(tmp_path, path: s
         assert torch.equal(got[bits], layer(x)), bits
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_avx2_quantizer_gives_the_same_bits(tmp_path, dtype: torch.dtype) -> None:
+    """The AVX2 path's activation quantizer, in a child forced onto it, on one to three digits of wide
+    rows (quantized on both threads) with edge groups: the bits of this host's path."""
+    torch.manual_seed(6)
+    layers = {d: Dot8Linear.from_float(torch.randn(40, 1536) * 0.05, digits=d) for d in (1, 2, 3)}
+    x = torch.randn(24, 1536)
+    x[1, :32] = 0
+    x[2, 32:64] = 1e-30
+    x[3] *= 1e4
+    x = x.to(dtype)
+    took, got = run_in_child(tmp_path, layers, x, {"DUALSERVE_DOT8_PATH": "avx2"})
+    if took != "avx2":
+        pytest.skip(f"this CPU has no AVX2 (took {took})")
+    for digits, layer in layers.items():
+        assert torch.equal(got[digits], layer(x)), digits
+
+
 def test_describe_names_the_path_or_why_there_is_none(monkeypatch) -> None:
     line = kernels.describe()
     amx = f" + amx from {kernels.amx_from()} rows" if kernels.amx_from() else ""
