@@ -60,6 +60,48 @@ def test_lookup_pools_sources_and_refreshes_the_cache() -> None:
     assert short.lookup(one, one.tokens, 8, 8).tree.tokens == [4, 5]
 
 
+def test_the_cache_index_finds_what_matching_every_entry_finds() -> None:
+    """A lookup matches only the entries holding the context's last tokens: on random texts over a
+    small vocabulary, with evictions and refreshes, the drafts equal those of matching every entry
+    (in LRU order, as the lookup pools them)."""
+    import math
+    import random
+
+    from dualserve.decoders.eagle.suffix import SuffixDraft, continuation_tree as trie
+
+    rng = random.Random(3)
+    cfg = SuffixConfig(cache_entries=40, cache_tokens=3000)
+    source = SuffixSource(cfg)
+
+    def every_entry(own: TokenIndex, context: list[int], limit: int) -> SuffixDraft:
+        found = [(own, own.match(context, cfg), None)]
+        found += [(e, e.match(context, cfg), key) for key, e in source.cache.entries.items()]
+        best = max(m.length for _, m, _ in found)
+        if best == 0:
+            return SuffixDraft(DraftTree([context[-1]], [-1]), 0)
+        depth = min(limit, cfg.max_depth, math.ceil(cfg.spec_factor * best))
+        conts, keys = [], []
+        for index, m, key in found:
+            if m.length == best:
+                conts += [index.continuation(p, depth) for p in m.starts]
+                keys += [key] if key is not None else []
+        return SuffixDraft(trie(context[-1], conts, limit, cfg.min_prob), best, tuple(keys))
+
+    checked = 0
+    for step in range(300):
+        source.cache.add([rng.randrange(12) for _ in range(rng.randrange(2, 120))])
+        if step % 7 == 0 and source.cache.entries:
+            source.cache.touch(rng.choice(list(source.cache.entries)))
+        context = [rng.randrange(12) for _ in range(rng.randrange(1, 40))]
+        own = TokenIndex(context)
+        got, want = source.lookup(own, context, 16, 16), every_entry(own, context, 16)
+        assert (got.tree.tokens, got.tree.parents, got.match_length, got.cache_keys) == \
+            (want.tree.tokens, want.tree.parents, want.match_length, want.cache_keys), step
+        checked += bool(want.cache_keys)
+    assert checked > 100  # most lookups drew from the cache
+    assert len(source.cache.entries) <= 40 and source.cache.num_tokens <= 3000
+
+
 def test_cache_is_bounded_and_lru() -> None:
     cache = SuffixCache(SuffixConfig(cache_entries=3, cache_tokens=10))
     for i in range(3):
