@@ -149,8 +149,6 @@ class SuffixCache:
         self.num_tokens = 0
         self._next = 0
         self._holders: dict[tuple[int, ...], set[int]] = {}  # a token or pair -> the entries holding it
-        self._used: dict[int, int] = {}  # entry -> when it was added or last drafted from (the LRU order)
-        self._clock = 0
 
     def add(self, ids: Sequence[int]) -> None:
         ids = list(ids)[-self.config.cache_tokens:]
@@ -163,21 +161,18 @@ class SuffixCache:
         for k in CACHE_KEYS:
             for gram in entry.follows[k]:
                 self._holders.setdefault(gram, set()).add(key)
-        self._stamp(key)
         while len(self.entries) > self.config.cache_entries or self.num_tokens > self.config.cache_tokens:
             self.remove(next(iter(self.entries)))
 
     def touch(self, key: int) -> None:
         if key in self.entries:
             self.entries.move_to_end(key)
-            self._stamp(key)
 
     def remove(self, key: int) -> None:
         entry = self.entries.pop(key, None)
         if entry is None:
             return
         self.num_tokens -= len(entry)
-        self._used.pop(key, None)
         for k in CACHE_KEYS:
             for gram in entry.follows[k]:
                 holders = self._holders.get(gram)
@@ -189,14 +184,6 @@ class SuffixCache:
     def holding(self, gram: tuple[int, ...]) -> set[int]:
         """The entries that hold ``gram`` (a token or a pair of tokens, ``CACHE_KEYS``)."""
         return self._holders.get(gram, set())
-
-    def in_order(self, keys) -> list[int]:
-        """``keys`` in the entries' LRU order, least recently used first."""
-        return sorted(keys, key=self._used.__getitem__)
-
-    def _stamp(self, key: int) -> None:
-        self._clock += 1
-        self._used[key] = self._clock
 
 
 @dataclass
@@ -324,18 +311,16 @@ class SuffixSource:
         own), in LRU order: the same as matching every entry, where an entry that does not hold the
         context's last k tokens matches fewer than k. The entries holding its last pair are matched
         first; those holding only its last token, only when no match reached two tokens."""
-        cfg, matched, seen = self.config, [], set()
+        cfg, matched = self.config, {}
         for k in CACHE_KEYS:
             if len(context) < k:
                 continue
-            for key in self.cache.holding(tuple(context[-k:])) - seen:
-                seen.add(key)
-                entry = self.cache.entries[key]
-                m = entry.match(context, cfg)
-                if m.length:
-                    matched.append((key, entry, m))
-                    best = max(best, m.length)
+            for key in self.cache.holding(tuple(context[-k:])) - matched.keys():
+                matched[key] = m = self.cache.entries[key].match(context, cfg)
+                best = max(best, m.length)
             if best >= k:
                 break
-        order = {key: i for i, key in enumerate(self.cache.in_order(key for key, _, _ in matched))}
-        return [(entry, m, key) for key, entry, m in sorted(matched, key=lambda t: order[t[0]])]
+        if not matched:
+            return []
+        return [(entry, matched[key], key) for key, entry in self.cache.entries.items()
+                if key in matched and matched[key].length]

@@ -65,6 +65,7 @@ struct Path {
   const char* name;
   const TileFn* fn;  // by Kind
   int rows;
+  Quantizer quantizer;  // how the path's activations are quantized
 };
 
 const Table<Scalar> SCALAR;
@@ -78,24 +79,24 @@ const Table<Avx2> AVX2;
 Path pick_path() {
   const char* want = std::getenv("DUALSERVE_DOT8_PATH");
   const std::string forced = want ? want : "";
-  if (forced == "scalar") return {"scalar", SCALAR.fn, MAX_ROWS};
+  if (forced == "scalar") return {"scalar", SCALAR.fn, MAX_ROWS, Quantizer::SCALAR};
 #ifdef DOT8_X86
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (avx2 && forced == "avx2") return {"avx2", AVX2.fn, AVX2_ROWS};
+  if (avx2 && forced == "avx2") return {"avx2", AVX2.fn, AVX2_ROWS, Quantizer::AVX2};
   if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vnni"))
-    return {"avx512_vnni", AVX512.fn, MAX_ROWS};
-  if (avx2) return {"avx2", AVX2.fn, AVX2_ROWS};
+    return {"avx512_vnni", AVX512.fn, MAX_ROWS, Quantizer::AVX512};
+  if (avx2) return {"avx2", AVX2.fn, AVX2_ROWS, Quantizer::AVX2};
 #endif
-  return {"scalar", SCALAR.fn, MAX_ROWS};
+  return {"scalar", SCALAR.fn, MAX_ROWS, Quantizer::SCALAR};
 }
 
 // force_scalar: 0 the best path for the row count, 1 plain C, 2 the vector path without AMX, 3 AMX
 // at every row count where the CPU has it (tests and benchmarks compare them).
 Path& path(int64_t force_scalar) {
   static Path best = pick_path();
-  static Path scalar = {"scalar", SCALAR.fn, MAX_ROWS};
+  static Path scalar = {"scalar", SCALAR.fn, MAX_ROWS, Quantizer::SCALAR};
   return force_scalar == 1 ? scalar : best;
 }
 
@@ -134,18 +135,12 @@ int amx_from(int64_t force_scalar) {
   return from;
 }
 
-// The quantizer of the code path: plain C on the scalar path (or a CPU with neither vector unit).
-Quantizer quantizer(int64_t force_scalar) {
-  const std::string name = path(force_scalar).name;
-  return name == "avx512_vnni" ? Quantizer::AVX512 : name == "avx2" ? Quantizer::AVX2 : Quantizer::SCALAR;
-}
-
 // ``halves``: the weight has multipliers per half group and an offset, so its dots need each half
 // group's activation sum.
 Quantized quantize(const at::Tensor& x, int64_t force_scalar, int64_t digits, bool halves) {
   TORCH_CHECK(digits >= 1 && digits <= 3, "dot8: digits must be 1, 2 or 3");
   const int64_t M = x.size(0), K = x.size(1);
-  const Quantizer how = quantizer(force_scalar);
+  const Quantizer how = path(force_scalar).quantizer;
   if (x.scalar_type() == at::kFloat) return Quantized(x.data_ptr<float>(), M, K, how, digits, halves);
   return Quantized(x.data_ptr<c10::BFloat16>(), M, K, how, digits, halves);
 }
@@ -285,7 +280,7 @@ at::Tensor dot8_lora(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   product_digits(w, qx.acts(), M, digits, n, y, force_scalar);
   std::vector<float> ax(M * rank), up(M * n);
   product_digits(wa, qx.acts(), M, digits, rank, ax.data(), force_scalar);
-  const Quantized qa_x(ax.data(), M, rank, quantizer(force_scalar), digits);
+  const Quantized qa_x(ax.data(), M, rank, path(force_scalar).quantizer, digits);
   product_digits(wb, qa_x.acts(), M, digits, n, up.data(), force_scalar);
   for (int64_t i = 0; i < M * n; ++i) y[i] += up[i];
   return out;

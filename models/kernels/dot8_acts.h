@@ -39,6 +39,46 @@ inline void quantize_digits(const float* f, int64_t digits, int8_t* a, float* sx
   }
 }
 
+// How a product's activations are quantized: in plain C, or on the vector unit of its code path.
+enum class Quantizer { SCALAR, AVX2, AVX512 };
+
+// Where one group's quantized digits go: digit k's int8 values at a + k * stride_a, its scale and
+// sums at index k * stride_s (with halves, the half sums at twice that index).
+struct GroupOut {
+  int8_t* a;
+  float *sx, *fsum;
+  int32_t *sum, *sum128, *half, *half128;  // half, half128: null without halves
+  int64_t stride_a, stride_s;
+
+  // Digit k's sum of digits (and of the first 16, read only with halves) and what follows from it.
+  void sums(int64_t k, int32_t total, int32_t first) const {
+    const int64_t i = k * stride_s;
+    sum[i] = total;
+    fsum[i] = float(total);
+    sum128[i] = 128 * total;
+    if (half) {
+      half[2 * i] = first;
+      half[2 * i + 1] = total - first;
+      half128[2 * i] = 128 * first;
+      half128[2 * i + 1] = 128 * (total - first);
+    }
+  }
+};
+
+// A group in plain C: quantize_digits on the widened values, then each digit's sums.
+template <typename T>
+void quantize_group_digits_scalar(const T* xg, int64_t digits, const GroupOut& o) {
+  float v[GROUP];
+  for (int i = 0; i < GROUP; ++i) v[i] = static_cast<float>(xg[i]);
+  quantize_digits(v, digits, o.a, o.sx, o.sum, o.stride_a, o.stride_s);
+  for (int64_t k = 0; k < digits; ++k) {
+    int32_t first = 0;
+    if (o.half)
+      for (int i = 0; i < GROUP / 2; ++i) first += o.a[k * o.stride_a + i];
+    o.sums(k, o.sum[k * o.stride_s], first);
+  }
+}
+
 #ifdef DOT8_X86
 // 16 values of x as fp32: a bf16 is the high half of its float, so the widening is exact.
 template <typename T>
@@ -53,20 +93,17 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512 load16_ps(const T* p) 
 
 // One group's ``digits`` digits with the residual kept in registers: quantize_digits' operations
 // on 16 lanes (the maximum, one division per value, rounding to nearest even, the residual
-// x - float(a) * s with a the stored int8), so the same bits; also writes each digit's float sum, 128 * sum and, with ``halves``, the sums of
-// the group's two halves (and 128 times them).
+// x - float(a) * s with a the stored int8), so the same bits.
 template <typename T>
-__attribute__((target("avx512f,avx512bw"))) void quantize_group_digits_avx512(
-    const T* xg, int64_t digits, int8_t* a, float* sx, int32_t* sum, float* fsum, int32_t* sum128,
-    int32_t* half, int32_t* half128, int64_t stride_a, int64_t stride_s, bool halves) {
+__attribute__((target("avx512f,avx512bw"))) void quantize_group_digits_avx512(const T* xg, int64_t digits,
+                                                                              const GroupOut& o) {
   __m512 x0 = load16_ps(xg), x1 = load16_ps(xg + 16);
   for (int64_t k = 0; k < digits; ++k) {
-    int8_t* ak = a + k * stride_a;
-    const int64_t i = k * stride_s;
+    int8_t* ak = o.a + k * o.stride_a;
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
     const float s = amax / 127.f;
-    sx[i] = s;
-    int32_t total = 0, first = 0;
+    o.sx[k * o.stride_s] = s;
+    int32_t total = 0;
     __m128i a0 = _mm_setzero_si128(), a1 = _mm_setzero_si128();
     if (s > 0.f) {
       const __m512 vs = _mm512_set1_ps(s);
@@ -77,16 +114,8 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_group_digits_avx512(
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(ak), a0);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(ak + 16), a1);
-    sum[i] = total;
-    fsum[i] = float(total);
-    sum128[i] = 128 * total;
-    if (halves) {  // from the stored digits, as the scalar path counts them
-      first = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(a0));
-      half[2 * i] = first;
-      half[2 * i + 1] = total - first;
-      half128[2 * i] = 128 * first;
-      half128[2 * i + 1] = 128 * (total - first);
-    }
+    // the first half's sum from the stored digits, as the scalar path counts them
+    o.sums(k, total, o.half ? _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(a0)) : 0);
     if (k + 1 < digits) {
       const __m512 vs = _mm512_set1_ps(s);
       x0 = _mm512_sub_ps(x0, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a0)), vs));
@@ -115,22 +144,19 @@ __attribute__((target("avx2"))) inline int32_t hsum8_epi32(__m256i v) {
 
 // quantize_group_digits_avx512 on 8 lanes, for AVX2 CPUs: the same operations, so the same bits.
 template <typename T>
-__attribute__((target("avx2"))) void quantize_group_digits_avx2(
-    const T* xg, int64_t digits, int8_t* a, float* sx, int32_t* sum, float* fsum, int32_t* sum128,
-    int32_t* half, int32_t* half128, int64_t stride_a, int64_t stride_s, bool halves) {
+__attribute__((target("avx2"))) void quantize_group_digits_avx2(const T* xg, int64_t digits, const GroupOut& o) {
   __m256 x[4];
   for (int j = 0; j < 4; ++j) x[j] = load8_ps(xg + 8 * j);
   const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t k = 0; k < digits; ++k) {
-    int8_t* ak = a + k * stride_a;
-    const int64_t i = k * stride_s;
+    int8_t* ak = o.a + k * o.stride_a;
     __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x[0], sign), _mm256_and_ps(x[1], sign)),
                              _mm256_max_ps(_mm256_and_ps(x[2], sign), _mm256_and_ps(x[3], sign)));
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float s = _mm_cvtss_f32(m4) / 127.f;
-    sx[i] = s;
+    o.sx[k * o.stride_s] = s;
     int32_t total = 0;
     __m256i packed = _mm256_setzero_si256();  // the 32 digits, in order
     if (s > 0.f) {
@@ -143,18 +169,10 @@ __attribute__((target("avx2"))) void quantize_group_digits_avx2(
       total = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(ak), packed);
-    sum[i] = total;
-    fsum[i] = float(total);
-    sum128[i] = 128 * total;
     const __m128i lo16 = _mm256_castsi256_si128(packed), hi16 = _mm256_extracti128_si256(packed, 1);
-    if (halves) {
-      const int32_t first = hsum8_epi32(_mm256_add_epi32(_mm256_cvtepi8_epi32(lo16),
-                                                         _mm256_cvtepi8_epi32(_mm_srli_si128(lo16, 8))));
-      half[2 * i] = first;
-      half[2 * i + 1] = total - first;
-      half128[2 * i] = 128 * first;
-      half128[2 * i + 1] = 128 * (total - first);
-    }
+    o.sums(k, total, o.half ? hsum8_epi32(_mm256_add_epi32(_mm256_cvtepi8_epi32(lo16),
+                                                           _mm256_cvtepi8_epi32(_mm_srli_si128(lo16, 8))))
+                            : 0);
     if (k + 1 < digits) {
       const __m256 vs = _mm256_set1_ps(s);
       const __m128i parts[4] = {lo16, _mm_srli_si128(lo16, 8), hi16, _mm_srli_si128(hi16, 8)};
@@ -164,9 +182,6 @@ __attribute__((target("avx2"))) void quantize_group_digits_avx2(
   }
 }
 #endif
-
-// How a product's activations are quantized: in plain C, or on the vector unit of its code path.
-enum class Quantizer { SCALAR, AVX2, AVX512 };
 
 // x's rows quantized to int8 groups of 32, with what every tile function reads. Row r's digit k is
 // quantized row r * digits + k: a row's digits sit side by side, and every quantized row is
@@ -193,53 +208,24 @@ struct Quantized {
       half.reset(new int32_t[2 * n]);
       half128.reset(new int32_t[2 * n]);
     }
+    void (*group)(const T*, int64_t, const GroupOut&) = quantize_group_digits_scalar<T>;
 #ifdef DOT8_X86
-    if (how != Quantizer::SCALAR) {
-      // Groups are independent: a large activation is split between the threads.
-      const int64_t grain = M * G * digits * GROUP < (int64_t(1) << 14) ? M * G : 64;
-      const auto group = how == Quantizer::AVX512 ? quantize_group_digits_avx512<T> : quantize_group_digits_avx2<T>;
-      at::parallel_for(0, M * G, grain, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          const int64_t r = i / G, g = i % G, row = r * digits;
-          group(x + r * K + g * GROUP, digits, a.get() + row * K + g * GROUP, sx.get() + row * G + g,
-                sum.get() + row * G + g, fsum.get() + row * G + g, sum128.get() + row * G + g,
-                halves ? half.get() + 2 * (row * G + g) : nullptr, halves ? half128.get() + 2 * (row * G + g) : nullptr,
-                K, G, halves);
-        }
-      });
-      return;
-    }
+    if (how == Quantizer::AVX512) group = quantize_group_digits_avx512<T>;
+    if (how == Quantizer::AVX2) group = quantize_group_digits_avx2<T>;
+#else
+    (void)how;
 #endif
-    float v[GROUP];
-    for (int64_t r = 0; r < M; ++r) {
-      for (int64_t g = 0; g < G; ++g) {
-        const T* xg = x + r * K + g * GROUP;
-        const float* f;
-        if constexpr (std::is_same_v<T, float>) {
-          f = xg;
-        } else {
-          for (int i = 0; i < GROUP; ++i) v[i] = static_cast<float>(xg[i]);
-          f = v;
-        }
-        const int64_t row = r * digits;
-        quantize_digits(f, digits, a.get() + row * K + g * GROUP, sx.get() + row * G + g, sum.get() + row * G + g,
-                        K, G);
+    // Groups are independent: a large activation is split between the threads.
+    const int64_t grain = M * G * digits * GROUP < (int64_t(1) << 14) ? M * G : 64;
+    at::parallel_for(0, M * G, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = i / G, g = i % G, q = r * digits * G + g;  // digit 0's index among the scales
+        const GroupOut o{a.get() + r * digits * K + g * GROUP, sx.get() + q, fsum.get() + q, sum.get() + q,
+                         sum128.get() + q, halves ? half.get() + 2 * q : nullptr,
+                         halves ? half128.get() + 2 * q : nullptr, K, G};
+        group(x + r * K + g * GROUP, digits, o);
       }
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      fsum[i] = float(sum[i]);
-      sum128[i] = 128 * sum[i];
-    }
-    if (halves) {
-      for (int64_t i = 0; i < n; ++i) {
-        int32_t first = 0;
-        for (int k = 0; k < GROUP / 2; ++k) first += a[i * GROUP + k];
-        half[2 * i] = first;
-        half[2 * i + 1] = sum[i] - first;
-        half128[2 * i] = 128 * first;
-        half128[2 * i + 1] = 128 * (sum[i] - first);
-      }
-    }
+    });
   }
   Acts acts() const {
     return Acts{a.get(), sx.get(), sum.get(), fsum.get(), sum128.get(), K, G, half128.get(), half.get()};
