@@ -205,20 +205,24 @@ def reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torc
               bits: int, digits: int = 1, scale_mult: torch.Tensor | None = None,
               zero_mult: torch.Tensor | None = None) -> torch.Tensor:
     """What ``dot8_linear`` computes, in float64 from the unpacked weight (for tests): per group
-    ``d * (s_lo dot_lo + s_hi dot_hi) + m * mn * asum`` (s, mn 1 without multipliers; m 0 without mins)."""
-    rest = x.float().view(x.shape[0], -1, GROUP)
+    ``sx * (d * (s_lo dot_lo + s_hi dot_hi) + m * mn * asum)`` (s, mn 1 without multipliers; m 0
+    without mins), the activations ``x ~ a sx`` with ``a`` one int8 digit, or with two digits the
+    integer ``16 a0 + a1`` and ``sx`` the second digit's scale, the first's / 16."""
+    if digits not in (1, 2):
+        raise ValueError("digits must be 1 or 2")
+    xg = x.float().view(x.shape[0], -1, GROUP)
+    sx = xg.abs().amax(-1) / 127
+    a = torch.where(sx[..., None] > 0, torch.round(xg / sx[..., None]), torch.zeros_like(xg))
+    if digits == 2:
+        rest = xg - a * sx[..., None]
+        sx = sx / 16
+        a = 16 * a + torch.where(sx[..., None] > 0, torch.round(rest / sx[..., None]), torch.zeros_like(rest))
+    a = a.double()
     d = scales.half().double()
     m = (torch.zeros_like(scales) if mins is None else mins).half().double()
     qg = q.double().view(q.shape[0], -1, 2, GROUP // 2)
     s = torch.ones(*d.shape, 2, dtype=torch.float64) if scale_mult is None else scale_mult.double()
     mn = torch.ones_like(d) if zero_mult is None else zero_mult.double()
-    total = 0
-    for _ in range(digits):
-        sx = rest.abs().amax(-1) / 127
-        a = torch.where(sx[..., None] > 0, torch.round(rest / sx[..., None]), torch.zeros_like(rest))
-        rest = rest - a * sx[..., None]
-        a = a.double()
-        dot = (torch.einsum("rghk,nghk->rngh", a.view(*a.shape[:2], 2, -1), qg) * s[None]).sum(-1)
-        y = dot * d[None] + m[None] * mn[None] * a.sum(-1)[:, None, :]
-        total = total + (y * sx.double()[:, None, :]).sum(-1)
-    return total
+    dot = (torch.einsum("rghk,nghk->rngh", a.view(*a.shape[:2], 2, -1), qg) * s[None]).sum(-1)
+    y = dot * d[None] + m[None] * mn[None] * a.sum(-1)[:, None, :]
+    return (y * sx.double()[:, None, :]).sum(-1)

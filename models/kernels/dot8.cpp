@@ -138,7 +138,7 @@ int amx_from(int64_t force_scalar) {
 // ``halves``: the weight has multipliers per half group and an offset, so its dots need each half
 // group's activation sum.
 Quantized quantize(const at::Tensor& x, int64_t force_scalar, int64_t digits, bool halves) {
-  TORCH_CHECK(digits >= 1 && digits <= 3, "dot8: digits must be 1, 2 or 3");
+  TORCH_CHECK(digits == 1 || digits == 2, "dot8: digits must be 1 or 2");
   const int64_t M = x.size(0), K = x.size(1);
   const Quantizer how = path(force_scalar).quantizer;
   if (x.scalar_type() == at::kFloat) return Quantized(x.data_ptr<float>(), M, K, how, digits, halves);
@@ -188,17 +188,21 @@ void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y,
   if (from && M >= from) {
     // Blocks of at most 16 rows, as even as they come; each thread configures its tiles for its
     // block's rows (the configuration is per thread) and releases them when done.
+    // Folded (two digits, int4: dot8_amx.h), a block is up to 16 tokens of two quantized rows, and
+    // its tiles are configured for the tokens.
     const TileFn afn = AMX.fn[kind_of(w)];
-    const int64_t blocks = (M + AMX_ROWS - 1) / AMX_ROWS, step = (M + blocks - 1) / blocks;
-    const bool halves = w.s && w.s_per == 2;
+    const bool halves = w.s && w.s_per == 2, folded = acts.fused && folds(w.bits, halves ? 2 : 0);
+    const int64_t most = folded ? 2 * AMX_ROWS : AMX_ROWS, blocks = (M + most - 1) / most;
+    const int64_t step = acts.fused ? ((M + blocks - 1) / blocks + 1) / 2 * 2 : (M + blocks - 1) / blocks;
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
       int configured = 0;
       for (int64_t t = begin; t < end; ++t) {
         const int valid = int(std::min<int64_t>(TILE, n - t * TILE));
         for (int64_t r0 = 0; r0 < M; r0 += step) {
           const int rows = int(std::min<int64_t>(step, M - r0));
-          if (rows != configured) amx_configure(configured = rows, halves);
-          afn(w, t, acts, r0, rows, y + r0 * n + t * TILE, n, valid);
+          const int tile_rows = folded ? rows / 2 : rows;
+          if (tile_rows != configured) amx_configure(configured = tile_rows, halves);
+          afn(w, t, acts, r0, rows, y + (acts.fused ? r0 / 2 : r0) * n + t * TILE, n, valid);
         }
       }
       if (configured) amx_release();
@@ -206,34 +210,24 @@ void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y,
     return;
   }
 #endif
+  // AVX-512 folds int4's two digits into one accumulator a token (tile_avx512_folded): 16 rows a block.
+  const int64_t block = acts.fused && w.bits == 4 && p.quantizer == Quantizer::AVX512 ? 2 * p.rows : p.rows;
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int valid = int(std::min<int64_t>(TILE, n - t * TILE));
-      for (int64_t r0 = 0; r0 < M; r0 += p.rows) {
-        const int rows = int(std::min<int64_t>(p.rows, M - r0));
-        fn(w, t, acts, r0, rows, y + r0 * n + t * TILE, n, valid);
+      for (int64_t r0 = 0; r0 < M; r0 += block) {
+        const int rows = int(std::min<int64_t>(block, M - r0));
+        fn(w, t, acts, r0, rows, y + (acts.fused ? r0 / 2 : r0) * n + t * TILE, n, valid);
       }
     }
   });
 }
 
-// y (M, n) = rows of ``digits`` quantized rows each times the weight: the digits' products are
-// added in digit order, in fp32, the same way for any M.
+// y (M, n) = x's M rows, quantized to ``digits`` quantized rows each, times the weight (two
+// digits: each output row from its pair of quantized rows, fused).
 void product_digits(const Weights& w, const Acts& acts, int64_t M, int64_t digits, int64_t n, float* y,
                     int64_t force_scalar) {
-  if (digits == 1) {
-    product(w, acts, M, n, y, force_scalar);
-    return;
-  }
-  std::unique_ptr<float[]> parts(new float[M * digits * n]);  // every entry written by product
-  product(w, acts, M * digits, n, parts.get(), force_scalar);
-  for (int64_t r = 0; r < M; ++r) {
-    const float* p = parts.get() + r * digits * n;
-    float* out = y + r * n;
-    for (int64_t c = 0; c < n; ++c) out[c] = p[c];
-    for (int64_t k = 1; k < digits; ++k)
-      for (int64_t c = 0; c < n; ++c) out[c] += p[k * n + c];
-  }
+  product(w, acts, M * digits, n, y, force_scalar);
 }
 
 void check_input(const at::Tensor& x, const char* what) {

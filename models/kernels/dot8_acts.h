@@ -6,31 +6,36 @@
 // Per row and group of 32: sx = max|x| / 127, a = round(x / sx) (ties to even), sum = sum a.
 // Every path divides (not multiplies by a reciprocal) and rounds in the default mode, so
 // they agree bit for bit.
-inline void quantize_group_scalar(const float* v, int8_t* a, float* sx, int32_t* sum) {
+// With ``tied`` the scale is given instead (a second digit's: the first's / 16).
+inline void quantize_group_scalar(const float* v, int8_t* a, float* sx, int32_t* sum, const float* tied = nullptr) {
   float amax = 0.f;
   for (int i = 0; i < GROUP; ++i) amax = std::fmax(amax, std::fabs(v[i]));
-  const float s = amax / 127.f;
+  const float s = tied ? *tied : amax / 127.f;
   int32_t total = 0;
   for (int i = 0; i < GROUP; ++i) {
     const int32_t qi = s > 0.f ? int32_t(std::nearbyint(v[i] / s)) : 0;
-    a[i] = int8_t(qi);
+    a[i] = int8_t(std::clamp(qi, -128, 127));  // saturated, as the vector paths store it
     total += qi;
   }
   *sx = s;
   *sum = total;
 }
 
-// One group as ``digits`` int8 digits: digit k quantizes what the digits before it left over
-// (x - a0 sx0 - a1 sx1 ...), each with its own scale, so two digits carry about 15 bits of the
-// group (the residual is within half a step of the first digit, 1/254 of the group's range).
+// One group as ``digits`` int8 digits (1 or 2). The first is llama.cpp's Q8 digit, sx = max|x| / 127.
+// The second quantizes what the first left over, x - a0 sx, on a scale TIED to the first,
+// sx / 16 (exact: a power of two), so |a1| <= 8 and x ~ (16 a0 + a1) sx / 16: about 12 bits of
+// the group, one integer per input that the tile functions sum exactly (dot8_tiles.h, "fused").
 // The residual is computed in the same fp32 operations on every path (contraction is off).
+constexpr float DIGIT_RADIX = 16.f;
+
 inline void quantize_digits(const float* f, int64_t digits, int8_t* a, float* sx, int32_t* sum, int64_t stride_a,
                             int64_t stride_s) {
   float rest[GROUP];
   const float* v = f;
   for (int64_t k = 0; k < digits; ++k) {
     int8_t* ak = a + k * stride_a;
-    quantize_group_scalar(v, ak, sx + k * stride_s, sum + k * stride_s);
+    const float tied = k ? sx[(k - 1) * stride_s] / DIGIT_RADIX : 0.f;
+    quantize_group_scalar(v, ak, sx + k * stride_s, sum + k * stride_s, k ? &tied : nullptr);
     if (k + 1 < digits) {
       const float s = sx[k * stride_s];
       for (int i = 0; i < GROUP; ++i) rest[i] = v[i] - float(ak[i]) * s;
@@ -50,11 +55,12 @@ struct GroupOut {
   int32_t *sum, *sum128, *half, *half128;  // half, half128: null without halves
   int64_t stride_a, stride_s;
 
-  // Digit k's sum of digits (and of the first 16, read only with halves) and what follows from it.
+  // Digit k's sum of digits (and of the first 16, read only with halves) and what follows from it;
+  // the second digit's fsum is the fused sum, 16 sum0 + sum1, which the tile functions read.
   void sums(int64_t k, int32_t total, int32_t first) const {
     const int64_t i = k * stride_s;
     sum[i] = total;
-    fsum[i] = float(total);
+    fsum[i] = float(k == 1 ? fuse(sum[0], total) : total);
     sum128[i] = 128 * total;
     if (half) {
       half[2 * i] = first;
@@ -101,7 +107,7 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_group_digits_avx512(co
   for (int64_t k = 0; k < digits; ++k) {
     int8_t* ak = o.a + k * o.stride_a;
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    const float s = amax / 127.f;
+    const float s = k ? o.sx[(k - 1) * o.stride_s] / DIGIT_RADIX : amax / 127.f;
     o.sx[k * o.stride_s] = s;
     int32_t total = 0;
     __m128i a0 = _mm_setzero_si128(), a1 = _mm_setzero_si128();
@@ -155,7 +161,7 @@ __attribute__((target("avx2"))) void quantize_group_digits_avx2(const T* xg, int
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float s = _mm_cvtss_f32(m4) / 127.f;
+    const float s = k ? o.sx[(k - 1) * o.stride_s] / DIGIT_RADIX : _mm_cvtss_f32(m4) / 127.f;
     o.sx[k * o.stride_s] = s;
     int32_t total = 0;
     __m256i packed = _mm256_setzero_si256();  // the 32 digits, in order
@@ -184,20 +190,21 @@ __attribute__((target("avx2"))) void quantize_group_digits_avx2(const T* xg, int
 #endif
 
 // x's rows quantized to int8 groups of 32, with what every tile function reads. Row r's digit k is
-// quantized row r * digits + k: a row's digits sit side by side, and every quantized row is
+// quantized row r * digits + k: a row's digits sit side by side (the tile functions fuse them), and
+// every quantized row is
 // computed alone, so nothing depends on how many rows came together or which thread quantized it.
 // The buffers are left uninitialized: every entry read is written.
 struct Quantized {
   std::unique_ptr<int8_t[]> a;
   std::unique_ptr<float[]> sx, fsum;
   std::unique_ptr<int32_t[]> sum, sum128, half, half128;
-  int64_t K, G;
+  int64_t K, G, digits;
 
   // M rows of x, each as ``digits`` quantized rows (quantize_digits). ``halves``: also the sums
   // of each group's two halves (read for weights stored with an offset and multipliers per half).
   template <typename T>
-  Quantized(const T* x, int64_t M, int64_t K_, Quantizer how, int64_t digits = 1, bool halves = false)
-      : K(K_), G(K_ / GROUP) {
+  Quantized(const T* x, int64_t M, int64_t K_, Quantizer how, int64_t digits_ = 1, bool halves = false)
+      : K(K_), G(K_ / GROUP), digits(digits_) {
     const int64_t rows = M * digits, n = rows * G;
     a.reset(new int8_t[rows * K]);
     sx.reset(new float[n]);
@@ -228,6 +235,6 @@ struct Quantized {
     });
   }
   Acts acts() const {
-    return Acts{a.get(), sx.get(), sum.get(), fsum.get(), sum128.get(), K, G, half128.get(), half.get()};
+    return Acts{a.get(), sx.get(), sum.get(), fsum.get(), sum128.get(), K, G, half128.get(), half.get(), digits == 2};
   }
 };

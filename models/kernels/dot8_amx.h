@@ -142,23 +142,35 @@ inline void amx_issue(const int8_t* a, int64_t lda, int64_t g, const int8_t* b, 
 }
 
 // The epilogue of tile_avx512_rows for group g, whose dots are at c, into the rows' sums y (in
-// registers: the loop unrolls over RB rows).
+// registers: the loop unrolls over RB rows); fused rows in pairs, as epilogue512.
 template <int RB, bool MIN, int MULT>
 __attribute__((target("avx512f,avx512bw,f16c,fma"), always_inline))
-inline void amx_epilogue(__m512* y, int rows, const Weights& w, int64_t t, int64_t g, const float* sx,
-                         const float* fsum, int64_t G, const int32_t* c) {
+inline void amx_epilogue(__m512* y, int rows, const Weights& w, int64_t t, int64_t g, const Acts& x, int64_t r0,
+                         const int32_t* c) {
   constexpr int HALF = AMX_ROWS * TILE;
+  const int32_t* hi = c + (MULT == 2 ? HALF : 0);
   const Scales512 p = scales512<MIN, MULT>(w, t, g);
-  __m512 s_lo = _mm512_setzero_ps();
-  if constexpr (MULT == 2)
-    s_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sg(t, g)))));
+  const __m512i none = _mm512_setzero_si512();
+  if (x.fused) {
 #pragma GCC unroll 16
-  for (int r = 0; r < RB; ++r) {
-    if (r < rows) {
-      __m512 lo = _mm512_setzero_ps();
-      if constexpr (MULT == 2) lo = _mm512_mul_ps(s_lo, _mm512_cvtepi32_ps(_mm512_load_si512(c + r * TILE)));
-      const __m512i dot = _mm512_load_si512(c + (MULT == 2 ? HALF : 0) + r * TILE);
-      y[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * G + g]), value512<MIN, MULT>(p, dot, lo, fsum[r * G + g]), y[r]);
+    for (int r = 0; r + 1 < RB; r += 2) {
+      if (r < rows) {
+        const int64_t rg = (r0 + r + 1) * x.G + g;
+        const __m512i lo = MULT == 2 ? fuse512(_mm512_load_si512(c + r * TILE), _mm512_load_si512(c + (r + 1) * TILE))
+                                     : none;
+        const __m512i dot = fuse512(_mm512_load_si512(hi + r * TILE), _mm512_load_si512(hi + (r + 1) * TILE));
+        y[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.sx[rg]), value512<MIN, MULT>(p, dot, lo, x.fsum[rg]), y[r]);
+      }
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) {
+      if (r < rows) {
+        const int64_t rg = (r0 + r) * x.G + g;
+        const __m512i lo = MULT == 2 ? _mm512_load_si512(c + r * TILE) : none;
+        y[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.sx[rg]),
+                               value512<MIN, MULT>(p, _mm512_load_si512(hi + r * TILE), lo, x.fsum[rg]), y[r]);
+      }
     }
   }
 }
@@ -190,8 +202,6 @@ void tile_amx(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, 
   const uint8_t* q = w.tile(t);
   const int8_t* a = x.a + r0 * x.K;
   const int64_t G = w.G;
-  const float* sx = x.sx + r0 * G;
-  const float* fsum = x.fsum + r0 * G;
   for (int64_t g = 0; g < std::min<int64_t>(BUILD, G); ++g) amx_build<BITS, MIN>(q, g, b[g % BS]);
 #define DOT8_AMX_ISSUE(S, g) amx_issue<BITS, MIN, MULT, S>(a, x.K, g, b[(g) % BS], c[S])
   DOT8_AMX_ISSUE(0, 0);
@@ -203,7 +213,7 @@ void tile_amx(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, 
   if (g0 + I < G) {                                                                \
     if (g0 + I + BUILD < G) amx_build<BITS, MIN>(q, g0 + I + BUILD, b[(g0 + I + BUILD) % BS]); \
     if (g0 + I + AHEAD < G) DOT8_AMX_ISSUE((I + AHEAD) % SLOTS, g0 + I + AHEAD);    \
-    amx_epilogue<RB, MIN, MULT>(y, rows, w, t, g0 + I, sx, fsum, G, c[I]);              \
+    amx_epilogue<RB, MIN, MULT>(y, rows, w, t, g0 + I, x, r0, c[I]);                    \
   }
     DOT8_AMX_STEP(0)
     DOT8_AMX_STEP(1)
@@ -215,15 +225,101 @@ void tile_amx(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, 
   }
 #undef DOT8_AMX_ISSUE
   const __mmask16 mask = valid >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+  const int step = x.fused ? 2 : 1;
 #pragma GCC unroll 16
-  for (int r = 0; r < RB; ++r)
-    if (r < rows) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
+  for (int r = 0; r < RB; r += step)
+    if (r < rows) _mm512_mask_storeu_ps(out + (r / step) * ldo, mask, y[r]);
+}
+
+// Two digits times int4 weights, folded into each group's tile multiplies: C = A0 (16 u) + A1 u,
+// where A0 and A1 are the tokens' first and second digits (every other quantized row) and 16 u
+// (at most 240, so TDPBSUD: signed activations, unsigned weights) is the B tile shifted. C is
+// then the fused integer 16 a0 + a1 of each token (dot8_acts.h) with no epilogue work, and a
+// tile holds 16 tokens. Weights with multipliers per half are not folded (tile_amx fuses them).
+constexpr bool folds(int bits, int mult) { return bits == 4 && mult != 2; }
+
+// Group g's B tile at b and the same shifted, 16 u, at b16.
+template <int BITS, bool MIN>
+__attribute__((target("avx512f,avx512bw"), always_inline))
+inline void amx_build_folded(const uint8_t* q, int64_t g, int8_t* b, int8_t* b16) {
+  amx_build<BITS, MIN>(q, g, b);
+  for (int j = 0; j < 8; ++j) _mm512_store_si512(b16 + j * 64, _mm512_slli_epi16(_mm512_load_si512(b + j * 64), 4));
+}
+
+// One group's folded multiply into C tile ``slot`` (0..3), stored at c; ag: the block's first
+// digit row at the group (the second digit rows follow K bytes after each).
+__attribute__((target("amx-tile,amx-int8"), always_inline))
+inline void amx_issue_folded(int slot, const int8_t* ag, int64_t K, const int8_t* b16, const int8_t* b, int32_t* c) {
+  _tile_loadd(4, ag, 2 * K);
+  _tile_loadd(5, ag + K, 2 * K);
+  _tile_loadd(6, b16, 64);
+  _tile_loadd(7, b, 64);
+#define DOT8_AMX_FOLD(C)   \
+  _tile_zero(C);           \
+  _tile_dpbsud(C, 4, 6);   \
+  _tile_dpbsud(C, 5, 7);   \
+  _tile_stored(C, c, 64);
+  switch (slot) {
+    case 0: DOT8_AMX_FOLD(0) break;
+    case 1: DOT8_AMX_FOLD(1) break;
+    case 2: DOT8_AMX_FOLD(2) break;
+    default: DOT8_AMX_FOLD(3) break;
+  }
+#undef DOT8_AMX_FOLD
+}
+
+template <int TB, int BITS, bool MIN, int MULT>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni,f16c,fma")))
+void tile_amx_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
+                     int valid) {
+  constexpr int SLOTS = 4, AHEAD = 2, BUILD = AMX_BUILD + AHEAD, BS = 8;
+  alignas(64) int8_t b[BS][512], b16[BS][512];
+  alignas(64) int32_t c[SLOTS][AMX_ROWS * TILE];
+  const int tokens = rows / 2;
+  __m512 y[TB];
+#pragma GCC unroll 16
+  for (int r = 0; r < TB; ++r) y[r] = _mm512_setzero_ps();
+  const uint8_t* q = w.tile(t);
+  const int8_t* a = x.a + r0 * x.K;
+  const int64_t G = w.G;
+#define DOT8_AMX_BUILD(g) amx_build_folded<BITS, MIN>(q, g, b[(g) % BS], b16[(g) % BS])
+#define DOT8_AMX_ISSUE(g) amx_issue_folded(int((g) % SLOTS), a + (g) * GROUP, x.K, b16[(g) % BS], b[(g) % BS], c[(g) % SLOTS])
+  for (int64_t g = 0; g < std::min<int64_t>(BUILD, G); ++g) DOT8_AMX_BUILD(g);
+  for (int64_t g = 0; g < std::min<int64_t>(AHEAD, G); ++g) DOT8_AMX_ISSUE(g);
+  for (int64_t g = 0; g < G; ++g) {
+    if (g + BUILD < G) DOT8_AMX_BUILD(g + BUILD);
+    if (g + AHEAD < G) DOT8_AMX_ISSUE(g + AHEAD);
+    const Scales512 p = scales512<MIN, MULT>(w, t, g);
+    const int32_t* cg = c[g % SLOTS];
+#pragma GCC unroll 16
+    for (int r = 0; r < TB; ++r) {
+      if (r < tokens) {
+        const int64_t rg = (r0 + 2 * r + 1) * x.G + g;
+        y[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.sx[rg]),
+                               value512<MIN, MULT>(p, _mm512_load_si512(cg + r * TILE), _mm512_setzero_si512(),
+                                                   x.fsum[rg]), y[r]);
+      }
+    }
+  }
+#undef DOT8_AMX_BUILD
+#undef DOT8_AMX_ISSUE
+  const __mmask16 mask = valid >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+#pragma GCC unroll 16
+  for (int r = 0; r < TB; ++r)
+    if (r < tokens) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
 }
 
 template <int BITS, bool MIN, int MULT>
 struct Amx {
   static void tile(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
                    int valid) {
+    if constexpr (folds(BITS, MULT)) {
+      if (x.fused) {
+        if (rows <= 8) return tile_amx_folded<4, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);
+        if (rows <= 16) return tile_amx_folded<8, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);
+        return tile_amx_folded<16, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);
+      }
+    }
     if (rows <= 4) return tile_amx<4, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);
     if (rows <= 8) return tile_amx<8, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);
     tile_amx<16, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);

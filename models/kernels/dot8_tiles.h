@@ -24,11 +24,13 @@ struct Acts {
   const int8_t* a;        // (M, K)
   const float* sx;        // (M, G)
   const int32_t* sum;     // (M, G)
-  const float* fsum;      // (M, G): float(sum), exact; read by broadcast loads, not converted per tile
+  const float* fsum;      // (M, G): float(sum), exact (fused: the second digit's row holds the pair's); read by
+                          // broadcast loads, not converted per tile
   const int32_t* sum128;  // (M, G): 128 * sum (int8 weights are stored as q + 128)
   int64_t K, G;
   const int32_t* half128; // (M, G, 2): 128 * the sums of inputs 0..15 and 16..31 (int8 with multipliers)
   const int32_t* half;    // (M, G, 2): those sums (5 / 6 bits with an offset and multipliers per half)
+  bool fused;             // two digits a row: quantized rows 2i, 2i + 1 are output row i's (fuse)
 };
 
 struct Weights {
@@ -77,43 +79,57 @@ inline int32_t stored_value(const uint8_t* qg, int c, int k) {
   }
 }
 
+// Two digits' integers as one: the first digit counts 16 of the second (dot8_acts.h).
+inline int32_t fuse(int32_t first, int32_t second) { return 16 * first + second; }
+
 // A group's inputs 0..15 come before 16..31 (chunks j < 2 for int4 / 5 / 6 bits, j < 4 for int8),
-// so each half's integer sum is ready halfway. With multipliers the group's value is
-//   v = d * float(s_lo dot_lo + s_hi dot_hi) + m * float(mn asum)    (one multiplier: s_lo = s_hi)
-// where every product and the sum are integers below 2^24 (checked at packing: a group's
-// max|q_lo s_lo| + max|q_hi s_hi| <= 8256, and 16 * 127 * 8256 < 2^24), so the vector paths' float
-// multiply and fma of them are exact and equal the scalar path's int32 arithmetic; with one
-// multiplier s * float(dot) is that same integer.
+// so each half's integer sum is ready halfway. The group's value is
+//   v = d * float(s_lo dot_lo + s_hi dot_hi) + m * (mn * float(asum))
+// (s = 1 without multipliers, s_lo = s_hi with one a group; mn = 1 without). The multiplied sum
+// is an int32 on every path (at most 2 * 128 * 16 * 128 * 2040 < 2^31: a fused activation is at
+// most 16 * 127 + 8), so its one rounding to float is the same everywhere, and the same for a
+// weight whose multipliers are stored per group or per half; mn * asum is exact (< 2^24).
 
 // ---- the reference path: plain C, the same integers and the same float order ----
 
 template <int BITS, bool MIN, int MULT>
 struct Scalar {
+  // Quantized row r's integer dots of group g with lane c (inputs 0..15, 16..31), sum q a exactly.
+  static void dots(const uint8_t* qg, const int8_t* a, int c, int32_t dot[2]) {
+    constexpr int OFF = offset_of(BITS, MIN);
+    dot[0] = dot[1] = 0;
+    for (int k = 0; k < GROUP; ++k) dot[k >= GROUP / 2] += (stored_value<BITS>(qg, c, k) - OFF) * a[k];
+  }
+
   static void tile(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
                    int valid) {
-    constexpr int OFF = offset_of(BITS, MIN);
     const uint8_t* q = w.tile(t);
-    for (int r = 0; r < rows; ++r) {
+    const int step = x.fused ? 2 : 1;  // quantized rows per output row
+    for (int r = 0; r < rows; r += step) {
       const int8_t* a = x.a + (r0 + r) * x.K;
       for (int c = 0; c < valid; ++c) {
         float y = 0.f;
         for (int64_t g = 0; g < w.G; ++g) {
           const uint8_t* qg = q + g * BITS * 64;
-          int32_t dot[2] = {0, 0};  // inputs 0..15, 16..31
-          for (int k = 0; k < GROUP; ++k)
-            dot[k >= GROUP / 2] += (stored_value<BITS>(qg, c, k) - OFF) * a[g * GROUP + k];
-          const int64_t rg = (r0 + r) * x.G + g;
+          int32_t dot[2];
+          dots(qg, a + g * GROUP, c, dot);
+          int64_t rg = (r0 + r) * x.G + g;
+          if (x.fused) {  // the two digits as one integer: 16 a0 + a1
+            int32_t dot1[2];
+            dots(qg, a + x.K + g * GROUP, c, dot1);
+            dot[0] = fuse(dot[0], dot1[0]);
+            dot[1] = fuse(dot[1], dot1[1]);
+            rg += x.G;  // the second digit's scale and fsum are the fused integer's
+          }
+          // s_lo dot_lo + s_hi dot_hi in int32 (at most 2 * 128 * 16 * 128 * 2040 < 2^31), one rounding
           int32_t total = dot[0] + dot[1];
           if (MULT == 2) total = w.sg(t, g)[c] * dot[0] + w.sg(t, g)[TILE + c] * dot[1];
           if (MULT == 1) total = w.sg(t, g)[c] * total;
           float v = half_to_float(w.dg(t, g)[c]) * float(total);
-          if (MIN) {
-            const int32_t asum = MULT ? w.mng(t, g)[c] * x.sum[rg] : x.sum[rg];
-            v = std::fma(half_to_float(w.mg(t, g)[c]), float(asum), v);
-          }
+          if (MIN) v = std::fma(half_to_float(w.mg(t, g)[c]), MULT ? float(w.mng(t, g)[c]) * x.fsum[rg] : x.fsum[rg], v);
           y = std::fma(x.sx[rg], v, y);
         }
-        out[r * ldo + c] = y;
+        out[(r / step) * ldo + c] = y;
       }
     }
   }
@@ -123,14 +139,24 @@ struct Scalar {
 
 // ---- the vector paths' epilogue, per group: the same float operations as the scalar path ----
 
-// A group's d, m and multipliers for 16 channels (AVX-512) or the 8 at ``lane`` (AVX2), as floats;
-// s is s_hi with two multipliers a group.
+__attribute__((target("avx512f"), always_inline)) inline __m512i fuse512(__m512i first, __m512i second) {
+  return _mm512_add_epi32(_mm512_slli_epi32(first, 4), second);
+}
+
+__attribute__((target("avx2"), always_inline)) inline __m256i fuse256(__m256i first, __m256i second) {
+  return _mm256_add_epi32(_mm256_slli_epi32(first, 4), second);
+}
+
+// A group's d, m (floats) and multipliers (int32: s is s_hi with two a group, s_lo the first
+// half's) for 16 channels (AVX-512) or the 8 at ``lane`` (AVX2); mn as a float.
 struct Scales512 {
-  __m512 d, m, s, mn;
+  __m512 d, m, mn;
+  __m512i s, s_lo;
 };
 
 struct Scales256 {
-  __m256 d, m, s, mn;
+  __m256 d, m, mn;
+  __m256i s, s_lo;
 };
 
 template <bool MIN, int MULT>
@@ -138,29 +164,27 @@ __attribute__((target("avx512f,avx512bw,f16c,fma")))
 inline Scales512 scales512(const Weights& w, int64_t t, int64_t g) {
   Scales512 p;
   p.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.dg(t, g))));
-  p.m = p.s = p.mn = _mm512_setzero_ps();
+  p.m = p.mn = _mm512_setzero_ps();
+  p.s = p.s_lo = _mm512_setzero_si512();
   if constexpr (MIN) p.m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mg(t, g))));
   if constexpr (MULT) {
-    p.s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sg(t, g) + (MULT == 2 ? TILE : 0)))));
+    p.s = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sg(t, g) + (MULT == 2 ? TILE : 0))));
+    if constexpr (MULT == 2) p.s_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sg(t, g))));
     if constexpr (MIN)
       p.mn = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mng(t, g)))));
   }
   return p;
 }
 
-// v = d * float(s_lo dot_lo + s_hi dot_hi) + m * float(mn asum), with lo = s_lo * float(dot_lo).
+// v = d * float(s_lo dot_lo + s_hi dot_hi) + m * (mn * float(asum)), the integers in int32 as on
+// the scalar path; dlo is read with multipliers per half only (dot is then dot_hi).
 template <bool MIN, int MULT>
 __attribute__((target("avx512f,avx512bw,f16c,fma")))
-inline __m512 value512(const Scales512& p, __m512i dot, __m512 lo, float fsum) {
-  __m512 v;
-  if constexpr (MULT == 2) {
-    v = _mm512_mul_ps(p.d, _mm512_fmadd_ps(p.s, _mm512_cvtepi32_ps(dot), lo));
-  } else if constexpr (MULT == 1) {
-    v = _mm512_mul_ps(p.d, _mm512_mul_ps(p.s, _mm512_cvtepi32_ps(dot)));
-  } else {
-    v = _mm512_mul_ps(p.d, _mm512_cvtepi32_ps(dot));
-  }
+inline __m512 value512(const Scales512& p, __m512i dot, __m512i dlo, float fsum) {
+  __m512i total = dot;
+  if constexpr (MULT == 2) total = _mm512_add_epi32(_mm512_mullo_epi32(p.s_lo, dlo), _mm512_mullo_epi32(p.s, dot));
+  if constexpr (MULT == 1) total = _mm512_mullo_epi32(p.s, dot);
+  __m512 v = _mm512_mul_ps(p.d, _mm512_cvtepi32_ps(total));
   if constexpr (MIN) {
     const __m512 asum = MULT ? _mm512_mul_ps(p.mn, _mm512_set1_ps(fsum)) : _mm512_set1_ps(fsum);
     v = _mm512_fmadd_ps(p.m, asum, v);
@@ -168,9 +192,53 @@ inline __m512 value512(const Scales512& p, __m512i dot, __m512 lo, float fsum) {
   return v;
 }
 
-// 8 int8 multipliers as floats, exactly.
-__attribute__((target("avx2,fma,f16c"))) inline __m256 multipliers(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+// The epilogue of group g for R quantized rows r0.. whose exact integer dots are dot (and, with
+// multipliers per half, dlo for inputs 0..15): y[r] += sx * v. Fused rows (two digits) go in
+// pairs into y[r] of the pair's first row, as one integer 16 a0 + a1 (dot8_acts.h), whose scale
+// and sum are the second row's. FOLDED: dot and dlo are R tokens' fused integers already.
+template <int R, bool MIN, int MULT, bool FOLDED = false>
+__attribute__((target("avx512f,avx512bw,f16c,fma"), always_inline))
+inline void epilogue512(__m512* y, const __m512i* dot, const __m512i* dlo, const Weights& w, int64_t t, int64_t g,
+                        const Acts& x, int64_t r0) {
+  const Scales512 p = scales512<MIN, MULT>(w, t, g);
+  const __m512i none = _mm512_setzero_si512();
+  if constexpr (FOLDED) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int64_t rg = (r0 + 2 * r + 1) * x.G + g;
+      y[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.sx[rg]),
+                             value512<MIN, MULT>(p, dot[r], MULT == 2 ? dlo[r] : none, x.fsum[rg]), y[r]);
+    }
+  } else if (x.fused) {
+#pragma GCC unroll 16
+    for (int r = 0; r + 1 < R; r += 2) {
+      const int64_t rg = (r0 + r + 1) * x.G + g;
+      const __m512i lo = MULT == 2 ? fuse512(dlo[r], dlo[r + 1]) : none;
+      y[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.sx[rg]),
+                             value512<MIN, MULT>(p, fuse512(dot[r], dot[r + 1]), lo, x.fsum[rg]), y[r]);
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int64_t rg = (r0 + r) * x.G + g;
+      y[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.sx[rg]),
+                             value512<MIN, MULT>(p, dot[r], MULT == 2 ? dlo[r] : none, x.fsum[rg]), y[r]);
+    }
+  }
+}
+
+// y's R rows (fused: every other one) of 16 channels, of which ``valid`` exist, to out.
+template <int R>
+__attribute__((target("avx512f"), always_inline))
+inline void store512(const __m512* y, const Acts& x, float* out, int64_t ldo, int valid) {
+  const __mmask16 mask = valid >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+  const int step = x.fused ? 2 : 1;
+  for (int r = 0; r < R; r += step) _mm512_mask_storeu_ps(out + (r / step) * ldo, mask, y[r]);
+}
+
+// 8 int8 multipliers as int32.
+__attribute__((target("avx2,fma,f16c"))) inline __m256i multipliers(const int8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
 template <bool MIN, int MULT>
@@ -178,26 +246,24 @@ __attribute__((target("avx2,fma,f16c")))
 inline Scales256 scales256(const Weights& w, int64_t t, int64_t g, int lane) {
   Scales256 p;
   p.d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dg(t, g) + lane)));
-  p.m = p.s = p.mn = _mm256_setzero_ps();
+  p.m = p.mn = _mm256_setzero_ps();
+  p.s = p.s_lo = _mm256_setzero_si256();
   if constexpr (MIN) p.m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.mg(t, g) + lane)));
   if constexpr (MULT) {
     p.s = multipliers(w.sg(t, g) + (MULT == 2 ? TILE : 0) + lane);
-    if constexpr (MIN) p.mn = multipliers(w.mng(t, g) + lane);
+    if constexpr (MULT == 2) p.s_lo = multipliers(w.sg(t, g) + lane);
+    if constexpr (MIN) p.mn = _mm256_cvtepi32_ps(multipliers(w.mng(t, g) + lane));
   }
   return p;
 }
 
 template <bool MIN, int MULT>
 __attribute__((target("avx2,fma,f16c")))
-inline __m256 value256(const Scales256& p, __m256i dot, __m256 lo, float fsum) {
-  __m256 v;
-  if constexpr (MULT == 2) {
-    v = _mm256_mul_ps(p.d, _mm256_fmadd_ps(p.s, _mm256_cvtepi32_ps(dot), lo));
-  } else if constexpr (MULT == 1) {
-    v = _mm256_mul_ps(p.d, _mm256_mul_ps(p.s, _mm256_cvtepi32_ps(dot)));
-  } else {
-    v = _mm256_mul_ps(p.d, _mm256_cvtepi32_ps(dot));
-  }
+inline __m256 value256(const Scales256& p, __m256i dot, __m256i dlo, float fsum) {
+  __m256i total = dot;
+  if constexpr (MULT == 2) total = _mm256_add_epi32(_mm256_mullo_epi32(p.s_lo, dlo), _mm256_mullo_epi32(p.s, dot));
+  if constexpr (MULT == 1) total = _mm256_mullo_epi32(p.s, dot);
+  __m256 v = _mm256_mul_ps(p.d, _mm256_cvtepi32_ps(total));
   if constexpr (MIN) {
     const __m256 asum = MULT ? _mm256_mul_ps(p.mn, _mm256_set1_ps(fsum)) : _mm256_set1_ps(fsum);
     v = _mm256_fmadd_ps(p.m, asum, v);
@@ -205,17 +271,42 @@ inline __m256 value256(const Scales256& p, __m256i dot, __m256 lo, float fsum) {
   return v;
 }
 
-// y's R rows of 8 channels, of which n exist (n may be 0 or less), to out + at.
+// y's R rows (fused: every other one) of 8 channels, of which n exist (n may be 0 or less), to out + at.
 template <int R>
 __attribute__((target("avx2,fma,f16c")))
-inline void store256(const __m256* y, float* out, int64_t ldo, int n, int at) {
-  for (int r = 0; r < R; ++r) {
+inline void store256(const __m256* y, const Acts& x, float* out, int64_t ldo, int n, int at) {
+  const int step = x.fused ? 2 : 1;
+  for (int r = 0; r < R; r += step) {
+    float* o = out + (r / step) * ldo + at;
     if (n >= 8) {
-      _mm256_storeu_ps(out + r * ldo + at, y[r]);
+      _mm256_storeu_ps(o, y[r]);
     } else if (n > 0) {
       alignas(32) float buf[8];
       _mm256_store_ps(buf, y[r]);
-      std::memcpy(out + r * ldo + at, buf, sizeof(float) * n);
+      std::memcpy(o, buf, sizeof(float) * n);
+    }
+  }
+}
+
+// epilogue512 on the 8 channels at ``lane``.
+template <int R, bool MIN, int MULT>
+__attribute__((target("avx2,fma,f16c"), always_inline))
+inline void epilogue256(__m256* y, const __m256i* dot, const __m256i* dlo, const Weights& w, int64_t t, int64_t g,
+                        int lane, const Acts& x, int64_t r0) {
+  const Scales256 p = scales256<MIN, MULT>(w, t, g, lane);
+  const __m256i none = _mm256_setzero_si256();
+  if (x.fused) {
+    for (int r = 0; r + 1 < R; r += 2) {
+      const int64_t rg = (r0 + r + 1) * x.G + g;
+      const __m256i lo = MULT == 2 ? fuse256(dlo[r], dlo[r + 1]) : none;
+      y[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.sx[rg]),
+                             value256<MIN, MULT>(p, fuse256(dot[r], dot[r + 1]), lo, x.fsum[rg]), y[r]);
+    }
+  } else {
+    for (int r = 0; r < R; ++r) {
+      const int64_t rg = (r0 + r) * x.G + g;
+      y[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.sx[rg]),
+                             value256<MIN, MULT>(p, dot[r], MULT == 2 ? dlo[r] : none, x.fsum[rg]), y[r]);
     }
   }
 }
@@ -235,8 +326,7 @@ void tile_avx512_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, fl
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.G; ++g) {
     __m512i acc[R];
-    __m512 lo[MULT == 2 ? R : 1];  // s_lo * dot_lo, exact
-    lo[0] = _mm512_setzero_ps();
+    __m512i dlo[MULT == 2 ? R : 1];  // inputs 0..15's dots, with multipliers per half
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
     const uint8_t* qg = q + g * CH * 64;
     const int64_t k0 = g * GROUP;
@@ -247,12 +337,9 @@ void tile_avx512_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, fl
     for (int j = 0; j < CH; ++j) {
       if constexpr (MULT == 2) {
         if (j == CH / 2) {
-          const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sg(t, g)))));
           for (int r = 0; r < R; ++r) {
-            __m512i dot = acc[r];
-            if (BITS == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(x.half128[((r0 + r) * x.G + g) * 2]));
-            lo[r] = _mm512_mul_ps(s, _mm512_cvtepi32_ps(dot));
+            dlo[r] = acc[r];
+            if (BITS == 8) dlo[r] = _mm512_sub_epi32(dlo[r], _mm512_set1_epi32(x.half128[((r0 + r) * x.G + g) * 2]));
             acc[r] = _mm512_setzero_si512();
           }
         }
@@ -273,14 +360,54 @@ void tile_avx512_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, fl
         }
       }
     }
-    const Scales512 p = scales512<MIN, MULT>(w, t, g);
-    for (int r = 0; r < R; ++r) {
-      const int64_t rg = (r0 + r) * x.G + g;
-      __m512i dot = acc[r];
-      if (BITS == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(MULT == 2 ? x.half128[rg * 2 + 1] : x.sum128[rg]));
-      y[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.sx[rg]), value512<MIN, MULT>(p, dot, lo[MULT == 2 ? r : 0], x.fsum[rg]),
-                             y[r]);
+    if constexpr (BITS == 8)
+      for (int r = 0; r < R; ++r) {
+        const int64_t rg = (r0 + r) * x.G + g;
+        acc[r] = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(MULT == 2 ? x.half128[rg * 2 + 1] : x.sum128[rg]));
+      }
+    epilogue512<R, MIN, MULT>(y, acc, dlo, w, t, g, x, r0);
+  }
+  store512<R>(y, x, out, ldo, valid);
+}
+
+// Two digits times int4, folded (AVX-512): each of R tokens keeps ONE accumulator, into which its
+// first digit multiplies the nibbles shifted up, 16 u (at most 240, still an unsigned byte), and
+// its second digit u: the fused integer 16 a0 + a1 (dot8_acts.h) with no fuse step, and the int4
+// unpacking serves 8 tokens (16 quantized rows) at once.
+template <int R, bool MIN, int MULT>
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))
+void tile_avx512_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, float* out, int64_t ldo, int valid) {
+  const uint8_t* q = w.tile(t);
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(char(0xF0));
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.G; ++g) {
+    __m512i acc[R];
+    __m512i dlo[MULT == 2 ? R : 1];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    const uint8_t* qg = q + g * 4 * 64;
+    for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (MULT == 2) {
+        if (j == 2)
+          for (int r = 0; r < R; ++r) {
+            dlo[r] = acc[r];
+            acc[r] = _mm512_setzero_si512();
+          }
+      }
+      const __m512i v = _mm512_loadu_si512(qg + j * 64);
+      const __m512i lo4 = _mm512_and_si512(v, low), hi4 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const __m512i lo16 = _mm512_and_si512(_mm512_slli_epi16(v, 4), high), hi16 = _mm512_and_si512(v, high);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* a0 = x.a + (r0 + 2 * r) * x.K + g * GROUP + 8 * j;
+        const int8_t* a1 = a0 + x.K;
+        acc[r] = _mm512_dpbusd_epi32(acc[r], lo16, _mm512_set1_epi32(load4(a0)));
+        acc[r] = _mm512_dpbusd_epi32(acc[r], hi16, _mm512_set1_epi32(load4(a0 + 4)));
+        acc[r] = _mm512_dpbusd_epi32(acc[r], lo4, _mm512_set1_epi32(load4(a1)));
+        acc[r] = _mm512_dpbusd_epi32(acc[r], hi4, _mm512_set1_epi32(load4(a1 + 4)));
+      }
     }
+    epilogue512<R, MIN, MULT, true>(y, acc, dlo, w, t, g, x, r0);
   }
   const __mmask16 mask = valid >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
@@ -303,8 +430,7 @@ void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, floa
     for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < w.G; ++g) {
       __m256i acc[R];
-      __m256 lo[MULT == 2 ? R : 1];  // s_lo * dot_lo, exact
-      lo[0] = _mm256_setzero_ps();
+      __m256i dlo[MULT == 2 ? R : 1];  // inputs 0..15's dots, with multipliers per half
       for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
       const uint8_t* qg = q + g * CH * 64 + half * 32;
       const int64_t k0 = g * GROUP;
@@ -319,9 +445,8 @@ void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, floa
         for (int j = 0; j < CH; ++j) {
           if constexpr (MULT == 2) {
             if (j == CH / 2) {
-              const __m256 s = multipliers(w.sg(t, g) + half * 8);
               for (int r = 0; r < R; ++r) {
-                lo[r] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_madd_epi16(acc16[r], _mm256_set1_epi16(1))));
+                dlo[r] = _mm256_madd_epi16(acc16[r], _mm256_set1_epi16(1));
                 acc16[r] = _mm256_setzero_si256();
               }
             }
@@ -341,9 +466,8 @@ void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, floa
         for (int j = 0; j < CH; ++j) {
           if constexpr (MULT == 2) {
             if (j == CH / 2) {
-              const __m256 s = multipliers(w.sg(t, g) + half * 8);
               for (int r = 0; r < R; ++r) {
-                lo[r] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(acc[r]));
+                dlo[r] = acc[r];
                 acc[r] = _mm256_setzero_si256();
               }
             }
@@ -359,14 +483,9 @@ void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, floa
           }
         }
       }
-      const Scales256 p = scales256<MIN, MULT>(w, t, g, half * 8);
-      for (int r = 0; r < R; ++r) {  // int8: acc is already sum q a
-        const int64_t rg = (r0 + r) * x.G + g;
-        y[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.sx[rg]), value256<MIN, MULT>(p, acc[r], lo[MULT == 2 ? r : 0], x.fsum[rg]),
-                               y[r]);
-      }
+      epilogue256<R, MIN, MULT>(y, acc, dlo, w, t, g, half * 8, x, r0);  // int8: acc is already sum q a
     }
-    store256<R>(y, out, ldo, valid - half * 8, half * 8);
+    store256<R>(y, x, out, ldo, valid - half * 8, half * 8);
   }
 }
 

@@ -67,8 +67,7 @@ void tile56_avx512_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, 
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.G; ++g) {
     __m512i acc[R];
-    __m512 lo[MULT == 2 ? R : 1];  // s_lo * dot_lo, exact
-    lo[0] = _mm512_setzero_ps();
+    __m512i dlo[MULT == 2 ? R : 1];  // inputs 0..15's dots, with multipliers per half
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
     const uint8_t* qg = q + g * BITS * 64;
     const int8_t* a = x.a + r0 * x.K + g * GROUP;
@@ -79,24 +78,20 @@ void tile56_avx512_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, 
     chunk_avx512<R, HB, 0>(acc, qg, planes, a, x.K);
     chunk_avx512<R, HB, 1>(acc, qg, planes, a, x.K);
     if constexpr (MULT == 2) {
-      const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sg(t, g)))));
       for (int r = 0; r < R; ++r) {
-        lo[r] = _mm512_mul_ps(s, _mm512_cvtepi32_ps(minus_offset<OFF>(acc[r], x.half, ((r0 + r) * x.G + g) * 2)));
+        dlo[r] = minus_offset<OFF>(acc[r], x.half, ((r0 + r) * x.G + g) * 2);
         acc[r] = _mm512_setzero_si512();
       }
     }
     chunk_avx512<R, HB, 2>(acc, qg, planes, a, x.K);
     chunk_avx512<R, HB, 3>(acc, qg, planes, a, x.K);
-    const Scales512 p = scales512<MIN, MULT>(w, t, g);
     for (int r = 0; r < R; ++r) {
       const int64_t rg = (r0 + r) * x.G + g;
-      const __m512i dot = MULT == 2 ? minus_offset<OFF>(acc[r], x.half, rg * 2 + 1) : minus_offset<OFF>(acc[r], x.sum, rg);
-      y[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.sx[rg]), value512<MIN, MULT>(p, dot, lo[MULT == 2 ? r : 0], x.fsum[rg]),
-                             y[r]);
+      acc[r] = MULT == 2 ? minus_offset<OFF>(acc[r], x.half, rg * 2 + 1) : minus_offset<OFF>(acc[r], x.sum, rg);
     }
+    epilogue512<R, MIN, MULT>(y, acc, dlo, w, t, g, x, r0);
   }
-  const __mmask16 mask = valid >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
+  store512<R>(y, x, out, ldo, valid);
 }
 
 // AVX2: chunk J's 32 bytes at qg (one half tile) into R rows' int32 sums of u * a. maddubs makes
@@ -129,8 +124,7 @@ void tile56_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, fl
     for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < w.G; ++g) {
       __m256i acc[R];
-      __m256 lo[MULT == 2 ? R : 1];  // s_lo * dot_lo, exact
-      lo[0] = _mm256_setzero_ps();
+      __m256i dlo[MULT == 2 ? R : 1];  // inputs 0..15's dots, with multipliers per half
       for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
       const uint8_t* qg = q + g * BITS * 64 + half * 32;
       const int8_t* a = x.a + r0 * x.K + g * GROUP;
@@ -141,23 +135,20 @@ void tile56_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, fl
       chunk_avx2<R, HB, 0>(acc, qg, planes, a, x.K);
       chunk_avx2<R, HB, 1>(acc, qg, planes, a, x.K);
       if constexpr (MULT == 2) {
-        const __m256 s = multipliers(w.sg(t, g) + half * 8);
         for (int r = 0; r < R; ++r) {
-          lo[r] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(minus_offset<OFF>(acc[r], x.half, ((r0 + r) * x.G + g) * 2)));
+          dlo[r] = minus_offset<OFF>(acc[r], x.half, ((r0 + r) * x.G + g) * 2);
           acc[r] = _mm256_setzero_si256();
         }
       }
       chunk_avx2<R, HB, 2>(acc, qg, planes, a, x.K);
       chunk_avx2<R, HB, 3>(acc, qg, planes, a, x.K);
-      const Scales256 p = scales256<MIN, MULT>(w, t, g, half * 8);
       for (int r = 0; r < R; ++r) {
         const int64_t rg = (r0 + r) * x.G + g;
-        const __m256i dot = MULT == 2 ? minus_offset<OFF>(acc[r], x.half, rg * 2 + 1) : minus_offset<OFF>(acc[r], x.sum, rg);
-        y[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.sx[rg]), value256<MIN, MULT>(p, dot, lo[MULT == 2 ? r : 0], x.fsum[rg]),
-                               y[r]);
+        acc[r] = MULT == 2 ? minus_offset<OFF>(acc[r], x.half, rg * 2 + 1) : minus_offset<OFF>(acc[r], x.sum, rg);
       }
+      epilogue256<R, MIN, MULT>(y, acc, dlo, w, t, g, half * 8, x, r0);
     }
-    store256<R>(y, out, ldo, valid - half * 8, half * 8);
+    store256<R>(y, x, out, ldo, valid - half * 8, half * 8);
   }
 }
 
@@ -172,6 +163,20 @@ struct Avx512 {
   }
   static void tile(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
                    int valid) {
+    if constexpr (BITS == 4) {
+      if (x.fused) {  // int4 and two digits: up to 8 tokens (16 quantized rows), folded
+        switch (rows / 2) {
+          case 1: return tile_avx512_folded<1, MIN, MULT>(w, t, x, r0, out, ldo, valid);
+          case 2: return tile_avx512_folded<2, MIN, MULT>(w, t, x, r0, out, ldo, valid);
+          case 3: return tile_avx512_folded<3, MIN, MULT>(w, t, x, r0, out, ldo, valid);
+          case 4: return tile_avx512_folded<4, MIN, MULT>(w, t, x, r0, out, ldo, valid);
+          case 5: return tile_avx512_folded<5, MIN, MULT>(w, t, x, r0, out, ldo, valid);
+          case 6: return tile_avx512_folded<6, MIN, MULT>(w, t, x, r0, out, ldo, valid);
+          case 7: return tile_avx512_folded<7, MIN, MULT>(w, t, x, r0, out, ldo, valid);
+          default: return tile_avx512_folded<8, MIN, MULT>(w, t, x, r0, out, ldo, valid);
+        }
+      }
+    }
     switch (rows) {
       case 1: return Avx512::rows<1>(w, t, x, r0, out, ldo, valid);
       case 2: return Avx512::rows<2>(w, t, x, r0, out, ldo, valid);

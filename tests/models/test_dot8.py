@@ -60,14 +60,14 @@ def test_dot8_computes_the_documented_sum(bits: int, rows: int, digits: int) -> 
     got = torch.ops.dualserve.dot8_linear(x, *packed, 72, bits, 0, digits)
     want = kernels.reference(x, q, scales, mins, bits, digits)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
-    # and it stays near the float product: the activations keep about 8 bits per group, 15 with two digits
+    # and it stays near the float product: the activations keep about 8 bits per group, 12 with two digits
     exact = x @ Dot8Linear(q, scales, mins, bits).dequantize().t()
     torch.testing.assert_close(got, exact, rtol=0.05 if digits == 1 else 1e-3, atol=0.1 if digits == 1 else 1e-3)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("digits", [1, 2, 3])
+@pytest.mark.parametrize("digits", [1, 2])
 @pytest.mark.parametrize("rows,width", [(11, 160), (24, 1536)])  # the second is quantized on both threads
 def test_every_code_path_gives_the_same_bits(bits: int, dtype: torch.dtype, digits: int, rows: int, width: int) -> None:
     torch.manual_seed(2)
@@ -137,10 +137,10 @@ def test_the_narrower_paths_a_host_may_take_give_the_same_bits(tmp_path, path: s
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_avx2_quantizer_gives_the_same_bits(tmp_path, dtype: torch.dtype) -> None:
-    """The AVX2 path's activation quantizer, in a child forced onto it, on one to three digits of wide
+    """The AVX2 path's activation quantizer, in a child forced onto it, on one and two digits of wide
     rows (quantized on both threads) with edge groups: the bits of this host's path."""
     torch.manual_seed(6)
-    layers = {d: Dot8Linear.from_float(torch.randn(40, 1536) * 0.05, digits=d) for d in (1, 2, 3)}
+    layers = {d: Dot8Linear.from_float(torch.randn(40, 1536) * 0.05, digits=d) for d in (1, 2)}
     x = torch.randn(24, 1536)
     x[1, :32] = 0
     x[2, 32:64] = 1e-30
