@@ -22,8 +22,8 @@ decoding streams 4 to 8 times fewer bytes than fp32:
     the project's ``dot8`` kernel (``models.kernels``). Every GGUF type in ``GGUF_PACKED`` is
     one of these exactly. Two formats use it, the file's blocks and head as they are:
     ``w4a8`` quantizes each activation group to one int8 digit, as llama.cpp does;
-    ``w4a16`` to two (the second digit quantizes what the first left over), about 15 bits
-    of activation for one more row of integer work. The activations' rounding is the
+    ``w4a16`` to two (the second quantizes what the first left over, on a sixteenth of its
+    scale), about 12 bits of activation summed as one integer, 16 a0 + a1. The activations' rounding is the
     whole of w4a8's error against the same weights in float (``clients/eval_fidelity``),
     and w4a16 removes nearly all of it at little cost where one token is bound by memory.
   * ``QuantEmbedding``: int8 rows with one scale per group of 32 columns (GGUF's
