@@ -100,9 +100,14 @@ def candidates() -> tuple[Candidate, ...]:
 
 
 def host_key() -> str:
-    """What the measurement depends on: the CPU's kernels and the thread count."""
+    """What the measurement depends on: the CPU's kernels, the thread count, and the build of the
+    project's own kernels (a changed dot8 is measured again)."""
+    from . import kernels
+
+    build = kernels.library_path().stem.rsplit("-", 1)[-1] if kernels.available() else "none"
     return f"{torch.backends.cpu.get_cpu_capability()}-amx{int(torch.cpu._is_amx_tile_supported())}-" \
-           f"bf16{int(torch.cpu._is_avx512_bf16_supported())}-t{torch.get_num_threads()}-torch{torch.__version__}"
+           f"bf16{int(torch.cpu._is_avx512_bf16_supported())}-t{torch.get_num_threads()}-torch{torch.__version__}" \
+           f"-kernels{build}"
 
 
 def _shapes(config: ModelConfig) -> list[tuple[int, int, int]]:
