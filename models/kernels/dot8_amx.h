@@ -41,7 +41,8 @@ bool amx_permitted() {
 
 // tmm0..3: C (rows x 16 int32); tmm4, 5: A (rows x 32 activation bytes, 16 with halves); tmm6, 7: B
 // (8 rows of 64 bytes: inputs 4i..4i+3 of 16 channels, 4 rows with halves).
-__attribute__((target("amx-tile"))) void amx_configure(int rows, bool halves) {
+// Folded (tile_amx_folded): A is rows x 64 (both digits) and B 16 rows of 64.
+__attribute__((target("amx-tile"))) void amx_configure(int rows, bool halves, bool folded = false) {
   TileConfig cfg;
   for (int i = 0; i < 4; ++i) {
     cfg.rows[i] = uint8_t(rows);
@@ -49,10 +50,10 @@ __attribute__((target("amx-tile"))) void amx_configure(int rows, bool halves) {
   }
   for (int i = 4; i < 6; ++i) {
     cfg.rows[i] = uint8_t(rows);
-    cfg.colsb[i] = halves ? 16 : 32;
+    cfg.colsb[i] = folded ? 64 : halves ? 16 : 32;
   }
   for (int i = 6; i < 8; ++i) {
-    cfg.rows[i] = halves ? 4 : 8;
+    cfg.rows[i] = folded ? 16 : halves ? 4 : 8;
     cfg.colsb[i] = 64;
   }
   // GCC 12 does not see that ldtilecfg reads the configuration, and drops the stores without this.
@@ -231,40 +232,45 @@ void tile_amx(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, 
     if (r < rows) _mm512_mask_storeu_ps(out + (r / step) * ldo, mask, y[r]);
 }
 
-// Two digits times int4 weights, folded into each group's tile multiplies: C = A0 (16 u) + A1 u,
-// where A0 and A1 are the tokens' first and second digits (every other quantized row) and 16 u
-// (at most 240, so TDPBSUD: signed activations, unsigned weights) is the B tile shifted. C is
-// then the fused integer 16 a0 + a1 of each token (dot8_acts.h) with no epilogue work, and a
-// tile holds 16 tokens. Weights with multipliers per half are not folded (tile_amx fuses them).
+// Two digits times int4 weights, folded into each group's tile multiply: C = A0 (16 u) + A1 u,
+// where A0 and A1 are the tokens' first and second digits and 16 u (at most 240, so TDPBSUD:
+// signed activations, unsigned weights) is the weights shifted up. One multiply of K = 64: A's row
+// is a token's group as [a0 | a1] (Acts::a64, interleaved once per product), B's 16 rows are
+// [16 u | u]. C is then the fused integer 16 a0 + a1 of each token (dot8_acts.h) with no epilogue
+// work, and a tile holds 16 tokens. Weights with multipliers per half are not folded (tile_amx
+// fuses them).
 constexpr bool folds(int bits, int mult) { return bits == 4 && mult != 2; }
 
-// Group g's B tile at b and the same shifted, 16 u, at b16.
-template <int BITS, bool MIN>
+// Group g's int4 B tile as [16 u | u] (16 rows of 64 bytes) at b: chunk J's low nibbles are input
+// rows 2J (u: v & 0x0F; 16 u: (v << 4) & 0xF0), its high ones 2J + 1 ((v >> 4) & 0x0F; v & 0xF0).
 __attribute__((target("avx512f,avx512bw"), always_inline))
-inline void amx_build_folded(const uint8_t* q, int64_t g, int8_t* b, int8_t* b16) {
-  amx_build<BITS, MIN>(q, g, b);
-  for (int j = 0; j < 8; ++j) _mm512_store_si512(b16 + j * 64, _mm512_slli_epi16(_mm512_load_si512(b + j * 64), 4));
+inline void amx_build_folded(const uint8_t* q, int64_t g, int8_t* b) {
+  const uint8_t* qg = q + g * 4 * 64;
+  for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(char(0xF0));
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_loadu_si512(qg + j * 64);
+    _mm512_store_si512(b + (2 * j) * 64, _mm512_and_si512(_mm512_slli_epi16(v, 4), high));
+    _mm512_store_si512(b + (2 * j + 1) * 64, _mm512_and_si512(v, high));
+    _mm512_store_si512(b + (8 + 2 * j) * 64, _mm512_and_si512(v, low));
+    _mm512_store_si512(b + (8 + 2 * j + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+  }
 }
 
-// One group's folded multiply into C tile ``slot`` (0..3), stored at c; ag: the block's first
-// digit row at the group (the second digit rows follow K bytes after each).
+// Group g's folded multiply into C tile S, stored at c (A and B tiles of S's parity).
+template <int S>
 __attribute__((target("amx-tile,amx-int8"), always_inline))
-inline void amx_issue_folded(int slot, const int8_t* ag, int64_t K, const int8_t* b16, const int8_t* b, int32_t* c) {
-  _tile_loadd(4, ag, 2 * K);
-  _tile_loadd(5, ag + K, 2 * K);
-  _tile_loadd(6, b16, 64);
-  _tile_loadd(7, b, 64);
-#define DOT8_AMX_FOLD(C)   \
-  _tile_zero(C);           \
-  _tile_dpbsud(C, 4, 6);   \
-  _tile_dpbsud(C, 5, 7);   \
+inline void amx_issue_folded(const int8_t* ag, int64_t lda, const int8_t* b, int32_t* c) {
+#define DOT8_AMX_FOLD(C, A, B) \
+  _tile_loadd(A, ag, lda);      \
+  _tile_loadd(B, b, 64);        \
+  _tile_zero(C);                \
+  _tile_dpbsud(C, A, B);        \
   _tile_stored(C, c, 64);
-  switch (slot) {
-    case 0: DOT8_AMX_FOLD(0) break;
-    case 1: DOT8_AMX_FOLD(1) break;
-    case 2: DOT8_AMX_FOLD(2) break;
-    default: DOT8_AMX_FOLD(3) break;
-  }
+  if constexpr (S == 0) { DOT8_AMX_FOLD(0, 4, 6) }
+  else if constexpr (S == 1) { DOT8_AMX_FOLD(1, 5, 7) }
+  else if constexpr (S == 2) { DOT8_AMX_FOLD(2, 4, 6) }
+  else { DOT8_AMX_FOLD(3, 5, 7) }
 #undef DOT8_AMX_FOLD
 }
 
@@ -272,36 +278,43 @@ template <int TB, int BITS, bool MIN, int MULT>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni,f16c,fma")))
 void tile_amx_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
                      int valid) {
+  static_assert(BITS == 4, "only int4 folds");
   constexpr int SLOTS = 4, AHEAD = 2, BUILD = AMX_BUILD + AHEAD, BS = 8;
-  alignas(64) int8_t b[BS][512], b16[BS][512];
+  alignas(64) int8_t b[BS][1024];
   alignas(64) int32_t c[SLOTS][AMX_ROWS * TILE];
   const int tokens = rows / 2;
   __m512 y[TB];
 #pragma GCC unroll 16
   for (int r = 0; r < TB; ++r) y[r] = _mm512_setzero_ps();
   const uint8_t* q = w.tile(t);
-  const int8_t* a = x.a + r0 * x.K;
-  const int64_t G = w.G;
-#define DOT8_AMX_BUILD(g) amx_build_folded<BITS, MIN>(q, g, b[(g) % BS], b16[(g) % BS])
-#define DOT8_AMX_ISSUE(g) amx_issue_folded(int((g) % SLOTS), a + (g) * GROUP, x.K, b16[(g) % BS], b[(g) % BS], c[(g) % SLOTS])
-  for (int64_t g = 0; g < std::min<int64_t>(BUILD, G); ++g) DOT8_AMX_BUILD(g);
-  for (int64_t g = 0; g < std::min<int64_t>(AHEAD, G); ++g) DOT8_AMX_ISSUE(g);
-  for (int64_t g = 0; g < G; ++g) {
-    if (g + BUILD < G) DOT8_AMX_BUILD(g + BUILD);
-    if (g + AHEAD < G) DOT8_AMX_ISSUE(g + AHEAD);
-    const Scales512 p = scales512<MIN, MULT>(w, t, g);
-    const int32_t* cg = c[g % SLOTS];
-#pragma GCC unroll 16
-    for (int r = 0; r < TB; ++r) {
-      if (r < tokens) {
-        const int64_t rg = (r0 + 2 * r + 1) * x.G + g;
-        y[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.sx[rg]),
-                               value512<MIN, MULT>(p, _mm512_load_si512(cg + r * TILE), _mm512_setzero_si512(),
-                                                   x.fsum[rg]), y[r]);
-      }
-    }
+  const int8_t* a = x.a64 + (r0 / 2) * x.G * 64;  // token r0 / 2's interleaved groups
+  const int64_t G = w.G, lda = G * 64;
+#define DOT8_AMX_ISSUE(S, g) amx_issue_folded<S>(a + (g) * 64, lda, b[(g) % BS], c[S])
+  for (int64_t g = 0; g < std::min<int64_t>(BUILD, G); ++g) amx_build_folded(q, g, b[g % BS]);
+  DOT8_AMX_ISSUE(0, 0);
+  if (G > 1) DOT8_AMX_ISSUE(1, 1);
+  for (int64_t g0 = 0; g0 < G; g0 += SLOTS) {
+#define DOT8_AMX_STEP(I)                                                                          \
+  if (g0 + I < G) {                                                                               \
+    const int64_t g = g0 + I;                                                                     \
+    if (g + BUILD < G) amx_build_folded(q, g + BUILD, b[(g + BUILD) % BS]);                       \
+    if (g + AHEAD < G) DOT8_AMX_ISSUE((I + AHEAD) % SLOTS, g + AHEAD);                            \
+    const Scales512 p = scales512<MIN, MULT>(w, t, g);                                            \
+    _Pragma("GCC unroll 16") for (int r = 0; r < TB; ++r) {                                       \
+      if (r < tokens) {                                                                           \
+        const int64_t rg = (r0 + 2 * r + 1) * x.G + g;                                            \
+        y[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.sx[rg]),                                          \
+                               value512<MIN, MULT>(p, _mm512_load_si512(c[I] + r * TILE),         \
+                                                   _mm512_setzero_si512(), x.fsum[rg]), y[r]);    \
+      }                                                                                           \
+    }                                                                                             \
   }
-#undef DOT8_AMX_BUILD
+    DOT8_AMX_STEP(0)
+    DOT8_AMX_STEP(1)
+    DOT8_AMX_STEP(2)
+    DOT8_AMX_STEP(3)
+#undef DOT8_AMX_STEP
+  }
 #undef DOT8_AMX_ISSUE
   const __mmask16 mask = valid >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
 #pragma GCC unroll 16

@@ -31,6 +31,7 @@ struct Acts {
   const int32_t* half128; // (M, G, 2): 128 * the sums of inputs 0..15 and 16..31 (int8 with multipliers)
   const int32_t* half;    // (M, G, 2): those sums (5 / 6 bits with an offset and multipliers per half)
   bool fused;             // two digits a row: quantized rows 2i, 2i + 1 are output row i's (fuse)
+  const int8_t* a64 = nullptr;  // fused, for AMX's folded int4 path: (M / 2, G, 64), a token's group as [a0 | a1]
 };
 
 struct Weights {
