@@ -193,17 +193,9 @@ void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y,
     const TileFn afn = AMX.fn[kind_of(w)];
     const bool halves = w.s && w.s_per == 2, folded = acts.fused && folds(w.bits, halves ? 2 : 0);
     const int64_t most = folded ? 2 * AMX_ROWS : AMX_ROWS, blocks = (M + most - 1) / most;
-    std::unique_ptr<int8_t[]> a64;
+    std::unique_ptr<int8_t[]> a64 = folded ? interleave_digits(acts, M / 2) : nullptr;
     Acts x = acts;
-    if (folded) {  // each token's groups as [a0 | a1], the A tile's rows of K = 64
-      const int64_t tokens = M / 2, G = acts.G;
-      a64.reset(new int8_t[tokens * G * 64]);
-      for (int64_t i = 0; i < tokens; ++i)
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t k = 0; k < 2; ++k)
-            std::memcpy(a64.get() + (i * G + g) * 64 + k * GROUP, acts.a + (2 * i + k) * acts.K + g * GROUP, GROUP);
-      x.a64 = a64.get();
-    }
+    x.a64 = a64.get();
     const int64_t step = acts.fused ? ((M + blocks - 1) / blocks + 1) / 2 * 2 : (M + blocks - 1) / blocks;
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
       int configured = 0;

@@ -241,6 +241,16 @@ void tile_amx(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, 
 // fuses them).
 constexpr bool folds(int bits, int mult) { return bits == 4 && mult != 2; }
 
+// The tokens' digits as tile_amx_folded's A rows: token i's group g as [a0 | a1] at (i G + g) 64.
+inline std::unique_ptr<int8_t[]> interleave_digits(const Acts& x, int64_t tokens) {
+  std::unique_ptr<int8_t[]> a64(new int8_t[tokens * x.G * 64]);
+  for (int64_t i = 0; i < tokens; ++i)
+    for (int64_t g = 0; g < x.G; ++g)
+      for (int64_t k = 0; k < 2; ++k)
+        std::memcpy(a64.get() + (i * x.G + g) * 64 + k * GROUP, x.a + (2 * i + k) * x.K + g * GROUP, GROUP);
+  return a64;
+}
+
 // Group g's int4 B tile as [16 u | u] (16 rows of 64 bytes) at b: chunk J's low nibbles are input
 // rows 2J (u: v & 0x0F; 16 u: (v << 4) & 0xF0), its high ones 2J + 1 ((v >> 4) & 0x0F; v & 0xF0).
 __attribute__((target("avx512f,avx512bw"), always_inline))
