@@ -137,12 +137,15 @@ int amx_from(int64_t force_scalar) {
 
 // ``halves``: the weight has multipliers per half group and an offset, so its dots need each half
 // group's activation sum.
+// Two digits that AMX will multiply also get their digits interleaved (Quantized::a64).
 Quantized quantize(const at::Tensor& x, int64_t force_scalar, int64_t digits, bool halves) {
   TORCH_CHECK(digits == 1 || digits == 2, "dot8: digits must be 1 or 2");
   const int64_t M = x.size(0), K = x.size(1);
   const Quantizer how = path(force_scalar).quantizer;
-  if (x.scalar_type() == at::kFloat) return Quantized(x.data_ptr<float>(), M, K, how, digits, halves);
-  return Quantized(x.data_ptr<c10::BFloat16>(), M, K, how, digits, halves);
+  const int from = amx_from(force_scalar);
+  const bool interleave = digits == 2 && from && M * digits >= from;
+  if (x.scalar_type() == at::kFloat) return Quantized(x.data_ptr<float>(), M, K, how, digits, halves, interleave);
+  return Quantized(x.data_ptr<c10::BFloat16>(), M, K, how, digits, halves, interleave);
 }
 
 bool needs_halves(const Weights& w) { return w.s && w.s_per == 2 && offset_of(w.bits, w.minimum) != 0; }
@@ -175,7 +178,8 @@ Weights checked_weights(const at::Tensor& q, const at::Tensor& d, const at::Tens
                  per_group ? 0 : 3};
 }
 
-// y (M, n) = the quantized rows times the packed weight.
+// y = the M quantized rows times the packed weight: (M, n), or with two digits (fused) (M / 2, n),
+// each output row from its pair of quantized rows.
 void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y, int64_t force_scalar) {
   const Path& p = path(force_scalar);
   const TileFn fn = p.fn[kind_of(w)];
@@ -191,11 +195,8 @@ void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y,
     // Folded (two digits, int4: dot8_amx.h), a block is up to 16 tokens of two quantized rows, and
     // its tiles are configured for the tokens.
     const TileFn afn = AMX.fn[kind_of(w)];
-    const bool halves = w.s && w.s_per == 2, folded = acts.fused && folds(w.bits, halves ? 2 : 0);
+    const bool halves = w.s && w.s_per == 2, folded = acts.a64 && folds(w.bits, halves ? 2 : 0);
     const int64_t most = folded ? 2 * AMX_ROWS : AMX_ROWS, blocks = (M + most - 1) / most;
-    std::unique_ptr<int8_t[]> a64 = folded ? interleave_digits(acts, M / 2) : nullptr;
-    Acts x = acts;
-    x.a64 = a64.get();
     const int64_t step = acts.fused ? ((M + blocks - 1) / blocks + 1) / 2 * 2 : (M + blocks - 1) / blocks;
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
       int configured = 0;
@@ -205,7 +206,7 @@ void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y,
           const int rows = int(std::min<int64_t>(step, M - r0));
           const int tile_rows = folded ? rows / 2 : rows;
           if (tile_rows != configured) amx_configure(configured = tile_rows, halves, folded);
-          afn(w, t, x, r0, rows, y + (acts.fused ? r0 / 2 : r0) * n + t * TILE, n, valid);
+          afn(w, t, acts, r0, rows, y + (acts.fused ? r0 / 2 : r0) * n + t * TILE, n, valid);
         }
       }
       if (configured) amx_release();
@@ -226,13 +227,6 @@ void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y,
   });
 }
 
-// y (M, n) = x's M rows, quantized to ``digits`` quantized rows each, times the weight (two
-// digits: each output row from its pair of quantized rows, fused).
-void product_digits(const Weights& w, const Acts& acts, int64_t M, int64_t digits, int64_t n, float* y,
-                    int64_t force_scalar) {
-  product(w, acts, M * digits, n, y, force_scalar);
-}
-
 void check_input(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), what, ": x must be a contiguous matrix");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, what, ": x must be fp32 or bf16");
@@ -249,7 +243,7 @@ at::Tensor dot8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   at::Tensor out = at::empty({M, n}, x.options().dtype(at::kFloat));
   if (M == 0) return out;
   const Quantized qx = quantize(x, force_scalar, digits, needs_halves(w));
-  product_digits(w, qx.acts(), M, digits, n, out.data_ptr<float>(), force_scalar);
+  product(w, qx.acts(), M * digits, n, out.data_ptr<float>(), force_scalar);
   return out;
 }
 
@@ -274,11 +268,11 @@ at::Tensor dot8_lora(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   if (M == 0) return out;
   const Quantized qx = quantize(x, force_scalar, digits, needs_halves(w));
   float* y = out.data_ptr<float>();
-  product_digits(w, qx.acts(), M, digits, n, y, force_scalar);
+  product(w, qx.acts(), M * digits, n, y, force_scalar);
   std::vector<float> ax(M * rank), up(M * n);
-  product_digits(wa, qx.acts(), M, digits, rank, ax.data(), force_scalar);
+  product(wa, qx.acts(), M * digits, rank, ax.data(), force_scalar);
   const Quantized qa_x(ax.data(), M, rank, path(force_scalar).quantizer, digits);
-  product_digits(wb, qa_x.acts(), M, digits, n, up.data(), force_scalar);
+  product(wb, qa_x.acts(), M * digits, n, up.data(), force_scalar);
   for (int64_t i = 0; i < M * n; ++i) y[i] += up[i];
   return out;
 }

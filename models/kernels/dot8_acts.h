@@ -198,12 +198,16 @@ struct Quantized {
   std::unique_ptr<int8_t[]> a;
   std::unique_ptr<float[]> sx, fsum;
   std::unique_ptr<int32_t[]> sum, sum128, half, half128;
+  std::unique_ptr<int8_t[]> a64;  // with ``interleave``: (M, G, 64), row r's group g as [a0 | a1]
   int64_t K, G, digits;
 
   // M rows of x, each as ``digits`` quantized rows (quantize_digits). ``halves``: also the sums
   // of each group's two halves (read for weights stored with an offset and multipliers per half).
+  // ``interleave`` (two digits): also each group's two digits side by side, the A tile rows of
+  // AMX's folded int4 path (dot8_amx.h).
   template <typename T>
-  Quantized(const T* x, int64_t M, int64_t K_, Quantizer how, int64_t digits_ = 1, bool halves = false)
+  Quantized(const T* x, int64_t M, int64_t K_, Quantizer how, int64_t digits_ = 1, bool halves = false,
+            bool interleave = false)
       : K(K_), G(K_ / GROUP), digits(digits_) {
     const int64_t rows = M * digits, n = rows * G;
     a.reset(new int8_t[rows * K]);
@@ -215,6 +219,7 @@ struct Quantized {
       half.reset(new int32_t[2 * n]);
       half128.reset(new int32_t[2 * n]);
     }
+    if (interleave && digits == 2) a64.reset(new int8_t[M * G * 64]);
     void (*group)(const T*, int64_t, const GroupOut&) = quantize_group_digits_scalar<T>;
 #ifdef DOT8_X86
     if (how == Quantizer::AVX512) group = quantize_group_digits_avx512<T>;
@@ -231,10 +236,13 @@ struct Quantized {
                          sum128.get() + q, halves ? half.get() + 2 * q : nullptr,
                          halves ? half128.get() + 2 * q : nullptr, K, G};
         group(x + r * K + g * GROUP, digits, o);
+        if (a64)
+          for (int64_t k = 0; k < 2; ++k) std::memcpy(a64.get() + i * 64 + k * GROUP, o.a + k * K, GROUP);
       }
     });
   }
   Acts acts() const {
-    return Acts{a.get(), sx.get(), sum.get(), fsum.get(), sum128.get(), K, G, half128.get(), half.get(), digits == 2};
+    return Acts{a.get(), sx.get(), sum.get(), fsum.get(), sum128.get(), K, G,
+                half128.get(), half.get(), digits == 2, a64.get()};
   }
 };

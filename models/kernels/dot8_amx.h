@@ -235,21 +235,11 @@ void tile_amx(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, 
 // Two digits times int4 weights, folded into each group's tile multiply: C = A0 (16 u) + A1 u,
 // where A0 and A1 are the tokens' first and second digits and 16 u (at most 240, so TDPBSUD:
 // signed activations, unsigned weights) is the weights shifted up. One multiply of K = 64: A's row
-// is a token's group as [a0 | a1] (Acts::a64, interleaved once per product), B's 16 rows are
+// is a token's group as [a0 | a1] (Acts::a64, written by the quantizer), B's 16 rows are
 // [16 u | u]. C is then the fused integer 16 a0 + a1 of each token (dot8_acts.h) with no epilogue
 // work, and a tile holds 16 tokens. Weights with multipliers per half are not folded (tile_amx
 // fuses them).
 constexpr bool folds(int bits, int mult) { return bits == 4 && mult != 2; }
-
-// The tokens' digits as tile_amx_folded's A rows: token i's group g as [a0 | a1] at (i G + g) 64.
-inline std::unique_ptr<int8_t[]> interleave_digits(const Acts& x, int64_t tokens) {
-  std::unique_ptr<int8_t[]> a64(new int8_t[tokens * x.G * 64]);
-  for (int64_t i = 0; i < tokens; ++i)
-    for (int64_t g = 0; g < x.G; ++g)
-      for (int64_t k = 0; k < 2; ++k)
-        std::memcpy(a64.get() + (i * x.G + g) * 64 + k * GROUP, x.a + (2 * i + k) * x.K + g * GROUP, GROUP);
-  return a64;
-}
 
 // Group g's int4 B tile as [16 u | u] (16 rows of 64 bytes) at b: chunk J's low nibbles are input
 // rows 2J (u: v & 0x0F; 16 u: (v << 4) & 0xF0), its high ones 2J + 1 ((v >> 4) & 0x0F; v & 0xF0).
@@ -337,7 +327,7 @@ struct Amx {
   static void tile(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
                    int valid) {
     if constexpr (folds(BITS, MULT)) {
-      if (x.fused) {
+      if (x.a64) {
         if (rows <= 8) return tile_amx_folded<4, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);
         if (rows <= 16) return tile_amx_folded<8, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);
         return tile_amx_folded<16, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);

@@ -31,7 +31,7 @@ struct Acts {
   const int32_t* half128; // (M, G, 2): 128 * the sums of inputs 0..15 and 16..31 (int8 with multipliers)
   const int32_t* half;    // (M, G, 2): those sums (5 / 6 bits with an offset and multipliers per half)
   bool fused;             // two digits a row: quantized rows 2i, 2i + 1 are output row i's (fuse)
-  const int8_t* a64 = nullptr;  // fused, for AMX's folded int4 path: (M / 2, G, 64), a token's group as [a0 | a1]
+  const int8_t* a64;      // fused, or null: (M / 2, G, 64), a token's group as [a0 | a1] (AMX's folded int4 path)
 };
 
 struct Weights {
@@ -203,14 +203,7 @@ inline void epilogue512(__m512* y, const __m512i* dot, const __m512i* dlo, const
                         const Acts& x, int64_t r0) {
   const Scales512 p = scales512<MIN, MULT>(w, t, g);
   const __m512i none = _mm512_setzero_si512();
-  if constexpr (FOLDED) {
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const int64_t rg = (r0 + 2 * r + 1) * x.G + g;
-      y[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.sx[rg]),
-                             value512<MIN, MULT>(p, dot[r], MULT == 2 ? dlo[r] : none, x.fsum[rg]), y[r]);
-    }
-  } else if (x.fused) {
+  if (!FOLDED && x.fused) {
 #pragma GCC unroll 16
     for (int r = 0; r + 1 < R; r += 2) {
       const int64_t rg = (r0 + r + 1) * x.G + g;
@@ -221,7 +214,7 @@ inline void epilogue512(__m512* y, const __m512i* dot, const __m512i* dlo, const
   } else {
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const int64_t rg = (r0 + r) * x.G + g;
+      const int64_t rg = (r0 + (FOLDED ? 2 * r + 1 : r)) * x.G + g;  // folded: token r's second digit row
       y[r] = _mm512_fmadd_ps(_mm512_set1_ps(x.sx[rg]),
                              value512<MIN, MULT>(p, dot[r], MULT == 2 ? dlo[r] : none, x.fsum[rg]), y[r]);
     }
