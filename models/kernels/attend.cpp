@@ -11,9 +11,10 @@
 // AVX2 and plain C paths alike (chosen at run time from the CPU's flags; the last argument
 // forces one: 1 plain C, 2 AVX2).
 //
-// Work is split by (sequence, kv head, chunk of rows): the keys and values of a task are read
-// in place (an fp32 cache) or widened to fp32 once (bf16), and shared by all its rows and the
-// group's query heads; on AVX-512 the
+// Work is split by (sequence, kv head, chunk of rows): the keys and values of a task are shared by
+// all its rows and the group's query heads. AVX-512 reads them in place, widening a bf16 cache at
+// each load (half the bytes of a widened copy, which a task's rows would reread from L2); the
+// AVX2 and C paths widen them to fp32 once. On AVX-512 the
 // scores of sixteen keys are reduced together (a transpose network that makes the same
 // additions as one key's horizontal sum) and one load of a value row feeds every head.
 
@@ -357,7 +358,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const bool wide = path == Path::Avx512 && (d == 64 || d == 128);
   const float sc = float(scale);
 
-  // One task per (sequence, kv head, chunk of query rows): its keys are widened once and shared
+  // One task per (sequence, kv head, chunk of query rows): its keys are gathered once and shared
   // by the group's heads and the chunk's rows. A step with little work (a decode step) runs on the
   // calling thread, where a parallel region's wake-up would cost more than it saves; a step of few
   // sequences splits its rows so that every thread has a task.
@@ -370,7 +371,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     std::vector<int32_t> where(W + Q), vis(W + Q);
     std::vector<float> all, scores(W + Q);
     Rows<C> rows_in_place;    // AVX-512: the task's rows as the cache holds them
-    Rows<float> rows_widened;  // rows sharing a task, and the AVX2 and C paths: in fp32
+    Rows<float> rows_widened;  // the AVX2 and C paths (and head sizes AVX-512 does not take): fp32
     std::vector<const float*> qrows(group);
     std::vector<float*> outs(group);
     for (int64_t task = begin; task < end; ++task) {
@@ -385,10 +386,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
       if (n == 0) continue;
       const int64_t padded = (n + 15) / 16 * 16;
-      // A decode's row reads its keys and values in place, widening each load; rows that share a
-      // task (a tree, a canvas) read them widened once (an fp32 cache is in place either way).
+      // AVX-512 reads keys and values in place, widening each load: a tree's or a canvas's rows
+      // reread them, and 128 bf16 keys and values stay in L1 where a widened fp32 copy does not.
+      // The other paths read a widened copy. Either way, the same values.
       const Source<C> src{kcp, vcp, kp, vp, cp + s * W, rp + s * Q, W, Q, KV, h, d};
-      const bool in_place = wide && i1 - i0 == 1;
+      const bool in_place = wide;
       if (in_place)
         rows_in_place.gather(src, where.data(), n, padded);
       else

@@ -107,7 +107,9 @@ def test_every_code_path_gives_the_same_bits_for_any_group_width_and_mask(heads:
     kc = torch.randn(120, kv_heads, dim, generator=g).bfloat16()
     vc = torch.randn(120, kv_heads, dim, generator=g).bfloat16()
     q = torch.randn(T, heads, dim, generator=g)
-    k, v = torch.randn(T, kv_heads, dim, generator=g), torch.randn(T, kv_heads, dim, generator=g)
+    # the step's new rows as the cache will hold them (the contract: callers pass ``as_stored``)
+    k = torch.randn(T, kv_heads, dim, generator=g).bfloat16().float()
+    v = torch.randn(T, kv_heads, dim, generator=g).bfloat16().float()
     rows = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, T]])
     context = torch.randperm(120, generator=g)[:S * W].view(S, W)
     mask = torch.rand(S, Q, W + Q, generator=g) < 0.8
