@@ -16,7 +16,8 @@
 // each load (half the bytes of a widened copy, which a task's rows would reread from L2); the
 // AVX2 and C paths widen them to fp32 once. On AVX-512 the
 // scores of sixteen keys are reduced together (a transpose network that makes the same
-// additions as one key's horizontal sum) and one load of a value row feeds every head.
+// additions as one key's horizontal sum), a block of sixteen bf16 keys is widened once for the
+// group's heads, and one load of a value row feeds every head.
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -114,13 +115,29 @@ void heads_avx512(const float* const* qrows, const C* const* keys, const C* cons
                   const int32_t* vis, int64_t nv, bool prefix, float* all, float* scores, int64_t stride, float sc,
                   float* const* outs) {
   const __m512 vsc = _mm512_set1_ps(sc);
+  // Scores, sixteen keys at a time for every head. bf16 keys are widened once a block into kb
+  // (in L1) for all G heads rather than at each head's loads; the values are the same.
+  alignas(64) float kb[16 * DC * LANES];
+  const float* kp[16];
+  for (int k = 0; k < 16; ++k) kp[k] = kb + k * DC * LANES;
+  for (int64_t j = 0; j < n; j += 16) {
+    if constexpr (std::is_same_v<C, c10::BFloat16>)
+      for (int k = 0; k < 16; ++k)
+        for (int c = 0; c < DC; ++c) _mm512_store_ps(kb + (k * DC + c) * LANES, load16<C>(keys[j + k] + c * LANES));
+    for (int g = 0; g < G; ++g) {
+      __m512 qv[DC];
+      for (int c = 0; c < DC; ++c) qv[c] = _mm512_loadu_ps(qrows[g] + c * LANES);
+      __m512 sc16;
+      if constexpr (std::is_same_v<C, c10::BFloat16>)
+        sc16 = scores16_avx512<DC, float>(qv, kp);
+      else
+        sc16 = scores16_avx512<DC, C>(qv, keys + j);
+      _mm512_storeu_ps(all + g * stride + j, _mm512_mul_ps(sc16, vsc));
+    }
+  }
   float* s[G];
   for (int g = 0; g < G; ++g) {
-    __m512 qv[DC];
-    for (int c = 0; c < DC; ++c) qv[c] = _mm512_loadu_ps(qrows[g] + c * LANES);
     float* a = all + g * stride;
-    for (int64_t j = 0; j < n; j += 16)
-      _mm512_storeu_ps(a + j, _mm512_mul_ps(scores16_avx512<DC, C>(qv, keys + j), vsc));
     s[g] = prefix ? a : scores + g * stride;
     if (!prefix)
       for (int64_t j = 0; j < nv; ++j) s[g][j] = a[vis[j]];
