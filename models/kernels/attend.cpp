@@ -115,24 +115,23 @@ void heads_avx512(const float* const* qrows, const C* const* keys, const C* cons
                   const int32_t* vis, int64_t nv, bool prefix, float* all, float* scores, int64_t stride, float sc,
                   float* const* outs) {
   const __m512 vsc = _mm512_set1_ps(sc);
-  // Scores, sixteen keys at a time for every head. bf16 keys are widened once a block into kb
+  // Scores, sixteen keys at a time for every head. A block of bf16 keys is widened once into kb
   // (in L1) for all G heads rather than at each head's loads; the values are the same.
   alignas(64) float kb[16 * DC * LANES];
-  const float* kp[16];
-  for (int k = 0; k < 16; ++k) kp[k] = kb + k * DC * LANES;
+  const float* widened[16];
+  for (int k = 0; k < 16; ++k) widened[k] = kb + k * DC * LANES;
   for (int64_t j = 0; j < n; j += 16) {
-    if constexpr (std::is_same_v<C, c10::BFloat16>)
-      for (int k = 0; k < 16; ++k)
-        for (int c = 0; c < DC; ++c) _mm512_store_ps(kb + (k * DC + c) * LANES, load16<C>(keys[j + k] + c * LANES));
+    const float* const* block;
+    if constexpr (std::is_same_v<C, c10::BFloat16>) {
+      for (int k = 0; k < 16; ++k) widen_avx512(keys[j + k], DC * LANES, kb + k * DC * LANES);
+      block = widened;
+    } else {
+      block = keys + j;
+    }
     for (int g = 0; g < G; ++g) {
       __m512 qv[DC];
       for (int c = 0; c < DC; ++c) qv[c] = _mm512_loadu_ps(qrows[g] + c * LANES);
-      __m512 sc16;
-      if constexpr (std::is_same_v<C, c10::BFloat16>)
-        sc16 = scores16_avx512<DC, float>(qv, kp);
-      else
-        sc16 = scores16_avx512<DC, C>(qv, keys + j);
-      _mm512_storeu_ps(all + g * stride + j, _mm512_mul_ps(sc16, vsc));
+      _mm512_storeu_ps(all + g * stride + j, _mm512_mul_ps(scores16_avx512<DC, float>(qv, block), vsc));
     }
   }
   float* s[G];
@@ -407,8 +406,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       // reread them, and 128 bf16 keys and values stay in L1 where a widened fp32 copy does not.
       // The other paths read a widened copy. Either way, the same values.
       const Source<C> src{kcp, vcp, kp, vp, cp + s * W, rp + s * Q, W, Q, KV, h, d};
-      const bool in_place = wide;
-      if (in_place)
+      if (wide)
         rows_in_place.gather(src, where.data(), n, padded);
       else
         rows_widened.gather(src, where.data(), n, padded);
@@ -431,14 +429,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         if (wide) {
           all.resize(group * padded);
           scores.resize(group * padded);
-          const auto run = [&](const auto& rows) {
-            heads_of_row_avx512(qrows.data(), group, rows, padded, d, vis.data(), nv, prefix, all.data(),
-                                scores.data(), sc, outs.data());
-          };
-          if (in_place)
-            run(rows_in_place);
-          else
-            run(rows_widened);
+          heads_of_row_avx512(qrows.data(), group, rows_in_place, padded, d, vis.data(), nv, prefix, all.data(),
+                              scores.data(), sc, outs.data());
           continue;
         }
         if (path == Path::Avx2) {
