@@ -415,9 +415,12 @@ class EagleDecoder:
         if len(tree) == 1:
             counters.plain_steps += 1
         st: EagleState = req.decoder_state
+        # The step's budget (a source that drafted was budgeted at this many tokens): match lengths.
+        budget = st.planned[1] if st.planned is not None and st.planned[0] == req.num_tokens else NO_DRAFT
         for i, src in enumerate(st.sources):  # source i proposed the nodes with bit i (merge order)
             outcome = source_outcome(tree, path, i) if tree.sources else None
-            self.budget.record(src.name, st.rates[src.name], outcome)
+            match = budget.matches[i] if i < len(budget.matches) else 0
+            self.budget.record(src.name, st.rates[src.name], outcome, match)
             if outcome is not None:
                 counters.drafted[src.name] = counters.drafted.get(src.name, 0) + 1
                 counters.accepted[src.name] = counters.accepted.get(src.name, 0) + outcome[0]

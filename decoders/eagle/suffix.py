@@ -257,7 +257,7 @@ class SuffixSource:
         if st.draft is None:
             return NO_REACH
         depths = draft.tree.depths[1:]
-        return Reach(tuple(sum(1 for x in depths if x <= d) for d in range(1, max(depths) + 1)))
+        return Reach(tuple(sum(1 for x in depths if x <= d) for d in range(1, max(depths) + 1)), match=draft.match_length)
 
     def due(self, st: SuffixState, drafting: bool, stale: bool) -> bool:
         return False  # nothing to catch up: it reads tokens, which are committed already

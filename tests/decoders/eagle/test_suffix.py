@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dualserve.decoders.eagle.budget import (EXPLORE_AFTER, LEARNED_EMA, Batch, CostCurve, DraftBudget, Offer, Reach,
-                                             SourceRate, choose_budget, expected_accepted)
+                                             SourceRate, choose_budget, expected_accepted, match_prior)
 from dualserve.decoders.eagle.suffix import SuffixCache, SuffixConfig, SuffixSource, TokenIndex, continuation_tree
 from dualserve.decoders.eagle.tree import DraftTree, TreeConfig, merge_trees, source_outcome
 from dualserve.decoders.engine.engine import Engine
@@ -161,15 +161,16 @@ def test_choose_budget_scores_every_pair_as_the_plain_formula_does() -> None:
     rng = random.Random(0)
     for _ in range(300):
         curve = CostCurve(rng.uniform(0.5, 2), rng.uniform(0.5, 20))
+        depth = rng.randint(1, 15)  # the lookup's levels, each at its own rate (as by match length)
         offers = [Offer(tuple(sorted(rng.randint(1, 12) for _ in range(rng.randint(1, 4)))), rng.random(),
                         tuple(sorted(rng.uniform(0, 2) for _ in range(4)))),
-                  Offer(tuple(range(1, rng.randint(2, 16))), rng.random())]
+                  Offer(tuple(range(1, depth + 1)), tuple(rng.random() for _ in range(depth)))]
         offers = [o if rng.random() > 0.2 else None for o in offers]
         cap = rng.randint(1, 30)
 
         def speed(da: int, db: int) -> float:
             a, b = offers
-            rates = [1 - (1 - a.rate if a and level < da else 1.0) * (1 - b.rate if b and level < db else 1.0)
+            rates = [1 - (1 - a.level(level) if a and level < da else 1.0) * (1 - b.level(level) if b and level < db else 1.0)
                      for level in range(max(da, db))]
             nodes = (a.nodes[da - 1] if da else 0) + (b.nodes[db - 1] if db else 0)
             return (1 + expected_accepted(rates)) / (curve(1 + nodes) + (a.cost(da) if da else 0.0))
@@ -197,6 +198,24 @@ def test_draft_budget_probes_a_stale_model_and_learns_its_rate() -> None:
     assert rates["head"].idle_steps == 0 and budget.learned["head"].rate > before
     fixed = DraftBudget(None).choose(["head", "suffix"], reaches, rates, cap=8)
     assert (fixed.depths, fixed.nodes, fixed.units) == ((2, 3), (2, 3), (2, 0))  # everything on offer
+
+
+def test_a_lookup_drafts_by_its_match_length_and_learns_each_lengths_rate() -> None:
+    """A long match continues a copy: it drafts deep where a one-token match drafts little or
+    nothing; each level is learned at the match length it continued."""
+    budget = DraftBudget(CostCurve(1.0, 4.5))  # each drafted token costs half a forward
+    rates = budget.rates()
+    short = budget.choose(["suffix"], [Reach((1, 2, 3, 4), match=1)], rates, cap=16)
+    long = budget.choose(["suffix"], [Reach((1, 2, 3, 4), match=12)], rates, cap=16)
+    assert short.depths == (0,) and long.depths == (4,) and long.matches == (12,)
+    learned = budget.by_match["suffix"]
+    assert learned.rate(1) == pytest.approx(match_prior(1)) and learned.rate(13) == learned.rate(12)
+    for _ in range(40):  # drafts from two-token matches: two levels pass (lengths 2 and 3), the next fails
+        budget.record("suffix", rates["suffix"], (2, True), match=2)
+    assert learned.rate(2) > match_prior(2) and learned.rate(3) > match_prior(3) and learned.rate(4) < match_prior(4)
+    assert learned.rate(1) == pytest.approx(match_prior(1))  # a length no draft continued keeps its prior
+    budget.record("head", rates["head"], (0, True))  # a model's rate is its own: no match
+    assert set(budget.by_match) == {"suffix"}
 
 
 def test_expected_accepted_and_rates() -> None:
