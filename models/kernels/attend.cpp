@@ -16,8 +16,9 @@
 // each load (half the bytes of a widened copy, which a task's rows would reread from L2); the
 // AVX2 and C paths widen them to fp32 once. On AVX-512 the
 // scores of sixteen keys are reduced together (a transpose network that makes the same
-// additions as one key's horizontal sum), a block of sixteen bf16 keys is widened once for the
-// group's heads, and one load of a value row feeds every head.
+// additions as one key's horizontal sum), a task's scores come first, for all its rows and heads,
+// so that a block of sixteen bf16 keys is widened once for all of them, and one load of a value
+// row feeds every head.
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -102,21 +103,13 @@ inline __m512 scores16_avx512(const __m512* qv, const C* const* keys) {
   return _mm512_permutexvar_ps(order, f);
 }
 
-// G query heads of one row (heads of one kv group, so the same visible keys) over the task's
-// n keys: scores of all n (16 at a time; the buffers are padded to a multiple of 16 with zeros),
-// then softmax and the weighted values over the visible ones alone (vis, in position order),
-// each head with the operations and order of the plain C path. The heads only share work: one
-// load of each value row feeds every head's accumulators, and their sequential softmax sums run
-// side by side.
-template <int DC, int G, typename C>
+// The scores of nq query rows (every row and head of a task: all[r * n + j] for query r and key j)
+// over the task's n keys, sixteen keys at a time. A block of bf16 keys is widened once into kb (in
+// L1) for all of them, rather than at each query's loads; the values are the same.
+template <int DC, typename C>
 __attribute__((target("avx512f")))
-void heads_avx512(const float* const* qrows, const C* const* keys, const C* const* vals, int64_t n,
-                  int64_t d,
-                  const int32_t* vis, int64_t nv, bool prefix, float* all, float* scores, int64_t stride, float sc,
-                  float* const* outs) {
+void scores_avx512(const float* const* qrows, int64_t nq, const C* const* keys, int64_t n, float sc, float* all) {
   const __m512 vsc = _mm512_set1_ps(sc);
-  // Scores, sixteen keys at a time for every head. A block of bf16 keys is widened once into kb
-  // (in L1) for all G heads rather than at each head's loads; the values are the same.
   alignas(64) float kb[16 * DC * LANES];
   const float* widened[16];
   for (int k = 0; k < 16; ++k) widened[k] = kb + k * DC * LANES;
@@ -128,12 +121,23 @@ void heads_avx512(const float* const* qrows, const C* const* keys, const C* cons
     } else {
       block = keys + j;
     }
-    for (int g = 0; g < G; ++g) {
+    for (int64_t r = 0; r < nq; ++r) {
       __m512 qv[DC];
-      for (int c = 0; c < DC; ++c) qv[c] = _mm512_loadu_ps(qrows[g] + c * LANES);
-      _mm512_storeu_ps(all + g * stride + j, _mm512_mul_ps(scores16_avx512<DC, float>(qv, block), vsc));
+      for (int c = 0; c < DC; ++c) qv[c] = _mm512_loadu_ps(qrows[r] + c * LANES);
+      _mm512_storeu_ps(all + r * n + j, _mm512_mul_ps(scores16_avx512<DC, float>(qv, block), vsc));
     }
   }
+}
+
+// G query heads of one row (heads of one kv group, so the same visible keys), their scores over
+// the task's n keys already in all (g * stride): softmax and the weighted values over the visible
+// ones alone (vis, in position order), each head with the operations and order of the plain C
+// path. The heads only share work: one load of each value row feeds every head's accumulators,
+// and their sequential softmax sums run side by side.
+template <int DC, int G, typename C>
+__attribute__((target("avx512f")))
+void heads_avx512(const C* const* vals, const int32_t* vis, int64_t nv, bool prefix, float* all, float* scores,
+                  int64_t stride, float* const* outs) {
   float* s[G];
   for (int g = 0; g < G; ++g) {
     float* a = all + g * stride;
@@ -174,24 +178,23 @@ void heads_avx512(const float* const* qrows, const C* const* keys, const C* cons
   }
 }
 
-// A row's group of heads, in blocks the registers hold (up to 4 heads of 64 dims, 2 of 128).
+// A row's group of heads (their scores in all, one row of stride each), in blocks the registers
+// hold (up to 4 heads of 64 dims, 2 of 128).
 template <int DC, typename C>
 __attribute__((target("avx512f")))
-void group_avx512(const float* const* qrows, int64_t group, const C* const* keys, const C* const* vals,
-                  int64_t n,
-                  int64_t d, const int32_t* vis, int64_t nv, bool prefix, float* all, float* scores, int64_t stride,
-                  float sc, float* const* outs) {
+void group_avx512(int64_t group, const C* const* vals, const int32_t* vis, int64_t nv, bool prefix, float* all,
+                  float* scores, int64_t stride, float* const* outs) {
   constexpr int B = DC <= 4 ? 4 : 2;
   for (int64_t g = 0; g < group;) {
     const int64_t b = std::min<int64_t>(B, group - g);
-    const float* const* q = qrows + g;
+    float* a = all + g * stride;
     float* const* o = outs + g;
     if constexpr (B == 4) {
-      if (b == 4) heads_avx512<DC, 4, C>(q, keys, vals, n, d, vis, nv, prefix, all, scores, stride, sc, o);
-      if (b == 3) heads_avx512<DC, 3, C>(q, keys, vals, n, d, vis, nv, prefix, all, scores, stride, sc, o);
+      if (b == 4) heads_avx512<DC, 4, C>(vals, vis, nv, prefix, a, scores, stride, o);
+      if (b == 3) heads_avx512<DC, 3, C>(vals, vis, nv, prefix, a, scores, stride, o);
     }
-    if (b == 2) heads_avx512<DC, 2, C>(q, keys, vals, n, d, vis, nv, prefix, all, scores, stride, sc, o);
-    if (b == 1) heads_avx512<DC, 1, C>(q, keys, vals, n, d, vis, nv, prefix, all, scores, stride, sc, o);
+    if (b == 2) heads_avx512<DC, 2, C>(vals, vis, nv, prefix, a, scores, stride, o);
+    if (b == 1) heads_avx512<DC, 1, C>(vals, vis, nv, prefix, a, scores, stride, o);
     g += b;
   }
 }
@@ -324,18 +327,27 @@ struct Rows {
 };
 
 #ifdef ATTEND_X86
-// A row's group of heads over a task's rows held as type R, for head size 64 or 128.
+// Every query's scores over a task's keys held as type R (nq queries: the task's rows times the
+// group's heads), for head size 64 or 128.
 template <typename R>
 __attribute__((target("avx512f")))
-void heads_of_row_avx512(const float* const* qrows, int64_t group, const Rows<R>& rows, int64_t n, int64_t d,
-                         const int32_t* vis, int64_t nv, bool prefix, float* all, float* scores, float sc,
-                         float* const* outs) {
+void task_scores_avx512(const float* const* qrows, int64_t nq, const Rows<R>& rows, int64_t n, int64_t d, float sc,
+                        float* all) {
   if (d == 64)
-    group_avx512<4, R>(qrows, group, rows.keys.data(), rows.vals.data(), n, d, vis, nv, prefix, all, scores, n, sc,
-                       outs);
+    scores_avx512<4, R>(qrows, nq, rows.keys.data(), n, sc, all);
   else
-    group_avx512<8, R>(qrows, group, rows.keys.data(), rows.vals.data(), n, d, vis, nv, prefix, all, scores, n, sc,
-                       outs);
+    scores_avx512<8, R>(qrows, nq, rows.keys.data(), n, sc, all);
+}
+
+// A row's group of heads, their scores in all (one row of n each): softmax and values.
+template <typename R>
+__attribute__((target("avx512f")))
+void heads_of_row_avx512(int64_t group, const Rows<R>& rows, int64_t n, int64_t d, const int32_t* vis, int64_t nv,
+                         bool prefix, float* all, float* scores, float* const* outs) {
+  if (d == 64)
+    group_avx512<4, R>(group, rows.vals.data(), vis, nv, prefix, all, scores, n, outs);
+  else
+    group_avx512<8, R>(group, rows.vals.data(), vis, nv, prefix, all, scores, n, outs);
 }
 #endif
 
@@ -388,7 +400,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     std::vector<float> all, scores(W + Q);
     Rows<C> rows_in_place;    // AVX-512: the task's rows as the cache holds them
     Rows<float> rows_widened;  // the AVX2 and C paths (and head sizes AVX-512 does not take): fp32
-    std::vector<const float*> qrows(group);
+    std::vector<const float*> qrows(group), qall;  // qall: the task's queries (its rows' heads), scored together
+    std::vector<int64_t> scored(Q);                 // a chunk row's first query in qall
     std::vector<float*> outs(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / (KV * chunks), h = (task / chunks) % KV, chunk = task % chunks;
@@ -410,6 +423,20 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         rows_in_place.gather(src, where.data(), n, padded);
       else
         rows_widened.gather(src, where.data(), n, padded);
+#ifdef ATTEND_X86
+      if (wide) {  // every row's and head's scores first: a block of keys is widened once for them all
+        qall.clear();
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t t = rp[s * Q + i];
+          scored[i - i0] = t < T ? int64_t(qall.size()) : -1;  // a padded query has none
+          if (t < T)
+            for (int64_t g = 0; g < group; ++g) qall.push_back(qp + (t * H + h * group + g) * d);
+        }
+        all.resize(qall.size() * padded);
+        scores.resize(group * padded);
+        task_scores_avx512(qall.data(), int64_t(qall.size()), rows_in_place, padded, d, sc, all.data());
+      }
+#endif
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t t = rp[s * Q + i];
         if (t >= T) continue;  // a padded query
@@ -427,10 +454,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         }
 #ifdef ATTEND_X86
         if (wide) {
-          all.resize(group * padded);
-          scores.resize(group * padded);
-          heads_of_row_avx512(qrows.data(), group, rows_in_place, padded, d, vis.data(), nv, prefix, all.data(),
-                              scores.data(), sc, outs.data());
+          heads_of_row_avx512(group, rows_in_place, padded, d, vis.data(), nv, prefix,
+                              all.data() + scored[i - i0] * padded, scores.data(), outs.data());
           continue;
         }
         if (path == Path::Avx2) {
