@@ -65,6 +65,10 @@ LEARNED_EMA = 0.05
 STEADY_POSITIONS = 8  # a catch-up over at most this many positions is a drafting request's steady one
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 EXACT = 16           # verify forwards up to this many tokens are measured per token count
+# A measured forward moves its count's estimate as if it took at most this factor more (or less)
+# than the estimate: one forward stalled by the host (a page fault, a neighbour; 4x the median
+# was seen on a 2-core host) must not make a plain step look dear for the steps that follow.
+OUTLIER = 1.5
 # Match lengths whose acceptance suffix lookup learns apart: each bucket holds the lengths from
 # its bound up to the next one's.
 MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24)
@@ -155,7 +159,7 @@ class CostCurve:
     The prior is a line through (1, one) and (8, eight) (``models/formats.py`` measures those
     two points at start-up; the router interpolates the same way). Measured forwards are
     kept as an EMA of the measured/prior ratio per token count up to ``EXACT``, and per
-    power-of-two bucket above. An estimate at a measured count (or bucket) is the prior there
+    power-of-two bucket above, each observation held within ``OUTLIER`` of the estimate. An estimate at a measured count (or bucket) is the prior there
     times its ratio; between measured counts, the line between their estimates; past the
     ends, the prior times the nearest one's ratio. The prior's shape comes from an uncompiled start-up
     measurement and can be far steeper than the served forward's, so it must not carry a
@@ -186,6 +190,8 @@ class CostCurve:
         k = self.key(n)
         ratio = seconds / self.prior(n)
         old = self.measured.get(k)
+        if old is not None:
+            ratio = min(max(ratio, old / OUTLIER), old * OUTLIER)
         self.measured[k] = ratio if old is None else old + EMA * (ratio - old)
 
     def __call__(self, n: int) -> float:

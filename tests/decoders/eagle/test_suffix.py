@@ -240,6 +240,11 @@ def test_cost_curve_learns_the_host() -> None:
     for _ in range(30):
         curve.observe(100, 0.05)
     assert curve(120) == pytest.approx(0.05 * curve.prior(120) / curve.prior(100), rel=0.01)  # same bucket
+    curve.observe(1, 0.040)  # one stalled forward moves the estimate as a 1.5x slower one would
+    assert curve(1) == pytest.approx(0.010 * (1 + 0.3 * 0.5), rel=0.01)
+    for _ in range(30):  # a lasting change is followed
+        curve.observe(1, 0.030)
+    assert curve(1) == pytest.approx(0.030, rel=0.01)
 
 
 def test_cost_curve_interpolates_between_measured_buckets() -> None:
