@@ -24,7 +24,7 @@ from .engine.blocks import BlockPool
 from .engine.isolation import guard
 from .engine.request import Request
 from .engine.runner import ForwardItem, ModelRunner
-from .engine.sampling import process_logits, sample_token, token_logprobs
+from .engine.sampling import argmax, process_logits, sample_token, token_logprobs
 from .engine.scheduler import Scheduled
 
 # Logit rows computed at a time for prompt logprobs: bounds the (rows, vocab) fp32 buffer.
@@ -68,7 +68,7 @@ def sample_and_emit(reqs: Sequence[Request], logits: torch.Tensor, emit) -> None
     plain = [i for i, r in enumerate(reqs)
              if r.params.greedy and not r.params.needs_processing and r.constraint is None]
     if plain:
-        for i, tok in zip(plain, logits[plain].argmax(-1).tolist()):
+        for i, tok in zip(plain, argmax(logits[plain])):
             tokens[i] = tok
     for i, req in enumerate(reqs):
         with guard(req, emit, "sampling"):

@@ -254,7 +254,7 @@ class EagleDecoder:
         items = [self._item(s, trees.get(id(s.request))) for s in batch]
         final, aux = self.runner.forward(items, aux_layers=self.aux_layers)
         num_tokens = sum(len(it.token_ids) for it in items)
-        known = self._path_logits(batch, items, trees, final)
+        known, argmaxes = self._path_logits(batch, items, trees, final)
         # A verify's cost is its forward and the output head over the rows it will likely accept
         # (a plain step's, like ``ar``'s, is one row): a bigger tree pays for both.
         if all(id(s.request) in trees for s in batch):  # decode steps only
@@ -276,7 +276,8 @@ class EagleDecoder:
                     tree, rows = DraftTree([req.all_ids[-1]], [-1]), slice(rows.stop - 1, rows.stop)
                 counters = req.counters_of(EagleCounters)
                 counters.draft_seconds += draft_time
-                emitted += self._verify(req, tree, final[rows], [a[rows] for a in aux], emit, known.get(id(req)))
+                emitted += self._verify(req, tree, final[rows], [a[rows] for a in aux], emit, known.get(id(req)),
+                                        argmaxes.get(id(req)))
                 counters.verify_seconds += time.perf_counter() - started
         self.budget.stepped(len(batch), num_tokens, emitted)
 
@@ -309,9 +310,10 @@ class EagleDecoder:
         return units
 
     def _path_logits(self, batch: Sequence[Scheduled], items: list[ForwardItem], trees: dict,
-                     final: torch.Tensor) -> dict[int, dict[int, torch.Tensor]]:
+                     final: torch.Tensor) -> tuple[dict[int, dict[int, torch.Tensor]], dict[int, dict[int, int]]]:
         """Every verifying request's logits (fp32, by tree node) along the path verification will
-        most likely walk, computed level by level for the whole batch (``tree.path_logits``)."""
+        most likely walk, computed level by level for the whole batch, and their argmaxes
+        (``tree.path_logits``)."""
         starts: dict[int, tuple[int, DraftTree]] = {}  # request -> (its first row, tree)
         offset = 0
         for s, item in zip(batch, items):
@@ -366,9 +368,10 @@ class EagleDecoder:
     # ---- verify ----------------------------------------------------------------
 
     def _verify(self, req: Request, tree: DraftTree, final: torch.Tensor, aux: list[torch.Tensor], emit,
-                known: dict[int, torch.Tensor] | None = None) -> int:
+                known: dict[int, torch.Tensor] | None = None, argmaxes: dict[int, int] | None = None) -> int:
         """Accept, commit and keep the accepted path; returns the tokens committed. ``known``: logits
-        of some of the tree's nodes, computed with the batch's (``_path_logits``)."""
+        of some of the tree's nodes, computed with the batch's, and ``argmaxes`` theirs
+        (``_path_logits``)."""
         params = req.params
         cache: dict[int, torch.Tensor] = dict(known or {})
 
@@ -387,7 +390,9 @@ class EagleDecoder:
         # lookup): point masses, which is what accept_sampled's rule assumes, so the merged
         # tree stays exact.
         if params.greedy:
-            path, bonus = accept_greedy(tree, processed)
+            # The raw logits' argmaxes stand for the processed ones' where nothing processes them.
+            plain = not params.needs_processing and req.constraint is None
+            path, bonus = accept_greedy(tree, processed, argmaxes if plain else None)
         else:
             path, bonus = accept_sampled(tree, lambda n, acc: truncated_probs(processed(n, acc), params),
                                          req.generator)

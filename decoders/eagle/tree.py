@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from ..engine.sampling import argmax
 
 
 @dataclass(frozen=True)
@@ -223,10 +224,10 @@ def _visible_rows(frontier: torch.Tensor, parent: torch.Tensor, fed_index: dict,
 # ---- verification's logits -----------------------------------------------------------
 
 def path_logits(starts: dict, final: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor],
-                guess_rows: int) -> dict:
+                guess_rows: int) -> tuple[dict, dict]:
     """Per key of ``starts`` (key -> (row of its tree's root in ``final``, tree)), the target's logits
     by node along the path verification will most likely walk: the root, then each node whose
-    token is its parent's argmax.
+    token is its parent's argmax; and those argmaxes by node (greedy acceptance reuses them).
 
     One output-head product per tree level for every tree at once: at 16 streams, a product per
     request and node cost more than a sixth of the step (the head at one row is a fifth of a
@@ -240,18 +241,19 @@ def path_logits(starts: dict, final: torch.Tensor, logits_of: Callable[[torch.Te
     children = {k: tree.children() for k, (_, tree) in starts.items()}
     heights = {k: subtree_heights(children[k]) for k in starts}
     out: dict = {k: {} for k in starts}
+    argmaxes: dict = {k: {} for k in starts}
     frontier = {k: 0 for k in starts}  # key -> the node its walk has reached
     while frontier:
         ahead = max(0, guess_rows // len(frontier) - 1)
         chains = {k: likely_chain(children[k], heights[k], node, ahead) for k, node in frontier.items()}
         rows = torch.tensor([starts[k][0] + c for k in frontier for c in chains[k]], device=final.device)
         logits = logits_of(final[rows])
-        best = logits.argmax(-1).tolist()
+        best = argmax(logits)
         following, i = {}, 0
         for k, node in frontier.items():
             tree, index = starts[k][1], {}
             for c in chains[k]:
-                out[k][c], index[c] = logits[i], i
+                out[k][c], argmaxes[k][c], index[c] = logits[i], best[i], i
                 i += 1
             while True:  # walk the argmax path through the rows just computed
                 child = next((c for c in children[k][node] if tree.tokens[c] == best[index[node]]), None)
@@ -262,7 +264,7 @@ def path_logits(starts: dict, final: torch.Tensor, logits_of: Callable[[torch.Te
                     break
                 node = child
         frontier = following
-    return out
+    return out, argmaxes
 
 
 def subtree_heights(children: list[list[int]]) -> list[int]:
@@ -288,12 +290,13 @@ def likely_chain(children: list[list[int]], heights: list[int], node: int, ahead
 Dist = Callable[[int, list[int]], torch.Tensor]  # (node, tokens accepted so far) -> (vocab,) logits or probs
 
 
-def accept_greedy(tree: DraftTree, logits_at: Dist) -> tuple[list[int], int]:
-    """Longest path of target-argmax tokens; returns (accepted node indices, bonus token)."""
+def accept_greedy(tree: DraftTree, logits_at: Dist, known: dict[int, int] | None = None) -> tuple[list[int], int]:
+    """Longest path of target-argmax tokens; returns (accepted node indices, bonus token).
+    ``known``: argmaxes of ``logits_at`` already taken, by node (``path_logits``)."""
     children = tree.children()
     node, path, tokens = 0, [], []
     while True:
-        best = int(torch.argmax(logits_at(node, tokens)))
+        best = known[node] if known and node in known else int(argmax(logits_at(node, tokens)))
         nxt = next((c for c in children[node] if tree.tokens[c] == best), None)
         if nxt is None:
             return path, best

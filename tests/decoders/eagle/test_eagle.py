@@ -173,15 +173,16 @@ def test_path_logits_batches_levels_and_computes_ahead_only_while_rows_are_few()
             f[first + node, 0] = tok
         return f
 
-    got = path_logits({"r": (0, tree)}, final_for(0, 5), logits_of, guess_rows=4)
+    got, best = path_logits({"r": (0, tree)}, final_for(0, 5), logits_of, guess_rows=4)
     assert sorted(got["r"]) == [0, 1, 2, 3] and calls == [4]  # one product: root and the chain ahead
-    assert [int(got["r"][n].argmax()) for n in (0, 1, 2)] == [1, 2, 7]
+    assert [int(got["r"][n].argmax()) for n in (0, 1, 2)] == [1, 2, 7] == [best["r"][n] for n in (0, 1, 2)]
     path, bonus = accept_greedy(tree, lambda node, _: got["r"][node])
     assert path == [1, 2] and bonus == 7
+    assert accept_greedy(tree, lambda node, _: got["r"][node], best["r"]) == (path, bonus)
 
     calls.clear()  # 16 trees: a level already fills the product, nothing is computed ahead
     final = torch.cat([final_for(0, 5)] * 16)
-    got = path_logits({i: (5 * i, tree) for i in range(16)}, final, logits_of, guess_rows=4)
+    got, _ = path_logits({i: (5 * i, tree) for i in range(16)}, final, logits_of, guess_rows=4)
     assert calls == [16, 16, 16] and all(sorted(g) == [0, 1, 2] for g in got.values())
 
 
