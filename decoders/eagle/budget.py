@@ -159,9 +159,10 @@ class CostCurve:
     The prior is a line through (1, one) and (8, eight) (``models/formats.py`` measures those
     two points at start-up; the router interpolates the same way). Measured forwards are
     kept as an EMA of the measured/prior ratio per token count up to ``EXACT``, and per
-    power-of-two bucket above, each observation held within ``OUTLIER`` of the estimate. An estimate at a measured count (or bucket) is the prior there
-    times its ratio; between measured counts, the line between their estimates; past the
-    ends, the prior times the nearest one's ratio. The prior's shape comes from an uncompiled start-up
+    power-of-two bucket above, each observation held within ``OUTLIER`` of the estimate. An
+    estimate at a measured count (or bucket) is the prior there times its ratio; between
+    measured counts, the line between their estimates; past the ends, the prior times the
+    nearest one's ratio. The prior's shape comes from an uncompiled start-up
     measurement and can be far steeper than the served forward's, so it must not carry a
     ratio from one count to another: that made a 2-token verify look dearer than a 3-token one.
     """
