@@ -41,6 +41,7 @@ time themselves and never decide how much to draft.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence
 
@@ -48,9 +49,9 @@ Source = Literal["head", "block", "suffix"]  # the EAGLE head | a DFlash drafter
 
 # Prior acceptance rates, per drafted level. A weak head's: the first bundled head's mean
 # acceptance length, 1.55, is a per-level rate near 0.35 (a request's rates start from what
-# earlier requests measured, so a stronger head is found without a new prior). Suffix drafts
-# are verbatim repeats, accepted far more often when they match at all (SuffixDecoding
-# reports 0.6-0.8 on agents).
+# earlier requests measured, so a stronger head is found without a new prior). Suffix lookup
+# is weighed by match length instead (``MatchRates``); its entry here keeps the request's
+# bookkeeping (idle steps, accepted length).
 # A DFlash drafter starts from the head's prior until its own rate is measured.
 PRIOR_RATE = {"head": 0.35, "block": 0.35, "suffix": 0.6}
 EMA = 0.3            # weight of the newest observation
@@ -124,7 +125,7 @@ class MatchRates:
 
     @staticmethod
     def bucket(length: int) -> int:
-        return max(b for b in MATCH_BUCKETS if b <= max(length, 1))
+        return MATCH_BUCKETS[max(bisect_right(MATCH_BUCKETS, length) - 1, 0)]
 
     def rate(self, length: int) -> float:
         b = self.bucket(length)

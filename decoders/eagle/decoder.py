@@ -276,8 +276,8 @@ class EagleDecoder:
                     tree, rows = DraftTree([req.all_ids[-1]], [-1]), slice(rows.stop - 1, rows.stop)
                 counters = req.counters_of(EagleCounters)
                 counters.draft_seconds += draft_time
-                emitted += self._verify(req, tree, final[rows], [a[rows] for a in aux], emit, known.get(id(req)),
-                                        argmaxes.get(id(req)))
+                emitted += self._verify(req, tree, final[rows], [a[rows] for a in aux], emit,
+                                        planned.get(id(req), NO_DRAFT), known.get(id(req)), argmaxes.get(id(req)))
                 counters.verify_seconds += time.perf_counter() - started
         self.budget.stepped(len(batch), num_tokens, emitted)
 
@@ -368,10 +368,11 @@ class EagleDecoder:
     # ---- verify ----------------------------------------------------------------
 
     def _verify(self, req: Request, tree: DraftTree, final: torch.Tensor, aux: list[torch.Tensor], emit,
-                known: dict[int, torch.Tensor] | None = None, argmaxes: dict[int, int] | None = None) -> int:
-        """Accept, commit and keep the accepted path; returns the tokens committed. ``known``: logits
-        of some of the tree's nodes, computed with the batch's, and ``argmaxes`` theirs
-        (``_path_logits``)."""
+                budget: Budget = NO_DRAFT, known: dict[int, torch.Tensor] | None = None,
+                argmaxes: dict[int, int] | None = None) -> int:
+        """Accept, commit and keep the accepted path; returns the tokens committed. ``budget``: what
+        the step drafted (``NO_DRAFT`` after a prefill); ``known``: logits of some of the tree's
+        nodes, computed with the batch's, and ``argmaxes`` theirs (``_path_logits``)."""
         params = req.params
         cache: dict[int, torch.Tensor] = dict(known or {})
 
@@ -399,7 +400,7 @@ class EagleDecoder:
         tokens = [tree.tokens[n] for n in path] + [bonus]
         if req.constraint is not None:  # root-only tree: exactly one token
             req.constraint.consume(bonus)
-        self._count(req, tree, path, len(tokens))
+        self._count(req, tree, path, len(tokens), budget)
         logprobs = None
         if params.logprobs is not None:
             parents = [0] + path  # each emitted token was predicted at its parent node
@@ -413,15 +414,13 @@ class EagleDecoder:
         emit(req, delta)
         return len(delta.token_ids)
 
-    def _count(self, req: Request, tree: DraftTree, path: list[int], emitted: int) -> None:
+    def _count(self, req: Request, tree: DraftTree, path: list[int], emitted: int, budget: Budget) -> None:
         """Acceptance statistics, and what each source earned, for the budget."""
         counters = req.counters_of(EagleCounters)
         counters.accept_lengths.append(emitted)
         if len(tree) == 1:
             counters.plain_steps += 1
         st: EagleState = req.decoder_state
-        # The step's budget (a source that drafted was budgeted at this many tokens): match lengths.
-        budget = st.planned[1] if st.planned is not None and st.planned[0] == req.num_tokens else NO_DRAFT
         for i, src in enumerate(st.sources):  # source i proposed the nodes with bit i (merge order)
             outcome = source_outcome(tree, path, i) if tree.sources else None
             match = budget.matches[i] if i < len(budget.matches) else 0
