@@ -214,12 +214,15 @@ class CostCurve:
 class Budget:
     """What one request drafts this step, per source of the request (in its merge order): depth,
     nodes and drafting units (forwards of a draft model), and the match length each lookup source's
-    draft continues (0 for a model). No depth anywhere: a plain step."""
+    draft continues (0 for a model). ``reach``: per level of the merged draft, the expected chance
+    that verification walks to it (every level above accepted), as the budget weighed it; () where
+    the budget weighed nothing (a fixed draft). No depth anywhere: a plain step."""
 
     depths: tuple[int, ...] = ()
     nodes: tuple[int, ...] = ()
     units: tuple[int, ...] = ()
     matches: tuple[int, ...] = ()
+    reach: tuple[float, ...] = ()
 
     @property
     def num_nodes(self) -> int:
@@ -336,7 +339,19 @@ def choose_budget(cost: Callable[[int], float], offers: Sequence[Offer | None], 
             if speed > best_speed * (1 + 1e-9):
                 best, best_speed = (da, db), speed
     depths = best[:len(offers)]
-    return Budget(depths, tuple(o.nodes[d - 1] if d else 0 for o, d in zip(offers, depths)))
+    return Budget(depths, tuple(o.nodes[d - 1] if d else 0 for o, d in zip(offers, depths)),
+                  reach=level_reach(a, b, *best))
+
+
+def level_reach(a: Offer | None, b: Offer | None, da: int, db: int) -> tuple[float, ...]:
+    """Per level of a draft ``da`` deep from ``a`` and ``db`` from ``b``, the chance that every level
+    down to it is accepted (``choose_budget``'s independence rule where both draft a level)."""
+    out, reach = [], 1.0
+    for i in range(max(da, db)):
+        miss = (1 - a.level(i) if i < da else 1.0) * (1 - b.level(i) if i < db else 1.0)
+        reach *= 1 - miss
+        out.append(reach)
+    return tuple(out)
 
 
 @dataclass
@@ -405,7 +420,7 @@ class DraftBudget:
             if r.units and r.nodes and not depths[i] and rates[name].stale and sum(nodes) + r.nodes[0] <= cap:
                 depths[i], nodes[i] = 1, r.nodes[0]
         units = tuple(r.units[d - 1] if d and r.units else 0 for r, d in zip(reaches, depths))
-        return Budget(tuple(depths), tuple(nodes), units, tuple(r.match for r in reaches))
+        return Budget(tuple(depths), tuple(nodes), units, tuple(r.match for r in reaches), budget.reach)
 
     def _rate(self, name: Source, reach: Reach, rate: SourceRate) -> float | tuple[float, ...]:
         """A source's acceptance as the budget weighs it: a model's running rate, or per level by

@@ -62,9 +62,9 @@ CPU_TREE = TreeConfig(depth=3, top_k=2, num_nodes=4)
 # GPU: verify cost is flat in tree size at batch 1; upstream EAGLE-2's evaluation
 # setting (depth 5, top-k 10, 60 tokens) scaled to a small target. Not yet measured.
 GPU_TREE = TreeConfig(depth=5, top_k=8, num_nodes=48)
-# Verification's output-head rows per level up to which each request also computes its likely next
-# nodes ahead (``tree.path_logits``): below this the product is memory-bound on a CPU.
-GUESS_ROWS = 4
+# The output-head product's cost by rows before any is measured (``tree.path_logits`` weighs it):
+# each row beyond the first adds a fifth of a product, as on the default model on a 2-core CPU.
+PRODUCT_PRIOR = CostCurve(1.0, 1.0 + 7 * 0.2)
 
 
 @dataclass
@@ -142,6 +142,10 @@ class EagleDecoder:
             raise ValueError(f"no {prefer!r} draft model is loaded")
         self.prefer: Source | None = prefer or next((m for m in ("head", "block") if m in self.sources), None)
         self.budget = DraftBudget(cost)
+        # Seconds of an output-head product by its rows, measured on a CPU (a GPU's is flat at these sizes).
+        cpu = runner.device.type == "cpu"
+        self.product_cost = CostCurve(PRODUCT_PRIOR.one, PRODUCT_PRIOR.eight) if cpu else CostCurve.flat()
+        self._time_products = cpu
 
     def prewarm(self) -> None:
         """Load or build the draft models' compiled graphs now (where the target's steps are compiled)."""
@@ -254,7 +258,7 @@ class EagleDecoder:
         items = [self._item(s, trees.get(id(s.request))) for s in batch]
         final, aux = self.runner.forward(items, aux_layers=self.aux_layers)
         num_tokens = sum(len(it.token_ids) for it in items)
-        known, argmaxes = self._path_logits(batch, items, trees, final)
+        known, argmaxes = self._path_logits(batch, items, trees, final, planned)
         # A verify's cost is its forward and the output head over the rows it will likely accept
         # (a plain step's, like ``ar``'s, is one row): a bigger tree pays for both.
         if all(id(s.request) in trees for s in batch):  # decode steps only
@@ -309,21 +313,29 @@ class EagleDecoder:
                     units[src.name] = units.get(src.name, 0) + n
         return units
 
-    def _path_logits(self, batch: Sequence[Scheduled], items: list[ForwardItem], trees: dict,
-                     final: torch.Tensor) -> tuple[dict[int, dict[int, torch.Tensor]], dict[int, dict[int, int]]]:
+    def _path_logits(self, batch: Sequence[Scheduled], items: list[ForwardItem], trees: dict, final: torch.Tensor,
+                     planned: dict[int, Budget]) -> tuple[dict[int, dict[int, torch.Tensor]], dict[int, dict[int, int]]]:
         """Every verifying request's logits (fp32, by tree node) along the path verification will
         most likely walk, computed level by level for the whole batch, and their argmaxes
-        (``tree.path_logits``)."""
-        starts: dict[int, tuple[int, DraftTree]] = {}  # request -> (its first row, tree)
+        (``tree.path_logits``), each product timed for the next step's."""
+        starts: dict[int, tuple[int, DraftTree, tuple[float, ...] | None]] = {}  # request -> (first row, tree, reach)
         offset = 0
         for s, item in zip(batch, items):
             n, req = len(item.token_ids), s.request
-            if id(req) in trees:
-                starts[id(req)] = (offset, trees[id(req)])  # the root is a tree's first node
+            if id(req) in trees:  # the root is a tree's first node; a fixed draft's reach is not weighed
+                starts[id(req)] = (offset, trees[id(req)], planned.get(id(req), NO_DRAFT).reach or None)
             elif req.num_computed + n >= req.num_tokens:  # the last prefill chunk: its last row is the root
-                starts[id(req)] = (offset + n - 1, DraftTree([req.all_ids[-1]], [-1]))
+                starts[id(req)] = (offset + n - 1, DraftTree([req.all_ids[-1]], [-1]), None)
             offset += n
-        return path_logits(starts, final, self.runner.logits, GUESS_ROWS)
+        return path_logits(starts, final, self._product, self.product_cost)
+
+    def _product(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head over these rows, timed (on a CPU) into ``product_cost``."""
+        started = time.perf_counter()
+        logits = self.runner.logits(hidden)
+        if self._time_products:
+            self.product_cost.observe(len(hidden), time.perf_counter() - started)
+        return logits
 
     @staticmethod
     def _observe(st: EagleState, final: torch.Tensor, aux: list[torch.Tensor]) -> None:

@@ -28,7 +28,7 @@ SpecInfer's multi-candidate rule with point-mass drafts).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -224,28 +224,46 @@ def _visible_rows(frontier: torch.Tensor, parent: torch.Tensor, fed_index: dict,
 # ---- verification's logits -----------------------------------------------------------
 
 def path_logits(starts: dict, final: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor],
-                guess_rows: int) -> tuple[dict, dict]:
-    """Per key of ``starts`` (key -> (row of its tree's root in ``final``, tree)), the target's logits
-    by node along the path verification will most likely walk: the root, then each node whose
-    token is its parent's argmax; and those argmaxes by node (greedy acceptance reuses them).
+                cost: Callable[[int], float]) -> tuple[dict, dict]:
+    """Per key of ``starts`` (key -> (row of its tree's root in ``final``, tree, reach)), the
+    target's logits by node along the path verification will most likely walk: the root, then each
+    node whose token is its parent's argmax; and those argmaxes by node (greedy acceptance reuses
+    them). ``reach``: per tree level, the chance that verification walks to it (``Budget.reach``),
+    or None for a draft nobody weighed (taken as certain); ``cost``: seconds of one output-head
+    product by its rows (measured).
 
     One output-head product per tree level for every tree at once: at 16 streams, a product per
     request and node cost more than a sixth of the step (the head at one row is a fifth of a
-    forward). While a level has few rows, the product is memory-bound and more rows come almost
-    free (4 rows cost 1.2 ms against 0.9 ms for 1 on a 2-core AVX-512 host), so while a level
-    has fewer than ``guess_rows`` rows each tree also computes its likely next nodes ahead
-    (``likely_chain``): a chain of 3 accepted suffix tokens then costs one product instead of
-    four. Acceptance computes any other node it reaches itself, so the rows chosen here change
-    the cost, never the result.
+    forward). A product also computes each tree's likely next nodes ahead (``likely_chain``) while
+    a node's chance of being needed, given the walk has reached the current one, times the cost of
+    another product (its share of it, when several walks go on) is more than the row adds to this
+    one: where the product is bound by reading
+    the output head (a 262k-token vocabulary: 16 rows cost 1.2x one) a likely chain is computed
+    whole, where it is bound by compute (the default model on a 2-core host: a row adds a fifth of
+    a product) only its likely first levels are. Acceptance computes any other node it reaches
+    itself, so the rows chosen here change the cost, never the result.
     """
-    children = {k: tree.children() for k, (_, tree) in starts.items()}
+    children = {k: tree.children() for k, (_, tree, _) in starts.items()}
     heights = {k: subtree_heights(children[k]) for k in starts}
     out: dict = {k: {} for k in starts}
     argmaxes: dict = {k: {} for k in starts}
     frontier = {k: 0 for k in starts}  # key -> the node its walk has reached
     while frontier:
-        ahead = max(0, guess_rows // len(frontier) - 1)
-        chains = {k: likely_chain(children[k], heights[k], node, ahead) for k, node in frontier.items()}
+        # What a node left for later can cost: another product, shared by the walks still going.
+        another = cost(1) / len(frontier)
+        rows_now = len(frontier)
+        chains = {}
+        for k, node in frontier.items():
+            tree, reach = starts[k][1], starts[k][2]
+            chain = likely_chain(children[k], heights[k], node, len(tree))
+            here = tree.depths[node]
+            keep = 1
+            for c in chain[1:]:
+                chance = 1.0 if reach is None else _chance(reach, here, tree.depths[c])
+                if chance * another < cost(rows_now + 1) - cost(rows_now):
+                    break
+                keep, rows_now = keep + 1, rows_now + 1
+            chains[k] = chain[:keep]
         rows = torch.tensor([starts[k][0] + c for k in frontier for c in chains[k]], device=final.device)
         logits = logits_of(final[rows])
         best = argmax(logits)
@@ -265,6 +283,13 @@ def path_logits(starts: dict, final: torch.Tensor, logits_of: Callable[[torch.Te
                 node = child
         frontier = following
     return out, argmaxes
+
+
+def _chance(reach: Sequence[float], here: int, depth: int) -> float:
+    """The chance that verification walks from a node at level ``here`` down to level ``depth``."""
+    def at(level: int) -> float:
+        return 1.0 if level == 0 else reach[level - 1] if level <= len(reach) else 0.0
+    return at(depth) / at(here) if at(here) > 0 else 0.0
 
 
 def subtree_heights(children: list[list[int]]) -> list[int]:

@@ -155,7 +155,7 @@ def test_accept_greedy_longest_match() -> None:
     assert accept_greedy(tree, logits_at) == ([2], 7)
 
 
-def test_path_logits_batches_levels_and_computes_ahead_only_while_rows_are_few() -> None:
+def test_path_logits_batches_levels_and_computes_ahead_what_pays() -> None:
     # Every row's "logits" are one-hot on the token the row's feature names: row r's argmax is
     # final[r, 0]. Tree: root -> a (chain a -> b -> c), root -> x; the target's path is a, b, then
     # a token nobody drafted.
@@ -173,16 +173,29 @@ def test_path_logits_batches_levels_and_computes_ahead_only_while_rows_are_few()
             f[first + node, 0] = tok
         return f
 
-    got, best = path_logits({"r": (0, tree)}, final_for(0, 5), logits_of, guess_rows=4)
+    def read_bound(n: int) -> float:  # rows come almost free
+        return 1.0 + 0.01 * n
+
+    def compute_bound(n: int) -> float:  # each row adds half a product
+        return 0.5 + 0.5 * n
+
+    got, best = path_logits({"r": (0, tree, None)}, final_for(0, 5), logits_of, read_bound)
     assert sorted(got["r"]) == [0, 1, 2, 3] and calls == [4]  # one product: root and the chain ahead
     assert [int(got["r"][n].argmax()) for n in (0, 1, 2)] == [1, 2, 7] == [best["r"][n] for n in (0, 1, 2)]
     path, bonus = accept_greedy(tree, lambda node, _: got["r"][node])
     assert path == [1, 2] and bonus == 7
     assert accept_greedy(tree, lambda node, _: got["r"][node], best["r"]) == (path, bonus)
 
-    calls.clear()  # 16 trees: a level already fills the product, nothing is computed ahead
+    calls.clear()  # dear rows: a level is guessed while its chance of being needed pays for its row
+    got, _ = path_logits({"r": (0, tree, (0.9, 0.3, 0.1))}, final_for(0, 5), logits_of, compute_bound)
+    assert calls == [2, 1] and sorted(got["r"]) == [0, 1, 2]  # a (0.9); b (0.3 / 0.9) only once a is reached
+    calls.clear()
+    got, _ = path_logits({"r": (0, tree, (0.9, 0.3, 0.1))}, final_for(0, 5), logits_of, read_bound)
+    assert calls == [4]
+
+    calls.clear()  # 16 trees: rows are dear, so a level fills the product and nothing is computed ahead
     final = torch.cat([final_for(0, 5)] * 16)
-    got, _ = path_logits({i: (5 * i, tree) for i in range(16)}, final, logits_of, guess_rows=4)
+    got, _ = path_logits({i: (5 * i, tree, (0.6, 0.3, 0.1)) for i in range(16)}, final, logits_of, compute_bound)
     assert calls == [16, 16, 16] and all(sorted(g) == [0, 1, 2] for g in got.values())
 
 
