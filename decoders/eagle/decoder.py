@@ -62,9 +62,10 @@ CPU_TREE = TreeConfig(depth=3, top_k=2, num_nodes=4)
 # GPU: verify cost is flat in tree size at batch 1; upstream EAGLE-2's evaluation
 # setting (depth 5, top-k 10, 60 tokens) scaled to a small target. Not yet measured.
 GPU_TREE = TreeConfig(depth=5, top_k=8, num_nodes=48)
-# The output-head product's cost by rows before any is measured (``tree.path_logits`` weighs it):
-# each row beyond the first adds a fifth of a product, as on the default model on a 2-core CPU.
-PRODUCT_PRIOR = CostCurve(1.0, 1.0 + 7 * 0.2)
+# The output-head product's cost at one row and at eight before any is measured (``tree.path_logits``
+# weighs it): each row beyond the first adds a fifth of a product, as on the default model on a
+# 2-core CPU (a tenth to a fifth, measured in served steps).
+PRODUCT_PRIOR = (1.0, 1.0 + 7 * 0.2)
 
 
 @dataclass
@@ -144,7 +145,7 @@ class EagleDecoder:
         self.budget = DraftBudget(cost)
         # Seconds of an output-head product by its rows, measured on a CPU (a GPU's is flat at these sizes).
         cpu = runner.device.type == "cpu"
-        self.product_cost = CostCurve(PRODUCT_PRIOR.one, PRODUCT_PRIOR.eight) if cpu else CostCurve.flat()
+        self.product_cost = CostCurve(*PRODUCT_PRIOR) if cpu else CostCurve.flat()
         self._time_products = cpu
 
     def prewarm(self) -> None:

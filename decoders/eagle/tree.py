@@ -239,8 +239,8 @@ def path_logits(starts: dict, final: torch.Tensor, logits_of: Callable[[torch.Te
     another product (its share of it, when several walks go on) is more than the row adds to this
     one: where the product is bound by reading
     the output head (a 262k-token vocabulary: 16 rows cost 1.2x one) a likely chain is computed
-    whole, where it is bound by compute (the default model on a 2-core host: a row adds a fifth of
-    a product) only its likely first levels are. Acceptance computes any other node it reaches
+    whole, where it is bound by compute (the default model on a 2-core host: a row adds a tenth to
+    a fifth of a product) only its likely first levels are. Acceptance computes any other node it reaches
     itself, so the rows chosen here change the cost, never the result.
     """
     children = {k: tree.children() for k, (_, tree, _) in starts.items()}
