@@ -27,6 +27,7 @@ SpecInfer's multi-candidate rule with point-mass drafts).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -237,12 +238,13 @@ def path_logits(starts: dict, final: torch.Tensor, logits_of: Callable[[torch.Te
     forward). A product also computes each tree's likely next nodes ahead (``likely_chain``) while
     a node's chance of being needed, given the walk has reached the current one, times the cost of
     another product (its share of it, when several walks go on) is more than the row adds to this
-    one: where the product is bound by reading
-    the output head (a 262k-token vocabulary: 16 rows cost 1.2x one) a likely chain is computed
-    whole, where it is bound by compute (the default model on a 2-core host: a row adds a tenth to
-    a fifth of a product) only its likely first levels are. Acceptance computes any other node it reaches
-    itself, so the rows chosen here change the cost, never the result.
+    one: where the product is bound by reading the output head (a 262k-token vocabulary: 16 rows
+    cost 1.2x one) a likely chain is computed whole, where it is bound by compute (the default
+    model on a 2-core host: a row adds a tenth to a fifth of a product) only its likely first
+    levels are. Acceptance computes any other node it reaches itself, so the rows chosen here
+    change the cost, never the result.
     """
+    cost = functools.cache(cost)  # one curve lookup per row count
     children = {k: tree.children() for k, (_, tree, _) in starts.items()}
     heights = {k: subtree_heights(children[k]) for k in starts}
     out: dict = {k: {} for k in starts}
