@@ -8,7 +8,9 @@ Three resumable stages, each writing under ``--work-dir``:
    captured in the same forwards and written as fp16 safetensors shards.
    Finished shards are skipped on restart.
 2. **vocab** (EAGLE-3): the ``--draft-vocab`` most frequent answer tokens, sorted
-   ascending, give ``d2t``/``t2d`` (upstream ``traineagle3/cnets.py``).
+   ascending, give ``d2t``/``t2d`` (upstream ``traineagle3/cnets.py``). A run that
+   continues a finished head (``--init``) keeps its vocabulary, or grows it to a larger
+   ``--draft-vocab`` (``grow_draft_vocab``).
 3. **train**: the shared loop (``loop.py``: AdamW with warmup and cosine decay,
    a checkpoint of weights, optimizer moments and progress every
    ``--save-every`` steps) on the objectives in ``eagle_losses.py``; the head is
@@ -149,16 +151,51 @@ def load_sequences(data_dir: Path) -> list[dict[str, torch.Tensor]]:
 
 # ---- stage 2: draft vocabulary ---------------------------------------------------
 
-def draft_vocab(seqs: list[dict[str, torch.Tensor]], vocab_size: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d) from answer-token counts; ties and unseen ids fill by ascending id."""
+def by_answer_count(seqs: list[dict[str, torch.Tensor]], vocab_size: int) -> torch.Tensor:
+    """Every target id, the most frequent answer tokens first; ties and unseen ids by ascending id."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for s in seqs:
         counts += torch.bincount(s["ids"][int(s["prompt_len"]):], minlength=vocab_size)[:vocab_size]
-    order = torch.argsort(counts * vocab_size - torch.arange(vocab_size), descending=True)  # stable by id
-    used = order[:size].sort().values  # (draft_vocab,)
+    return torch.argsort(counts * vocab_size - torch.arange(vocab_size), descending=True)  # stable by id
+
+
+def vocab_maps(used: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of the draft vocabulary ``used`` (target ids, ascending)."""
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[used] = True
-    return used - torch.arange(size), t2d
+    return used - torch.arange(len(used)), t2d
+
+
+def draft_vocab(seqs: list[dict[str, torch.Tensor]], vocab_size: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of the ``size`` most frequent answer tokens."""
+    return vocab_maps(by_answer_count(seqs, vocab_size)[:size].sort().values, vocab_size)
+
+
+def grow_draft_vocab(loaded: LoadedModel, head: EagleHead, seqs: list[dict[str, torch.Tensor]],
+                     size: int) -> EagleHead:
+    """``head`` with its draft vocabulary grown to ``size`` ids (itself when it has as many): its own ids
+    keep their trained output rows, and the most frequent answer tokens it lacks join with the
+    target's output-head rows, as a new head's ids start (``new_head``)."""
+    have = head.config.draft_vocab_size
+    vocab = loaded.config.vocab_size
+    size = min(size, vocab)
+    if size <= have:
+        return head
+    own = (torch.arange(have, device=head.d2t.device) + head.d2t).cpu()
+    order = by_answer_count(seqs, vocab)
+    joining = order[~torch.isin(order, own)][: size - have]
+    used = torch.cat([own, joining]).sort().values
+    rows = loaded.model.lm_head_weight[used.to(loaded.model.lm_head_weight.device)].float()
+    old = torch.isin(used, own)
+    rows[old.to(rows.device)] = head.lm_head.weight.detach().to(rows)
+    config = EagleConfig(**{**head.config.__dict__, "draft_vocab_size": size})
+    grown = HEAD_CLASSES[config.kind](config).to(head.d2t.device)
+    state = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    d2t, t2d = vocab_maps(used, vocab)
+    state.update({"lm_head.weight": rows.to(head.lm_head.weight), "d2t": d2t, "t2d": t2d})
+    grown.load_state_dict(state, strict=True)
+    grown.rotary.reset(head.d2t.device)
+    return grown.attach(loaded.model)
 
 
 # ---- stage 3: training -----------------------------------------------------------
@@ -345,9 +382,15 @@ def run_stream(loaded: LoadedModel, args: argparse.Namespace, work: Path) -> Pat
             raise SystemExit(f"--init {args.init}: an EAGLE-3 head is needed, this one is {head.config.kind}")
         console.log(f"init: {args.init} (draft vocabulary {head.config.draft_vocab_size}, "
                     f"MLP {head.config.layer.intermediate_size})")
+        if args.draft_vocab > head.config.draft_vocab_size:
+            head = grow_draft_vocab(loaded, head, seqs, args.draft_vocab)
+            console.log(f"vocab: grown to {head.config.draft_vocab_size} draft ids")
     else:
         d2t, t2d = draft_vocab(seqs, loaded.config.vocab_size, min(args.draft_vocab, loaded.config.vocab_size))
         head = new_head(loaded, args, d2t, t2d)
+    answer = sum(len(s["ids"]) - int(s["prompt_len"]) for s in seqs)
+    covered = sum(int(head.t2d.cpu()[s["ids"][int(s["prompt_len"]):]].sum()) for s in seqs)
+    console.log(f"vocab: {head.config.draft_vocab_size} draft ids cover {covered / max(answer, 1):.1%} of answer tokens")
     # A checkpoint in the work directory, if any, overwrites all of it (vocab maps included).
     head.requires_grad_(True).train()
     train_stream(loaded, args, stream, head, work)
@@ -375,10 +418,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--gen-batch", type=int, default=32)
     p.add_argument("--gen-temperature", type=float, default=0.7)
-    p.add_argument("--draft-vocab", type=int, default=4096)
+    p.add_argument("--draft-vocab", type=int, default=4096,
+                   help="EAGLE-3 draft ids: the most frequent answer tokens; with --init, a larger value grows the "
+                   "head's own vocabulary (its ids keep their rows, new ones start from the target's)")
     p.add_argument("--intermediate-size", type=int, default=None, help="head MLP width (default: the target's)")
     p.add_argument("--init", default=None, help="with --data: start from this EAGLE-3 head directory (e.g. the "
-                   "bundled one) instead of a new head; its size and draft vocabulary win")
+                   "bundled one) instead of a new head; its size and draft vocabulary win (--draft-vocab may grow it)")
     p.add_argument("--ttt-steps", type=int, default=3, help="EAGLE-3 training-time-test unroll")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=8)

@@ -229,3 +229,48 @@ def test_a_feature_store_fills_once_and_trains_as_fresh_features(target: LoadedM
         # quantized formats' kernels do not.
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
 
+
+
+def test_init_grows_the_draft_vocabulary_keeping_the_trained_rows(target: LoadedModel, tmp_path: Path) -> None:
+    """``--init`` with a larger ``--draft-vocab``: the head's own ids keep their trained output rows, the most
+    frequent answer tokens it lacks join with the target's rows, and training goes on over the grown head."""
+    data = tmp_path / "data"
+    write_shard(data, 16, model=target.model)
+    first = tmp_path / "first"
+    argv = argv_for(first, data, 10)
+    argv[argv.index("--draft-vocab") + 1] = "16"
+    eagle_train.run(target, eagle_train.add_arguments(argparse.ArgumentParser()).parse_args(argv))
+    done = load_eagle_head(first / "head", target.model, dtype=torch.float32)
+    own = torch.arange(16) + done.d2t
+
+    stream = ShardStream(data, 16, block=16)
+    stream.refresh()
+    seqs = [{"ids": s.ids, "prompt_len": torch.tensor(s.prompt_len)} for s in stream.seqs]
+    grown = eagle_train.grow_draft_vocab(target, done, seqs, 24)
+    used = torch.arange(24) + grown.d2t
+    assert torch.equal(used, used.sort().values) and set(own.tolist()) <= set(used.tolist())
+    assert int(grown.t2d.sum()) == 24 and bool(grown.t2d[used].all())
+    counts = torch.bincount(torch.cat([s["ids"][int(s["prompt_len"]):] for s in seqs]), minlength=VOCAB)
+    joined = used[~torch.isin(used, own)]
+    left = torch.tensor([t for t in range(VOCAB) if t not in used.tolist()])
+    assert int(counts[joined].min()) >= int(counts[left].max())  # the most frequent missing tokens joined
+    for i, t in enumerate(used.tolist()):
+        row = grown.lm_head.weight[i]
+        expect = done.lm_head.weight[own.tolist().index(t)] if t in own.tolist() else target.model.lm_head_weight[t]
+        assert torch.equal(row, expect.float())
+    # Everything but the output rows is the trained head's: the same logits on its own ids.
+    after = grown.state_dict()
+    for name, p in done.state_dict().items():
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(after[name], p), name
+    h = torch.randn(5, 32)
+    with torch.no_grad():
+        assert torch.equal(grown.logits(h)[:, torch.isin(used, own)], done.logits(h))
+    assert eagle_train.grow_draft_vocab(target, done, seqs, 16) is done
+
+    second = tmp_path / "second"
+    argv = argv_for(second, data, 2) + ["--init", str(first / "head")]
+    argv[argv.index("--draft-vocab") + 1] = "24"
+    eagle_train.run(target, eagle_train.add_arguments(argparse.ArgumentParser()).parse_args(argv))
+    cont = load_eagle_head(second / "head", target.model, dtype=torch.float32)
+    assert cont.config.draft_vocab_size == 24 and torch.equal(cont.d2t, grown.d2t)
