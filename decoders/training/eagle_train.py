@@ -174,8 +174,10 @@ def draft_vocab(seqs: list[dict[str, torch.Tensor]], vocab_size: int, size: int)
 def grow_draft_vocab(loaded: LoadedModel, head: EagleHead, seqs: list[dict[str, torch.Tensor]],
                      size: int) -> EagleHead:
     """``head`` with its draft vocabulary grown to ``size`` ids (itself when it has as many): its own ids
-    keep their trained output rows, and the most frequent answer tokens it lacks join with the
-    target's output-head rows, as a new head's ids start (``new_head``)."""
+    keep their trained output rows, and the most frequent answer tokens it lacks join. A new id's row
+    is the target's output-head row carried into the head's output space by the least-squares linear
+    map from the target's rows of the head's own ids to their trained rows: training has moved the
+    head's space off the target's, where a new head's rows start (``new_head``)."""
     have = head.config.draft_vocab_size
     vocab = loaded.config.vocab_size
     size = min(size, vocab)
@@ -185,9 +187,12 @@ def grow_draft_vocab(loaded: LoadedModel, head: EagleHead, seqs: list[dict[str, 
     order = by_answer_count(seqs, vocab)
     joining = order[~torch.isin(order, own)][: size - have]
     used = torch.cat([own, joining]).sort().values
-    rows = loaded.model.lm_head_weight[used.to(loaded.model.lm_head_weight.device)].float()
+    target_rows = loaded.model.lm_head_weight
+    trained = head.lm_head.weight.detach().float()
+    carry = torch.linalg.lstsq(target_rows[own.to(target_rows.device)].float(), trained).solution
+    rows = target_rows[used.to(target_rows.device)].float() @ carry
     old = torch.isin(used, own)
-    rows[old.to(rows.device)] = head.lm_head.weight.detach().to(rows)
+    rows[old.to(rows.device)] = trained.to(rows)
     config = EagleConfig(**{**head.config.__dict__, "draft_vocab_size": size})
     grown = HEAD_CLASSES[config.kind](config).to(head.d2t.device)
     state = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
