@@ -32,6 +32,7 @@ target's own output space rather than from noise.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
@@ -193,7 +194,7 @@ def grow_draft_vocab(loaded: LoadedModel, head: EagleHead, seqs: list[dict[str, 
     rows = target_rows[used.to(target_rows.device)].float() @ carry
     old = torch.isin(used, own)
     rows[old.to(rows.device)] = trained.to(rows)
-    config = EagleConfig(**{**head.config.__dict__, "draft_vocab_size": size})
+    config = dataclasses.replace(head.config, draft_vocab_size=size)
     grown = HEAD_CLASSES[config.kind](config).to(head.d2t.device)
     state = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
     d2t, t2d = vocab_maps(used, vocab)
