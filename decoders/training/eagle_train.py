@@ -172,6 +172,14 @@ def draft_vocab(seqs: list[dict[str, torch.Tensor]], vocab_size: int, size: int)
     return vocab_maps(by_answer_count(seqs, vocab_size)[:size].sort().values, vocab_size)
 
 
+def log_coverage(seqs: list[dict[str, torch.Tensor]], t2d: torch.Tensor) -> None:
+    """Log the share of the answer tokens that the draft vocabulary ``t2d`` holds."""
+    kept = t2d.cpu()
+    answers = [s["ids"][int(s["prompt_len"]):] for s in seqs]
+    covered, answer = sum(int(kept[a].sum()) for a in answers), sum(len(a) for a in answers)
+    console.log(f"vocab: {int(kept.sum())} draft ids cover {covered / max(answer, 1):.1%} of answer tokens")
+
+
 def grow_draft_vocab(loaded: LoadedModel, head: EagleHead, seqs: list[dict[str, torch.Tensor]],
                      size: int) -> EagleHead:
     """``head`` with its draft vocabulary grown to ``size`` ids (itself when it has as many): its own ids
@@ -349,9 +357,7 @@ def run(loaded: LoadedModel, args: argparse.Namespace) -> Path:
     d2t = t2d = None
     if args.kind == "eagle3":
         d2t, t2d = draft_vocab(seqs, loaded.config.vocab_size, min(args.draft_vocab, loaded.config.vocab_size))
-        answer = sum(len(s["ids"]) - int(s["prompt_len"]) for s in seqs)
-        covered = sum(int(t2d[s["ids"][int(s["prompt_len"]):]].sum()) for s in seqs)
-        console.log(f"vocab: {len(d2t)} draft ids cover {covered / max(answer, 1):.1%} of answer tokens")
+        log_coverage(seqs, t2d)
     head = new_head(loaded, args, d2t, t2d)
     for p in head.parameters():
         p.requires_grad_(True)
@@ -394,9 +400,7 @@ def run_stream(loaded: LoadedModel, args: argparse.Namespace, work: Path) -> Pat
     else:
         d2t, t2d = draft_vocab(seqs, loaded.config.vocab_size, min(args.draft_vocab, loaded.config.vocab_size))
         head = new_head(loaded, args, d2t, t2d)
-    answer = sum(len(s["ids"]) - int(s["prompt_len"]) for s in seqs)
-    covered = sum(int(head.t2d.cpu()[s["ids"][int(s["prompt_len"]):]].sum()) for s in seqs)
-    console.log(f"vocab: {head.config.draft_vocab_size} draft ids cover {covered / max(answer, 1):.1%} of answer tokens")
+    log_coverage(seqs, head.t2d)
     # A checkpoint in the work directory, if any, overwrites all of it (vocab maps included).
     head.requires_grad_(True).train()
     train_stream(loaded, args, stream, head, work)

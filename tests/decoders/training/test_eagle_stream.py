@@ -230,7 +230,6 @@ def test_a_feature_store_fills_once_and_trains_as_fresh_features(target: LoadedM
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
 
 
-
 def test_init_grows_the_draft_vocabulary_keeping_the_trained_rows(target: LoadedModel, tmp_path: Path) -> None:
     """``--init`` with a larger ``--draft-vocab``: the head's own ids keep their trained output rows, the most
     frequent answer tokens it lacks join with the target's rows, and training goes on over the grown head."""
