@@ -188,7 +188,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--quantization", default="auto", choices=["auto", *QUANTIZATIONS],
                    help="target weight format; auto keeps the checkpoint's (int4 for a Q4 GGUF), as served")
-    p.add_argument("--data", required=True, help="distillation shards (distil.py); they may still be growing")
+    p.add_argument("--data", required=True, nargs="+", help="distillation shards (distil.py; several directories "
+                   "are read in turn, and only the last may still grow)")
     p.add_argument("--output", required=True, help="drafter directory to write (config.json + model.safetensors)")
     p.add_argument("--work-dir", required=True, help="checkpoints (resumable)")
     p.add_argument("--steps", type=int, default=20000, help="optimizer steps (the LR schedule's length)")

@@ -41,7 +41,8 @@ from dualserve.models.loader import LoadedModel
 from dualserve.models.quant import QUANTIZATIONS
 from dualserve.models.tool_prompt import format_for, inject_tools, template_renders_tools
 
-from .distil_prompts import Conversation, HeldOut, Message, conversation, default_held_out, signature
+from .distil_prompts import (Conversation, HeldOut, Message, conversation, default_held_out, file_conversations,
+                             signature)
 
 SHARD_RECORDS = 1000  # records per shard before the next one opens
 ANSWERED = ("stop", "length", "loop")  # finishes whose answer is the target's own text ("loop": cut, see below)
@@ -72,9 +73,11 @@ class Settings:
     model: str
     quantization: str
     loop_window: int = 96     # stop an answer whose last this-many tokens repeat with a period <= half of it
+    prompts: str = ""         # the prompt file's sha1 (--prompts), "" for the generated set
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        # the generated set's settings keep the key they had before prompt files existed
+        return {k: v for k, v in self.__dict__.items() if k != "prompts" or v}
 
     @property
     def key(self) -> str:
@@ -191,7 +194,8 @@ def write_manifest(out: Path, loaded: LoadedModel, settings: Settings, held_out_
                    counts: dict[str, list[int]]) -> dict:
     manifest = {"model": loaded.name, "key": model_key(loaded), "quantization": loaded.quantization,
                 "settings": {settings.key: settings.as_dict()},
-                "prompt_set": {"module": "dualserve.decoders.training.distil_prompts", "seed": settings.seed},
+                "prompt_set": ({"file_sha1": settings.prompts} if settings.prompts else
+                               {"module": "dualserve.decoders.training.distil_prompts", "seed": settings.seed}),
                 "held_out": held_out_files,
                 "records": sum(c[0] for c in counts.values()),
                 "answer_tokens": sum(c[1] for c in counts.values()),
@@ -233,6 +237,7 @@ class JobSpec:
     max_conversations: int | None = None   # stop after this many conversation indices (tests)
     window: int = 128                      # conversations queued at a time, sorted by prompt length
     compile_dir: Path | None = None        # compiled steps, with inductor's cache here
+    conversations: list[Conversation] | None = None  # a prompt file's (--prompts) instead of the generated set
 
 
 class Distiller:
@@ -291,7 +296,12 @@ class Distiller:
         while self.spec.max_conversations is None or self.next_index < self.spec.max_conversations:
             i = self.next_index
             self.next_index += 1
-            conv = conversation(self.spec.settings.seed, i, self.spec.held_out)
+            if self.spec.conversations is not None:
+                if i >= len(self.spec.conversations):
+                    return None
+                conv = self.spec.conversations[i]
+            else:
+                conv = conversation(self.spec.settings.seed, i, self.spec.held_out)
             sig = signature(conv)
             if sig in self.seen:  # a repeat of an earlier index (the same on every run, so resume agrees)
                 continue
@@ -393,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loop-window", type=int, default=96, help="cut an answer once its last N tokens loop "
                    "(0: never)")
+    p.add_argument("--prompts", default=None, help="answer this JSONL file's prompts ({\"prompt\": ...} or "
+                   "{\"messages\": [...]} per line, e.g. logged requests) instead of the generated set")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="compiled steps (built on a background thread, eager "
                    "until ready; on one busy core the build takes long and slows the eager steps meanwhile)")
@@ -403,12 +415,20 @@ def main(argv: list[str] | None = None) -> int:
     name, path = resolve_model(args.model, cache)
     loaded = load_model(path, name=name, dtype=torch.float32, cache_dir=cache, quantization=args.quantization)
     out = Path(args.out) if args.out else cache / "distil" / model_key(loaded)
-    settings = Settings(args.seed, args.temperature, args.max_new_tokens, args.max_prompt_len, loaded.name,
-                        loaded.quantization, args.loop_window)
     root = Path(__file__).resolve().parents[2]
+    held_out = default_held_out(root)
+    conversations, prompts = None, ""
+    if args.prompts:
+        try:
+            conversations = file_conversations(Path(args.prompts), held_out)
+            prompts = hashlib.sha1(Path(args.prompts).read_bytes()).hexdigest()[:12]
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--prompts: {e}")
+    settings = Settings(args.seed, args.temperature, args.max_new_tokens, args.max_prompt_len, loaded.name,
+                        loaded.quantization, args.loop_window, prompts)
     files = sorted(str(f.relative_to(root)) for f in (root / "clients" / "prompts").glob("*.jsonl"))
-    spec = JobSpec(settings, args.tokens, args.concurrency, default_held_out(root), tuple(files),
-                   compile_dir=cache / "compile" if args.compile else None)
+    spec = JobSpec(settings, args.tokens, args.concurrency, held_out, tuple(files),
+                   compile_dir=cache / "compile" if args.compile else None, conversations=conversations)
     with torch.inference_mode():
         distil(loaded, out, spec, lambda m: print(time.strftime("%H:%M:%S"), m, flush=True))
     return 0

@@ -242,6 +242,28 @@ def conversation(seed: int, index: int, held_out: HeldOut) -> Conversation:
     raise RuntimeError(f"conversation {index} overlaps the held-out prompts on every draw")
 
 
+def file_conversations(path: Path, held_out: HeldOut) -> list[Conversation]:
+    """The conversations of a JSONL prompt file, in file order, held-out overlaps dropped.
+
+    A line is ``{"prompt": str}`` or ``{"messages": [...]}`` (OpenAI chat messages), with optional
+    ``"kind"`` and ``"tools"``: for instance the requests a deployment actually serves, so that a draft
+    model learns the answers its users get rather than those to the generated set.
+    """
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            messages = rec["messages"] if "messages" in rec else [{"role": "user", "content": str(rec["prompt"])}]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: not a prompt line ({{\"prompt\": ...}} or {{\"messages\": [...]}}): {e}")
+        conv = Conversation(str(rec.get("kind", "file")), messages, rec.get("tools"))
+        if not any(held_out.overlaps(t) for t in conv.texts() if isinstance(t, str)):
+            out.append(conv)
+    return out
+
+
 def signature(conv: Conversation) -> str:
     """Identity of a conversation: greedy answers to equal conversations are equal, so the job skips repeats."""
     return json.dumps([conv.messages, conv.tools, conv.followup], sort_keys=True)

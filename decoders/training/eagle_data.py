@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence as Seq
 
 import torch
 
@@ -53,18 +53,20 @@ class Sequence:
     prompt_len: int
 
 
-def load_distilled(data_dir: Path, max_len: int,
+def load_distilled(data_dirs: Path | Seq[Path], max_len: int,
                    exclude: Callable[[list[int]], bool] | None = None) -> list[Sequence]:
-    """Answered records, cut to ``max_len`` tokens (``distil.answered_records``), but for those whose
-    prompt ``exclude`` names (a prompt that holds an evaluation prompt)."""
+    """Answered records of each directory in turn, cut to ``max_len`` tokens (``distil.answered_records``),
+    but for those whose prompt ``exclude`` names (a prompt that holds an evaluation prompt)."""
+    dirs = [data_dirs] if isinstance(data_dirs, Path) else list(data_dirs)
     return [Sequence(torch.tensor(rec["prompt_ids"] + rec["answer_ids"], dtype=torch.long), len(rec["prompt_ids"]))
-            for rec in answered_records(data_dir, max_len) if exclude is None or not exclude(rec["prompt_ids"])]
+            for d in dirs for rec in answered_records(d, max_len)
+            if exclude is None or not exclude(rec["prompt_ids"])]
 
 
 class ShardStream:
     """Deterministic, resumable batches over shards that may still be growing."""
 
-    def __init__(self, data_dir: Path, batch_size: int, block: int = 256, seed: int = 0, max_len: int = 1024,
+    def __init__(self, data_dir: Path | Seq[Path], batch_size: int, block: int = 256, seed: int = 0, max_len: int = 1024,
                  exclude: Callable[[list[int]], bool] | None = None):
         self.data_dir, self.batch_size, self.block, self.seed, self.max_len = data_dir, batch_size, block, seed, max_len
         self.exclude = exclude

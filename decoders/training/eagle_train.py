@@ -367,6 +367,10 @@ def run(loaded: LoadedModel, args: argparse.Namespace) -> Path:
     return Path(args.output)
 
 
+def data_dirs(data: str | list[str]) -> list[str]:
+    return [data] if isinstance(data, str) else list(data)
+
+
 def distilled_stream(loaded: LoadedModel, args: argparse.Namespace) -> tuple[ShardStream, list[dict]]:
     """The batches over ``args.data`` and its sequences as ``draft_vocab`` takes them (logged)."""
     # The evaluation prompts were kept out when the data was made; checking again here also keeps
@@ -374,11 +378,11 @@ def distilled_stream(loaded: LoadedModel, args: argparse.Namespace) -> tuple[Sha
     held_out = default_held_out()
     tok = loaded.tokenizer
     exclude = (lambda ids: held_out.overlaps(tok.decode(ids, skip_special_tokens=True))) if tok else None
-    stream = ShardStream(Path(args.data), args.batch_size, args.block, args.seed, args.max_len, exclude)
+    stream = ShardStream([Path(d) for d in data_dirs(args.data)], args.batch_size, args.block, args.seed, args.max_len, exclude)
     stream.refresh()
     seqs = [{"ids": s.ids, "prompt_len": torch.tensor(s.prompt_len)} for s in stream.seqs]
     answer = sum(len(s["ids"]) - int(s["prompt_len"]) for s in seqs)
-    console.log(f"data: {args.data}: {len(seqs)} sequences, {answer} answer tokens")
+    console.log(f"data: {', '.join(data_dirs(args.data))}: {len(seqs)} sequences, {answer} answer tokens")
     return stream, seqs
 
 
@@ -415,7 +419,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=["eagle3", "eagle1"], default="eagle3")
     p.add_argument("--output", required=True, help="head directory to write (config.json + model.safetensors)")
     p.add_argument("--work-dir", required=True, help="data shards and checkpoints (resumable)")
-    p.add_argument("--data", default=None, help="train on these distillation shards (distil.py) instead of "
+    p.add_argument("--data", default=None, nargs="+", help="train on these distillation shards (distil.py; several "
+                   "directories are read in turn, and only the last may still grow) instead of "
                    "generating data; they may still be growing")
     p.add_argument("--steps", type=int, default=20000, help="with --data: optimizer steps (the LR schedule's length)")
     p.add_argument("--block", type=int, default=256, help="with --data: records shuffled together")

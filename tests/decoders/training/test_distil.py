@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dualserve.decoders.training.distil import JobSpec, Settings, distil, looping, read_records
-from dualserve.decoders.training.distil_prompts import HeldOut, conversation, default_held_out, signature
+from dualserve.decoders.training.distil_prompts import (HeldOut, conversation, default_held_out, file_conversations,
+                                                        signature)
 from dualserve.models.loader import load_model
 from tiny_twin import write_tiny_llama
 
@@ -76,6 +77,40 @@ def test_distil_writes_shards_and_resume_skips_finished(tiny, tmp_path: Path) ->
     other = Settings(**{**settings.as_dict(), "temperature": 0.7})
     with pytest.raises(SystemExit):
         distil(tiny, tmp_path, JobSpec(other, 10**9, 4, max_conversations=1), lambda m: None)
+
+
+def test_a_prompt_file_is_answered_in_order_without_its_held_out_lines(tiny, tmp_path: Path) -> None:
+    held = default_held_out()
+    lines = [{"prompt": "How do I keep basil alive on a windowsill?"},
+             {"prompt": next(iter(held.prompts))},  # a held-out prompt: dropped
+             {"kind": "code", "messages": [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Reverse a list in Python."}]},
+             {"prompt": "Name three uses for baking soda."}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    convs = file_conversations(path, held)
+    assert [c.kind for c in convs] == ["file", "code", "file"]
+    assert convs[1].messages == lines[2]["messages"]
+    settings = Settings(seed=0, temperature=0.0, max_new_tokens=4, max_prompt_len=4096, model=tiny.name,
+                        quantization=tiny.quantization, prompts="abc")
+    assert settings.key != Settings(**{**settings.as_dict(), "prompts": ""}).key
+    out = tmp_path / "out"
+    with torch.inference_mode():
+        manifest = distil(tiny, out, JobSpec(settings, 10**9, 4, held, conversations=convs), lambda m: None)
+    recs = list(read_records(out))
+    assert manifest["records"] == 3 and [r["index"] for r in sorted(recs, key=lambda r: r["index"])] == [0, 1, 2]
+    assert manifest["prompt_set"] == {"file_sha1": "abc"}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        file_conversations(bad, held)
+
+
+def test_generated_set_settings_keep_their_key() -> None:
+    """A field added for prompt files leaves the generated set's key (and so its existing data) as it was."""
+    settings = Settings(seed=0, temperature=0.0, max_new_tokens=400, max_prompt_len=1536,
+                        model="SmolLM2-135M-Instruct", quantization="int4", loop_window=96)
+    assert "prompts" not in settings.as_dict() and settings.key == "ffd7656b4f"
 
 
 def dup_indices(n: int) -> set[int]:

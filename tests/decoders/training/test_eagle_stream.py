@@ -179,6 +179,17 @@ def test_excluded_prompts_never_reach_training(tmp_path: Path) -> None:
     assert len(kept.seqs) == 15 and all(s.ids[:s.prompt_len].tolist() != banned for s in kept.seqs)
 
 
+def test_several_data_directories_are_read_in_turn(tmp_path: Path) -> None:
+    write_shard(tmp_path / "a", 8)
+    write_shard(tmp_path / "b", 5, start=8)
+    one = [ShardStream(tmp_path / d, 4, block=8) for d in "ab"]
+    both = ShardStream([tmp_path / "a", tmp_path / "b"], 4, block=8)
+    for s in (*one, both):
+        s.refresh()
+    assert [s.ids.tolist() for s in both.seqs] == [s.ids.tolist() for s in one[0].seqs + one[1].seqs]
+    assert both.start(None) == Cursor(0, 1, 0, 0)  # 13 records: one whole block of 8
+
+
 def test_ttt_loss_over_trained_rows_equals_the_masked_loss_over_every_row(target: LoadedModel,
                                                                           tmp_path: Path) -> None:
     """The loss computes draft logits for the trained rows only; it is the masked mean over all rows."""
