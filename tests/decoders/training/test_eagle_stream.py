@@ -287,3 +287,34 @@ def test_init_grows_the_draft_vocabulary_keeping_the_trained_rows(target: Loaded
     eagle_train.run(target, eagle_train.add_arguments(argparse.ArgumentParser()).parse_args(argv))
     cont = load_eagle_head(second / "head", target.model, dtype=torch.float32)
     assert cont.config.draft_vocab_size == 24 and torch.equal(cont.d2t, grown.d2t)
+
+
+def test_depth_accuracy_counts_the_head_top_draft_against_the_target_greedy_token(target: LoadedModel,
+                                                                                  tmp_path: Path) -> None:
+    """eagle_eval's depth-0 rate equals a plain loop: the head on each prefix, its top draft against the next
+    greedy token; the share outside the draft vocabulary is counted among the misses."""
+    from dualserve.decoders.training.eagle_eval import depth_accuracy
+
+    data = tmp_path / "data"
+    write_shard(data, 16, model=target.model)  # the target's own greedy answers
+    eagle_train.run(target, args_for(tmp_path, data, STEPS, "--draft-vocab", "40", save_every=STEPS))
+    head = load_eagle_head(tmp_path / "head", target.model)  # trained on them, 40 of the 64 ids
+    stream = ShardStream(data, 8, block=8)
+    stream.refresh()
+    t2d = head.t2d
+    t2d[stream.seqs[0].ids[-1]] = False  # counted outside the draft vocabulary from here on
+    acc = depth_accuracy(head, target.model, stream.seqs, depths=2, batch_size=4)
+    hits = rows = outside = 0
+    with torch.no_grad():
+        for s in stream.seqs:
+            ids = s.ids
+            _, aux = target.model(ids, torch.arange(len(ids)), DenseAttention([len(ids)]), aux_layers=head.config.aux_layers)
+            feats = head.fc(torch.cat(aux, -1))
+            for i in range(s.prompt_len - 2, len(ids) - 2):  # row i predicts token i + 2
+                h = head(ids[1:i + 2], feats[:i + 1], torch.arange(i + 1), DenseAttention([i + 1]))
+                draft = int(head.to_target(head.logits(h[-1:]).argmax(-1)))
+                hits += draft == int(ids[i + 2])
+                outside += not bool(t2d[ids[i + 2]])
+                rows += 1
+    assert acc[0] == (hits, rows, outside) and 0 < hits and 0 < outside < rows
+    assert acc[1][1] == rows  # a level deeper, every answer token is predicted from a row one earlier
