@@ -97,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     loaded = load_target(argparse.Namespace(model=args.model, cache_dir=args.cache_dir, device="cpu",
                                             quantization=args.quantization))
-    head = load_eagle_head(args.head, loaded.model, dtype=torch.float32)
+    try:
+        head = load_eagle_head(args.head, loaded.model, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"--head {args.head}: {e}")
     if not isinstance(head, Eagle3Head):
         raise SystemExit(f"--head {args.head}: an EAGLE-3 head is needed")
     sets = {Path(f).stem: held_out_answers(loaded, Path(f), args.limit, args.max_tokens) for f in args.prompts}

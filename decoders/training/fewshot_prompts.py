@@ -137,7 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.9)
     args = p.parse_args(argv)
-    n = asyncio.run(generate(args.url, args.requests, Path(args.out), args.seed, args.concurrency, args.temperature))
+    import openai
+
+    try:
+        n = asyncio.run(generate(args.url, args.requests, Path(args.out), args.seed, args.concurrency,
+                                 args.temperature))
+    except (openai.OpenAIError, OSError) as e:
+        raise SystemExit(f"fewshot_prompts: {args.url}: {e}")
     print(f"{args.out}: {n} messages")
     return 0
 

@@ -6,8 +6,10 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
+
 from dualserve.decoders.training.distil_prompts import default_held_out
-from dualserve.decoders.training.fewshot_prompts import SEEDS, WEIGHTS, generate, message, request
+from dualserve.decoders.training.fewshot_prompts import SEEDS, WEIGHTS, generate, main, message, request
 
 
 def test_requests_are_seeded_and_show_four_seed_messages_of_one_kind() -> None:
@@ -40,3 +42,9 @@ def test_generate_writes_new_messages_and_appends_without_repeats(server_url: st
     assert more[:len(lines)] == [r["prompt"] for r in lines] and again == len(more)
     keys = [" ".join(p.split()).lower() for p in more]
     assert len(set(keys)) == len(keys)
+
+
+def test_an_unreachable_server_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--url", "http://127.0.0.1:9/v1", "--requests", "2", "--out", str(tmp_path / "p.jsonl")])
+    assert str(e.value).startswith("fewshot_prompts: http://127.0.0.1:9/v1: ") and "\n" not in str(e.value)
