@@ -5,8 +5,8 @@ Teacher-forced, as the training-time test unrolls it (``eagle_losses.eagle3_loss
 position the head reads the target's features of the real prefix, and at depth k its own k earlier
 outputs, and its top draft (mapped to a target id) is compared with the target's greedy token there,
 over the whole vocabulary. So a token outside the draft vocabulary counts as a miss, and the table
-also gives their share. Depth 0's rate is what a drafting step's first level gets from the head's
-top token; it moves with acceptance in the server but needs no timing, so a checkpoint can be
+also gives their share. Depth 1's rate (the first drafted token) is what a drafting step's first
+level gets from the head's top token; it moves with acceptance in the server but needs no timing, so a checkpoint can be
 judged in a minute while training goes on.
 
 The held-out sets are the target's own greedy answers (``--max-tokens``) to the evaluation prompts
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         random.Random(0).shuffle(recs)
         sets["training records"] = recs[:args.records]
     table = Table(title=f"{Path(args.head).name}: top draft = target's greedy token, teacher-forced")
-    for col in ("set", "answer rows", "outside draft vocab", *(f"depth {k}" for k in range(args.depths))):
+    for col in ("set", "answer rows", "outside draft vocab", *(f"depth {k + 1}" for k in range(args.depths))):
         table.add_column(col, justify="right")
     figures = {}
     for name, seqs in sets.items():
