@@ -6,8 +6,8 @@ position the head reads the target's features of the real prefix, and at depth k
 outputs, and its top draft (mapped to a target id) is compared with the target's greedy token there,
 over the whole vocabulary. So a token outside the draft vocabulary counts as a miss, and the table
 also gives their share. Depth 1's rate (the first drafted token) is what a drafting step's first
-level gets from the head's top token; it moves with acceptance in the server but needs no timing, so a checkpoint can be
-judged in a minute while training goes on.
+level gets from the head's top token; it moves with acceptance in the server but needs no timing,
+so a checkpoint can be judged in a minute while training goes on.
 
 The held-out sets are the target's own greedy answers (``--max-tokens``) to the evaluation prompts
 (``clients/prompts/bench.jsonl`` and ``agentic.jsonl`` by default), which training never sees; the
@@ -30,11 +30,10 @@ from dualserve.models.eagle import Eagle3Head, load_eagle_head
 from dualserve.models.transformer import Transformer
 
 from .eagle_data import Sequence, load_distilled, target_batch
-from .eagle_losses import UnrolledAttention, row_mask, shifted
+from .eagle_losses import row_mask, shifted, unrolled
 from .eagle_train import chat_ids, generate_shard, load_target
 from ..engine.runner import ModelRunner
 
-console = Console(stderr=True)
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = ROOT / "models" / "assets" / "eagle-smollm2"
 PROMPTS = [ROOT / "clients" / "prompts" / "bench.jsonl", ROOT / "clients" / "prompts" / "agentic.jsonl"]
@@ -50,18 +49,13 @@ def depth_accuracy(head: Eagle3Head, target: Transformer, seqs: list[Sequence], 
         batch = target_batch(target, seqs[i:i + batch_size], head.config.aux_layers)
         b, t = batch.ids.shape
         greedy = target.logits(batch.final.reshape(b * t, -1)).argmax(-1).view(b, t)  # the token after position i
-        hidden, attn = head.fc(batch.aux.to(head.fc.weight.dtype)), UnrolledAttention(b, t)
-        for k in range(depths):
-            ids = shifted(batch.ids, 1 + k)
-            pos = (torch.arange(t, device=ids.device) + k).repeat(b)
-            h = head(ids.reshape(-1), hidden.reshape(b * t, -1), pos, attn).view(b, t, -1)
+        for k, h in enumerate(unrolled(head, batch, depths)):
             rows = row_mask(batch, k)
             want = shifted(greedy, 1 + k)
             draft = head.to_target(head.logits(h).argmax(-1))
             out[k][0] += int(((draft == want) & rows).sum())
             out[k][1] += int(rows.sum())
             out[k][2] += int((~head.t2d[want] & rows).sum())
-            hidden = h
     return [tuple(x) for x in out]
 
 
@@ -79,7 +73,8 @@ def held_out_answers(loaded, path: Path, limit: int, max_tokens: int) -> list[Se
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dualserve.decoders.training.eagle_eval", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dualserve.decoders.training.eagle_eval",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--head", default=str(BUNDLED), help="EAGLE-3 head directory (default: the bundled one)")
     p.add_argument("--model", default=None)
     p.add_argument("--cache-dir", default=None)

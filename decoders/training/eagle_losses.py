@@ -21,6 +21,7 @@ whose target distribution is the target's lm_head at position i+1.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +100,19 @@ def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tenso
     return (ce * mask).sum() / n, hits
 
 
+def unrolled(head: Eagle3Head, batch: Batch, steps: int) -> Iterator[torch.Tensor]:
+    """The head's output (batch, length, hidden) at each step of the training-time test: step k feeds
+    its own step k - 1 output with the token k further on, at RoPE position i + k."""
+    b, t = batch.ids.shape
+    hidden = head.fc(batch.aux.to(head.fc.weight.dtype))  # (b, t, hidden)
+    attn = UnrolledAttention(b, t)
+    for k in range(steps):
+        ids = shifted(batch.ids, 1 + k)
+        pos = (torch.arange(t, device=ids.device) + k).repeat(b)
+        hidden = head(ids.reshape(-1), hidden.reshape(b * t, -1), pos, attn).view(b, t, -1)
+        yield hidden
+
+
 def eagle3_loss(head: Eagle3Head, batch: Batch, draft_lm_head: torch.Tensor, steps: int,
                 decay: float = 0.8, t2d: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Training-time-test loss; ``draft_lm_head`` (draft_vocab, hidden) = target lm_head rows of the draft vocab.
@@ -110,16 +124,10 @@ def eagle3_loss(head: Eagle3Head, batch: Batch, draft_lm_head: torch.Tensor, ste
 
     Returns the loss and, per step, (argmax hits, rows) for accuracy reporting.
     """
-    b, t = batch.ids.shape
     target_logits = batch.final.float() @ draft_lm_head.T  # (b, t, draft_vocab), no grad
-    hidden = head.fc(batch.aux)  # (b, t, hidden)
-    attn = UnrolledAttention(b, t)
-    total = torch.zeros((), device=hidden.device)
+    total = torch.zeros((), device=batch.ids.device)
     stats = []
-    for k in range(steps):
-        ids = shifted(batch.ids, 1 + k)
-        pos = (torch.arange(t, device=ids.device) + k).repeat(b)
-        h = head(ids.reshape(-1), hidden.reshape(b * t, -1), pos, attn).view(b, t, -1)
+    for k, h in enumerate(unrolled(head, batch, steps)):
         mask = row_mask(batch, k)
         if t2d is not None:
             mask = mask & t2d[shifted(batch.ids, 2 + k)]
@@ -129,7 +137,6 @@ def eagle3_loss(head: Eagle3Head, batch: Batch, draft_lm_head: torch.Tensor, ste
         loss, hits = soft_ce(head.logits(h[rows]), shifted(target_logits, 1 + k)[rows], mask[rows])
         total = total + decay ** k * loss
         stats.append((hits, int(mask.sum())))
-        hidden = h
     return total, stats
 
 

@@ -367,10 +367,6 @@ def run(loaded: LoadedModel, args: argparse.Namespace) -> Path:
     return Path(args.output)
 
 
-def data_dirs(data: str | list[str]) -> list[str]:
-    return [data] if isinstance(data, str) else list(data)
-
-
 def distilled_stream(loaded: LoadedModel, args: argparse.Namespace) -> tuple[ShardStream, list[dict]]:
     """The batches over ``args.data`` and its sequences as ``draft_vocab`` takes them (logged)."""
     # The evaluation prompts were kept out when the data was made; checking again here also keeps
@@ -378,11 +374,12 @@ def distilled_stream(loaded: LoadedModel, args: argparse.Namespace) -> tuple[Sha
     held_out = default_held_out()
     tok = loaded.tokenizer
     exclude = (lambda ids: held_out.overlaps(tok.decode(ids, skip_special_tokens=True))) if tok else None
-    stream = ShardStream([Path(d) for d in data_dirs(args.data)], args.batch_size, args.block, args.seed, args.max_len, exclude)
+    stream = ShardStream([Path(d) for d in args.data], args.batch_size, args.block, args.seed, args.max_len,
+                         exclude)
     stream.refresh()
     seqs = [{"ids": s.ids, "prompt_len": torch.tensor(s.prompt_len)} for s in stream.seqs]
     answer = sum(len(s["ids"]) - int(s["prompt_len"]) for s in seqs)
-    console.log(f"data: {', '.join(data_dirs(args.data))}: {len(seqs)} sequences, {answer} answer tokens")
+    console.log(f"data: {', '.join(args.data)}: {len(seqs)} sequences, {answer} answer tokens")
     return stream, seqs
 
 
