@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .host import NeighbourLoad
-from .quant import DOT8_DIGITS, Dot8Linear, Int4Linear, Int8Linear, Quantization
+from .quant import DOT8_DIGITS, Quantization, float_to_linear, head_linear
 
 Candidate = Literal["fp32", "bf16", "int8", "int4", "w4a8", "w4a16"]
 CANDIDATES: tuple[Candidate, ...] = ("fp32", "bf16", "int8", "int4", "w4a8", "w4a16")
@@ -130,17 +130,17 @@ def _time(fn, repeats: int = 3) -> float:
 
 
 def _layer(fmt: Candidate, out: int, inp: int, head: bool):
+    """One layer as the loader builds it in ``fmt`` (quant.float_to_linear / head_linear), so a width
+    no kernel takes is timed in the layer it really gets."""
     w = torch.randn(out, inp) * 0.02
     if fmt == "fp32":
         return lambda x: F.linear(x, w)
     if fmt == "bf16":
         wb = w.bfloat16()
         return lambda x: F.linear(x.bfloat16(), wb)
-    if fmt in DOT8_DIGITS:
-        return Dot8Linear.from_float(w, bits=8 if head or inp % 32 else 4, digits=DOT8_DIGITS[fmt])
-    if fmt == "int8" or head or inp % 32:
-        return Int8Linear.from_float(w)  # quantized models keep an int8 head (checkpoint.HEAD_QUANTIZATION)
-    return Int4Linear.from_float(w)
+    if head:
+        return head_linear(w, fmt, torch.float32, "cpu")
+    return float_to_linear(w, None, fmt, torch.float32)
 
 
 @torch.inference_mode()

@@ -253,15 +253,18 @@ def cmd_serve(settings: Settings) -> int:
     from .tensor_parallel import exit_on_failure, start as start_group
 
     cfg = settings.server
-    settings = settle_format(settings)
-    group = start_group(settings)  # a torchrun rank other than 0 replays rank 0's steps here, then exits
-    try:  # before loading: a busy port fails in a moment, not after the model has loaded
+    launched = settings.parallel.launched
+    if launched is not None and launched[0] != 0:
+        start_group(settle_format(settings))  # a torchrun rank other than 0 replays rank 0's steps, then exits
+    # The port is bound before any rank starts: a busy port fails in a moment, not after the model
+    # has loaded, and the ranks' own sockets (ephemeral ports) cannot take it meanwhile.
+    try:
         sock = bind_port(cfg.host, cfg.port)
     except PortInUse as e:
         print(f"dualserve: {e}", file=sys.stderr)
-        if group is not None:
-            group.shutdown()
         return 2
+    settings = settle_format(settings)
+    group = start_group(settings)
     # Torch work before serving runs on a thread that exits, so the engine's thread owns the one
     # long-lived OpenMP pool and its teams spin (decoders/engine/openmp.py).
     dep = run_on_own_thread(load_deployment, settings, *([group] if group is not None else []))

@@ -3,6 +3,8 @@ the converted cache stored quantized, and the format choice on both sides of eve
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import numpy as np
@@ -182,6 +184,12 @@ def test_measure_covers_every_format_and_token_count() -> None:
     assert set(formats.candidates()) == set(formats.runnable()) - {"int8", "w4a8"}
     assert all(set(v) == {"1", "8"} and min(v.values()) > 0 for v in t.ms.values())
     assert t.neighbour_cores >= 0
+
+
+def test_measure_times_widths_no_group_kernel_takes_in_the_layer_the_loader_builds() -> None:
+    odd = dataclasses.replace(TINY, hidden_size=48, num_heads=3, num_kv_heads=1, intermediate_size=80)
+    t = measure(odd, rounds=1)
+    assert set(t.ms) == set(formats.runnable())
 
 
 def test_a_table_measured_on_a_busy_host_keeps_the_stored_format_and_is_not_cached(tmp_path, monkeypatch) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -104,3 +105,16 @@ def test_a_killed_rank_errors_requests_reports_health_and_exits_nonzero(llama, t
         if proc.poll() is None:
             proc.kill()
             proc.wait(15)
+
+
+def test_a_busy_port_fails_before_any_rank_starts(llama, tmp_path):
+    """The port is held before the ranks start, so their own sockets can never take it."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cmd = [sys.executable, "-m", "dualserve.server.cli", "serve", "--model", str(llama), "--port",
+               str(busy.getsockname()[1]), "--tensor-parallel-size", "2", "--threads", "1"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "cannot listen on 127.0.0.1:" in lines[0], done.stderr
