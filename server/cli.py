@@ -49,6 +49,39 @@ def positive(text: str) -> float:
     return value
 
 
+def non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
+
+
+def whole(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, not {text}")
+    return value
+
+
+def count(text: str) -> int:
+    return whole(text, 1)
+
+
+def count_or_none(text: str) -> int:
+    return whole(text, 0)
+
+
+def port_number(text: str) -> int:
+    """A TCP port; 0 asks the system for a free one (the start-up lines name it)."""
+    value = whole(text, 0)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, not {text}")
+    return value
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "--ar", dest="model", default=None,
                    help="the AR model: HF directory, .gguf file, or a known name (default: the embedded "
@@ -65,7 +98,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, help="model cache (default: $DUALSERVE_CACHE or ~/.cache/dualserve)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--kv-memory-gb", type=float, default=None,
+    p.add_argument("--kv-memory-gb", type=positive, default=None,
                    help="memory for the shared KV block pool (default: 1/64 of the machine's memory, 0.25-1 GB)")
     p.add_argument("--quantization", default="auto", choices=["auto", *QUANTIZATIONS],
                    help="weight format: int8 (per channel) or int4 (groups of 32) weight-only, or none (--dtype); "
@@ -73,17 +106,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", action="store_true",
                    help="stay in eager mode (default: steps run through compiled graphs, AOTInductor packages on "
                    "the CPU: built once in the background, cached under the model cache, loaded in seconds later)")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (overrides --kv-memory-gb)")
-    p.add_argument("--block-size", type=int, default=None,
+    p.add_argument("--num-blocks", type=count, default=None, help="KV blocks in the pool (overrides --kv-memory-gb)")
+    p.add_argument("--block-size", type=count, default=None,
                    help="tokens per KV block (default 16 on CPU, 256 on CUDA, as flash-attn's paged kernel needs)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-batched-tokens", type=int, default=512)
-    p.add_argument("--max-waiting", type=int, default=256,
+    p.add_argument("--max-num-seqs", type=count, default=64)
+    p.add_argument("--max-batched-tokens", type=count, default=512)
+    p.add_argument("--max-waiting", type=count, default=256,
                    help="choices (prompts x n) that may wait to start; beyond, new requests get 429")
-    p.add_argument("--max-queue-wait", type=float, default=30.0,
+    p.add_argument("--max-queue-wait", type=non_negative, default=30.0,
                    help="seconds a request may wait to start: one whose estimated wait is longer gets 429 with "
                    "Retry-After, and one still waiting after this long ends with a 429 error (0: no bound)")
-    p.add_argument("--max-run-time", type=float, default=20.0,
+    p.add_argument("--max-run-time", type=non_negative, default=20.0,
                    help="seconds a started request is promised to finish in: one starts only while every running "
                    "request, and itself, is estimated (from measured step times) to finish within its promise; "
                    "else it waits, bounded by --max-queue-wait (0: no bound, --max-num-seqs alone)")
@@ -91,17 +124,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="tokens/s: a request asking for more than --max-run-time x this many tokens is promised "
                    "max_tokens / this instead, so a running stream is never slowed below it on average")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores); on a "
+    p.add_argument("--threads", type=count, default=None, help="CPU threads for torch (default: all cores); on a "
                    "machine shared with busy processes, one fewer than the cores (see README: Threads)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", type=count, default=1,
                    help="ranks the model is sharded over (spawned here, or started by torchrun; see README: "
                    "Tensor parallelism)")
     p.add_argument("--tp-reduction", default="exact", choices=["exact", "sum"],
                    help="how row-parallel layers combine ranks: exact (gather, output identical to one rank) or "
                    "sum (one all-reduce per block half, Megatron's; sums in another order)")
-    p.add_argument("--tp-timeout", type=float, default=60.0,
+    p.add_argument("--tp-timeout", type=positive, default=60.0,
                    help="seconds a tensor-parallel collective may wait before its rank is declared failed")
-    p.add_argument("--tp-heartbeat", type=float, default=5.0,
+    p.add_argument("--tp-heartbeat", type=positive, default=5.0,
                    help="idle seconds between tensor-parallel liveness checks")
 
 
@@ -207,7 +240,12 @@ def pick_format(model: ModelSpec, path: Path, cache: Path, dtype: torch.dtype):
 def settle_format(settings: Settings) -> Settings:
     """``settings`` with ``--quantization auto`` resolved once, here, under tensor parallelism: every
     rank then loads the format rank 0 picked (the one a single rank picks on this host), never one
-    it measured for itself beside the others."""
+    it measured for itself beside the others. First, a model that cannot be split over the ranks
+    is refused (``tensor_parallel.check_fits``)."""
+    from .tensor_parallel import check_fits
+
+    if settings.parallel.size > 1:
+        check_fits(settings)
     model = settings.model
     if model.quantization != "auto" or settings.parallel.size <= 1:
         return settings
@@ -274,7 +312,7 @@ def cmd_serve(settings: Settings) -> int:
     if device == "cpu":
         SpinGovernor().start()
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-    for line in startup_lines(dep, app_state.service.models, f"http://{host}:{cfg.port}", device,
+    for line in startup_lines(dep, app_state.service.models, f"http://{host}:{sock.getsockname()[1]}", device,
                               torch.get_num_threads(), cfg.shutdown_timeout, kernels_in_use()):
         print(f"dualserve: {line}", file=sys.stderr)
     # uvicorn's graceful timeout only bounds the last flush: the drain has already ended every stream.
@@ -405,20 +443,20 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
     add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-model-len", type=int, default=8192)
-    serve.add_argument("--request-timeout", type=float, default=600.0,
+    serve.add_argument("--port", type=port_number, default=8000)
+    serve.add_argument("--max-model-len", type=count, default=8192)
+    serve.add_argument("--request-timeout", type=positive, default=600.0,
                        help="seconds a request may run; a stream that times out ends with an error event and [DONE]")
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+    serve.add_argument("--shutdown-timeout", type=non_negative, default=30.0,
                        help="on SIGTERM / Ctrl+C, seconds running requests get to finish before they are ended")
     serve.add_argument("--log-level", default="warning")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
-    serve.add_argument("--node-cost-per-hour", type=float, default=0.0,
+    serve.add_argument("--node-cost-per-hour", type=non_negative, default=0.0,
                        help="node cost (any currency) per hour, for cost-per-token metrics")
-    serve.add_argument("--max-body-mb", type=float, default=8.0, help="request body size limit")
-    serve.add_argument("--response-store-size", type=int, default=None,
+    serve.add_argument("--max-body-mb", type=positive, default=8.0, help="request body size limit")
+    serve.add_argument("--response-store-size", type=count_or_none, default=None,
                        help="stored /v1/responses kept at most, least recently used evicted first (default 1024)")
-    serve.add_argument("--response-store-mb", type=float, default=None,
+    serve.add_argument("--response-store-mb", type=positive, default=None,
                        help="memory for stored /v1/responses, counted as their JSON (default 64)")
     serve.add_argument("--router-policy", default=None, help="JSON file with routing policy overrides "
                        "(see README: Routing)")
@@ -434,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="generate from a prompt locally (no server)")
     add_model_args(gen)
     gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--max-tokens", type=count, default=64)
+    gen.add_argument("--temperature", type=non_negative, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--decoder", default="ar")
     gen.add_argument("--chat", action="store_true", help="apply the chat template")

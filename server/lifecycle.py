@@ -39,8 +39,11 @@ class PortInUse(OSError):
 
 def bind_port(host: str, port: int) -> socket.socket:
     """A listening socket on (host, port), for uvicorn to serve on later."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except OSError as e:
+        raise PortInUse(f"cannot listen on {host}:{port}: {e.strerror or e} (choose another with --host)") from None
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart beside old TIME_WAIT connections
     try:

@@ -72,6 +72,29 @@ def init(settings: Settings, rank: int, world: int, init_method: str | None,
     return Shard(rank, world, group=group, reduction=parallel.reduction), device
 
 
+def check_fits(settings: Settings) -> None:
+    """Refuse, in one line and before any rank starts, a --tensor-parallel-size the model cannot
+    be split over (a rank with no key/value head of its own)."""
+    import json
+
+    from dualserve.models.config import ModelConfig
+    from dualserve.models.families import of_hf
+    from dualserve.models.hub import resolve_model
+    from dualserve.models.loader import prepare_source
+    from dualserve.models.sharding import most_ranks
+
+    model, world = settings.model, settings.parallel.size
+    _, path = resolve_model(model.model, model.cache_dir)
+    raw = json.loads((prepare_source(path, model.cache_dir) / "config.json").read_text())
+    if of_hf(raw).network == "diffusion_gemma":  # its own sharder checks its shapes
+        return
+    config = ModelConfig.from_hf(raw)
+    most = most_ranks(config.num_kv_heads, config.intermediate_size, config.vocab_size)
+    if world > most:
+        raise SystemExit(f"dualserve: --tensor-parallel-size {world} is more ranks than the model can be split "
+                         f"over: it has {config.num_kv_heads} key/value heads, so at most {most}")
+
+
 def start_timeout(settings: Settings) -> timedelta:
     """How long the ranks may take to meet: --tp-timeout, but never less than START_SECONDS."""
     return timedelta(seconds=max(settings.parallel.timeout, START_SECONDS))

