@@ -374,9 +374,14 @@ def distilled_stream(loaded: LoadedModel, args: argparse.Namespace) -> tuple[Sha
     held_out = default_held_out()
     tok = loaded.tokenizer
     exclude = (lambda ids: held_out.overlaps(tok.decode(ids, skip_special_tokens=True))) if tok else None
+    missing = [d for d in args.data if not Path(d).is_dir()]
+    if missing:
+        raise SystemExit(f"--data {' '.join(missing)}: no such directory (a set made by distil.py)")
     stream = ShardStream([Path(d) for d in args.data], args.batch_size, args.block, args.seed, args.max_len,
                          exclude)
-    stream.refresh()
+    if stream.refresh() == 0:
+        raise SystemExit(f"--data {' '.join(args.data)}: {len(stream.seqs)} sequences, fewer than one block "
+                         f"({args.block})")
     seqs = [{"ids": s.ids, "prompt_len": torch.tensor(s.prompt_len)} for s in stream.seqs]
     answer = sum(len(s["ids"]) - int(s["prompt_len"]) for s in seqs)
     console.log(f"data: {', '.join(args.data)}: {len(seqs)} sequences, {answer} answer tokens")

@@ -199,3 +199,13 @@ def test_bf16_autocast_step_follows_fp32(target: LoadedModel, data: Path) -> Non
     bf16.backward()
     assert abs(float(bf16) - float(fp32)) < 0.05 * float(fp32)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in drafter.parameters() if p.requires_grad)
+
+
+def test_a_data_directory_that_is_missing_or_short_is_one_line(target: LoadedModel, data: Path,
+                                                                tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="no such directory"):
+        dflash_train.run(target, args_for(tmp_path, tmp_path / "missing"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit, match="0 sequences, fewer than one block"):
+        dflash_train.run(target, args_for(tmp_path, empty))
