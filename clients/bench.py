@@ -471,4 +471,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dualserve.models.errors import one_line
+
+    raise SystemExit(one_line(main))

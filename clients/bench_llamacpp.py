@@ -493,4 +493,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dualserve.models.errors import one_line
+
+    raise SystemExit(one_line(main))

@@ -55,4 +55,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dualserve.models.errors import one_line
+
+    raise SystemExit(one_line(main))

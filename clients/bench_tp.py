@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import torch
@@ -113,4 +112,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dualserve.models.errors import one_line
+
+    raise SystemExit(one_line(main))

@@ -21,7 +21,6 @@ import argparse
 import json
 import random
 import secrets
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
@@ -118,4 +117,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dualserve.models.errors import one_line
+
+    raise SystemExit(one_line(main))

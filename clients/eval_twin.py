@@ -239,4 +239,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from dualserve.models.errors import one_line
+
+    raise SystemExit(one_line(main))

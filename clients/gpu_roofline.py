@@ -334,4 +334,6 @@ def run(args: argparse.Namespace) -> Report:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from dualserve.models.errors import one_line
+
+    raise SystemExit(one_line(main))

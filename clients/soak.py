@@ -30,7 +30,6 @@ import asyncio
 import itertools
 import json
 import random
-import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -260,4 +259,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dualserve.models.errors import one_line
+
+    raise SystemExit(one_line(main))

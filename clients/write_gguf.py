@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -449,4 +448,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dualserve.models.errors import one_line
+
+    raise SystemExit(one_line(main))

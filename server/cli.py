@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from dualserve.decoders.engine.openmp import SpinGovernor, run_on_own_thread
-from dualserve.models.config import UnsupportedModel
-from dualserve.models.hub import ModelFetchError, default_cache_dir, pull_default_model, resolve_model
+from dualserve.models.errors import one_line
+from dualserve.models.hub import default_cache_dir, pull_default_model, resolve_model
 from dualserve.models.quant import QUANTIZATIONS
 
 from .settings import ModelSpec, Settings
@@ -436,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in TRAINERS:  # the trainers own their flags
         import importlib
 
-        return importlib.import_module(TRAINERS[argv[0]][0]).main(argv[1:])
+        trainer = importlib.import_module(TRAINERS[argv[0]][0])
+        return one_line(lambda: trainer.main(argv[1:]), f"dualserve {argv[0]}")
     parser = argparse.ArgumentParser(prog="dualserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -484,16 +485,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    try:
-        if args.command == "pull":
-            return cmd_pull(args)
-        return args.func(Settings.from_args(args))
-    except (ModelFetchError, UnsupportedModel) as e:
-        print(f"dualserve: {e}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as e:
-        print(f"dualserve: {e}", file=sys.stderr)
-        return 2
+    if args.command == "pull":
+        return one_line(lambda: cmd_pull(args), "dualserve")
+    return one_line(lambda: args.func(Settings.from_args(args)), "dualserve")
 
 
 if __name__ == "__main__":
