@@ -386,6 +386,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer-from", type=Path, default=None,
                    help="GGUF whose tokenizer.* keys are copied (default: the default model's file)")
     p.add_argument("--cache-dir", default=None, help="model cache, to find the default model")
+    p.add_argument("--twin", type=Path, default=None,
+                   help="also write a random diffusion twin of the file here (a rank-32 adapter on every "
+                        "projection, block 4), to time a twin step at this shape")
     args = p.parse_args(argv)
     try:
         args.shape_obj = build_shape(args)
@@ -444,7 +447,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = [t for t, k in w.fallbacks.items() if k == kind]
         print(f"{len(names)} tensors as {kind} (rows not a whole number of blocks of the type asked for), "
               f"e.g. {names[0]}")
+    if args.twin is not None:
+        write_random_twin(args.out, args.twin, args.seed)
+        print(f"wrote a random twin of it to {args.twin}")
     return 0
+
+
+def write_random_twin(gguf: Path, out: Path, seed: int = 0, rank: int = 32, block: int = 4) -> Path:
+    """A twin directory (``models/adapter.py``'s layout) over ``gguf`` with random factors of the
+    trained twins' rank on every adapted projection: what a twin step costs at the file's shape."""
+    import gguf as gguf_lib
+    import torch
+
+    from dualserve.models.adapter import LORA_TARGETS, TwinSpec, save_twin
+    from dualserve.models.config import ModelConfig
+    from dualserve.models.loader import gguf_metadata, hf_config_dict
+
+    config = ModelConfig.from_gguf(gguf_metadata(gguf_lib.GGUFReader(str(gguf))))
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes = {"self_attn.qkv_proj": (config.hidden_size, q + 2 * kv), "self_attn.o_proj": (q, config.hidden_size),
+              "mlp.gate_up_proj": (config.hidden_size, 2 * config.intermediate_size),
+              "mlp.down_proj": (config.intermediate_size, config.hidden_size)}
+    gen = torch.Generator().manual_seed(seed)
+    adapter = {"mask_embedding": torch.randn(config.hidden_size, generator=gen) * STD}
+    for i in range(config.num_layers):
+        for target in LORA_TARGETS:
+            inp, outp = shapes[target]
+            adapter[f"layers.{i}.{target}.lora_A"] = torch.randn(rank, inp, generator=gen) * STD
+            adapter[f"layers.{i}.{target}.lora_B"] = torch.randn(outp, rank, generator=gen) * STD
+    spec = TwinSpec(block_size=block, mask_token_id=config.vocab_size - 1, base_model=str(Path(gguf).resolve()),
+                    rank=rank, alpha=float(rank), threshold=0.9)
+    return save_twin(out, hf_config_dict(config), spec, adapter)
 
 
 if __name__ == "__main__":

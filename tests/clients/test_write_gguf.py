@@ -249,3 +249,19 @@ def test_bench_llamacpp_serves_the_written_file_on_both_sides() -> None:
     args = bl.parse_args(["--gguf", "/b/x.gguf", "--dualserve-args", "--model=/b/y.gguf --no-compile"])
     assert args.dualserve_argv == ["--model=/b/y.gguf", "--no-compile"]
     assert bl.parse_args([]).dualserve_argv == []
+
+
+def test_a_random_twin_of_the_file_loads_as_a_twin_over_it(tiny_files, tmp_path: Path) -> None:
+    from dualserve.models.adapter import LoRA
+    from dualserve.models.attention import DenseAttention
+    from dualserve.models.loader import load_model
+
+    twin_dir = wg.write_random_twin(tiny_files["llama"], tmp_path / "twin")
+    twin = load_model(twin_dir, cache_dir=tmp_path / "cache", quantization="w4a16")
+    assert twin.config.family == "block_diffusion" and twin.config.diffusion_block_size == 4
+    adapted = [m for m in twin.model.modules() if isinstance(m, LoRA)]
+    assert len(adapted) == 2 * 4 and all(m.fused for m in adapted)  # every projection, in one kernel call
+    ids = torch.tensor([5, 6, 7, twin.config.mask_token_id])
+    with torch.inference_mode():
+        hidden, _ = twin.model(ids, torch.arange(4), DenseAttention([4]))
+    assert torch.isfinite(twin.model.logits(hidden)).all()
