@@ -132,12 +132,20 @@ def health(state: State) -> Response:
     return Response(content={"status": "ok"})
 
 
+def model_card(model) -> ModelCard:
+    return ModelCard(id=model.name, created=model.created, decoders=model.decoders, max_model_len=model.max_model_len)
+
+
 @get("/v1/models", sync_to_thread=False)
 def list_models(state: State) -> Response:
     service: Service = state.app_state.service
-    cards = [ModelCard(id=m.name, created=m.created, decoders=m.decoders, max_model_len=m.max_model_len)
-             for m in service.models.values()]
-    return json_response(ModelList(data=cards), {})
+    return json_response(ModelList(data=[model_card(m) for m in service.models.values()]), {})
+
+
+@get("/v1/models/{model_id:str}", sync_to_thread=False)
+def retrieve_model(state: State, model_id: str) -> Response:
+    service: Service = state.app_state.service
+    return json_response(model_card(service.served(model_id)), {})
 
 
 async def generate(request: Request, state: State, body_decoder: msgspec.json.Decoder,
@@ -208,7 +216,7 @@ def create_app(app_state: AppState) -> Litestar:
             fn()
 
     return Litestar(
-        route_handlers=[health, list_models, completions, chat_completions, responses, retrieve_response,
+        route_handlers=[health, list_models, retrieve_model, completions, chat_completions, responses, retrieve_response,
                         delete_response, infill, metrics, status_page, status_json],
         before_request=check_request,
         state=State({"app_state": app_state}),

@@ -145,6 +145,10 @@ class Service:
         if name is None or name == "" or (name not in self.models and len(self.models) == 1
                                            and name in ("default", "dualserve")):
             return self.models[self.default_model]
+        return self.served(name)
+
+    def served(self, name: str) -> ServedModel:
+        """The model served under exactly ``name``, or a 404 naming the served ones."""
         if name not in self.models:
             raise APIError(ErrorKind.NOT_FOUND, f"The model '{name}' does not exist. Available: "
                            f"{', '.join(self.models)}", "model", "model_not_found")

@@ -73,6 +73,12 @@ def test_models(client: openai.OpenAI, http: httpx.Client) -> None:
     raw = http.get("/v1/models").json()
     assert raw["object"] == "list" and "ar" in raw["data"][0]["decoders"]
     assert raw["data"][0]["max_model_len"] > 0
+    one = client.models.retrieve("SmolLM2-135M-Instruct")  # GET /v1/models/{model}
+    assert one.id == models[0].id and one.created == models[0].created and one.object == "model"
+    for missing in ("nope", "default"):  # only a served name: no default stands in for it here
+        with pytest.raises(openai.NotFoundError) as err:
+            client.models.retrieve(missing)
+        assert err.value.body["code"] == "model_not_found" and missing in err.value.body["message"]
 
 
 def test_health(http: httpx.Client) -> None:
