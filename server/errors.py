@@ -98,14 +98,18 @@ def handle_api_error(_: Request, exc: APIError) -> Response:
     return error_response(exc)
 
 
-def handle_http_exception(_: Request, exc: HTTPException) -> Response:
-    """litestar's own refusals (unknown path, wrong method, body too large) in the same shape."""
+def handle_http_exception(request: Request, exc: HTTPException) -> Response:
+    """litestar's own refusals (unknown path, wrong method, body too large) in the same shape; an
+    unknown path or method is named as OpenAI names it ("Invalid URL (POST /v1/embeddings)")."""
     status = exc.status_code
     kind = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
             413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
     if status >= 500:
         kind = "server_error"
-    return _response(status, kind, str(exc.detail), headers=dict(exc.headers or {}))
+    message = str(exc.detail)
+    if status in (404, 405) and message in ("Not Found", "Method Not Allowed"):
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    return _response(status, kind, message, headers=dict(exc.headers or {}))
 
 
 def handle_unexpected(_: Request, exc: Exception) -> Response:

@@ -81,6 +81,13 @@ def test_models(client: openai.OpenAI, http: httpx.Client) -> None:
         assert err.value.body["code"] == "model_not_found" and missing in err.value.body["message"]
 
 
+def test_an_endpoint_not_served_is_named_in_openai_s_shape(http: httpx.Client) -> None:
+    for method, path, status in [("POST", "/v1/embeddings", 404), ("GET", "/v1/chat/completions", 405)]:
+        r = http.request(method, path, json={})
+        error = r.json()["error"]
+        assert r.status_code == status and error["message"] == f"Invalid URL ({method} {path})", r.text
+
+
 def test_health(http: httpx.Client) -> None:
     r = http.get("/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
