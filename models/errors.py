@@ -13,7 +13,14 @@ from typing import Callable
 from .families import UnsupportedModel
 from .hub import ModelFetchError
 
-INPUT_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, ModelFetchError, UnsupportedModel)
+
+
+class InputError(ValueError):
+    """A file or value the user gave that cannot be used; the message names it."""
+
+
+INPUT_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, ModelFetchError, UnsupportedModel,
+                InputError)
 
 
 def one_line(main: Callable[[], int | None], prog: str | None = None) -> int:

@@ -288,6 +288,7 @@ def cmd_serve(settings: Settings) -> int:
 
     from .app import create_app
     from .lifecycle import DrainingServer, PortInUse, bind_port, startup_lines
+    from .router import load_policy
     from .tensor_parallel import exit_on_failure, start as start_group
 
     cfg = settings.server
@@ -301,6 +302,7 @@ def cmd_serve(settings: Settings) -> int:
     except PortInUse as e:
         print(f"dualserve: {e}", file=sys.stderr)
         return 2
+    load_policy(cfg.router_policy)  # a policy file that cannot be used fails now, not after loading
     settings = settle_format(settings)
     group = start_group(settings)
     # Torch work before serving runs on a thread that exits, so the engine's thread owns the one
@@ -476,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=count, default=64)
     gen.add_argument("--temperature", type=non_negative, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--decoder", default="ar")
+    gen.add_argument("--decoder", default="ar", choices=["ar", "eagle", "diffusion"])
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
     gen.set_defaults(func=cmd_generate)
 

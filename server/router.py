@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from dualserve.models.errors import InputError
+
 from .errors import bad_request
 from .fim import InfillPrompt, build_infill
 
@@ -90,15 +92,20 @@ def load_policy(path: str | Path | None) -> RoutingPolicy:
     """Read a JSON policy file whose keys are RoutingPolicy fields; unknown keys are an error."""
     if path is None:
         return RoutingPolicy()
-    raw = json.loads(Path(path).read_text())
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"--router-policy {path}: not a JSON file ({e})") from None
+    if not isinstance(raw, dict):
+        raise InputError(f"--router-policy {path}: a JSON object of policy fields is needed")
     known = {f.name for f in dataclasses.fields(RoutingPolicy)}
     unknown = set(raw) - known
     if unknown:
-        raise ValueError(f"unknown routing policy keys {sorted(unknown)}; known: {sorted(known)}")
+        raise InputError(f"unknown routing policy keys {sorted(unknown)}; known: {sorted(known)}")
     policy = RoutingPolicy(**raw)
     for value in (policy.interactive, policy.high_value, policy.batch):
         if value not in DECODERS:
-            raise ValueError(f"routing policy decoders must be one of {DECODERS}, got {value!r}")
+            raise InputError(f"routing policy decoders must be one of {DECODERS}, got {value!r}")
     return policy
 
 

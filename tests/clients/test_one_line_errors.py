@@ -13,6 +13,8 @@ import pytest
     ("dualserve.clients.eval_twin", ["--twin", "/nonexistent/twin"], "/nonexistent/twin/config.json: No such file"),
     ("dualserve.server.cli", ["serve", "--model", "/etc/hostname"], "is a file but not a .gguf file"),
     ("dualserve.server.cli", ["pull", "--cache-dir", "/proc/no-such-dir"], "/proc/no-such-dir: No such file"),
+    ("dualserve.server.cli", ["serve", "--port", "0", "--router-policy", "/etc/hostname"],
+     "--router-policy /etc/hostname: not a JSON file"),
 ])
 def test_an_input_mistake_is_one_line_and_exit_2(module: str, argv: list[str], says: str) -> None:
     done = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=300)
