@@ -453,17 +453,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def write_random_twin(gguf: Path, out: Path, seed: int = 0, rank: int = 32, block: int = 4) -> Path:
-    """A twin directory (``models/adapter.py``'s layout) over ``gguf`` with random factors of the
+def write_random_twin(gguf_path: Path, out: Path, seed: int = 0, rank: int = 32, block: int = 4) -> Path:
+    """A twin directory (``models/adapter.py``'s layout) over ``gguf_path`` with random factors of the
     trained twins' rank on every adapted projection: what a twin step costs at the file's shape."""
-    import gguf as gguf_lib
+    import gguf
     import torch
 
     from dualserve.models.adapter import LORA_TARGETS, TwinSpec, save_twin
     from dualserve.models.config import ModelConfig
     from dualserve.models.loader import gguf_metadata, hf_config_dict
 
-    config = ModelConfig.from_gguf(gguf_metadata(gguf_lib.GGUFReader(str(gguf))))
+    config = ModelConfig.from_gguf(gguf_metadata(gguf.GGUFReader(str(gguf_path))))
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     shapes = {"self_attn.qkv_proj": (config.hidden_size, q + 2 * kv), "self_attn.o_proj": (q, config.hidden_size),
               "mlp.gate_up_proj": (config.hidden_size, 2 * config.intermediate_size),
@@ -475,7 +475,7 @@ def write_random_twin(gguf: Path, out: Path, seed: int = 0, rank: int = 32, bloc
             inp, outp = shapes[target]
             adapter[f"layers.{i}.{target}.lora_A"] = torch.randn(rank, inp, generator=gen) * STD
             adapter[f"layers.{i}.{target}.lora_B"] = torch.randn(outp, rank, generator=gen) * STD
-    spec = TwinSpec(block_size=block, mask_token_id=config.vocab_size - 1, base_model=str(Path(gguf).resolve()),
+    spec = TwinSpec(block_size=block, mask_token_id=config.vocab_size - 1, base_model=str(Path(gguf_path).resolve()),
                     rank=rank, alpha=float(rank), threshold=0.9)
     return save_twin(out, hf_config_dict(config), spec, adapter)
 

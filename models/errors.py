@@ -14,7 +14,6 @@ from .families import UnsupportedModel
 from .hub import ModelFetchError
 
 
-
 class InputError(ValueError):
     """A file or value the user gave that cannot be used; the message names it."""
 

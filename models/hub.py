@@ -96,9 +96,7 @@ def resolve_model(name_or_path: str | None, cache_dir: Path) -> tuple[str, Path]
     if path.is_file() and path.suffix != ".gguf":
         raise FileNotFoundError(f"model {name_or_path!r} is a file but not a .gguf file (a Hugging Face model is "
                                 "a directory holding config.json)")
-    from .adapter import is_twin_dir
-
-    if path.is_dir() and not (path / "config.json").exists() and not is_twin_dir(path):
+    if path.is_dir() and not (path / "config.json").exists():
         raise FileNotFoundError(f"model {name_or_path!r} is a directory without a config.json: not a Hugging Face "
                                 "model directory")
     name = path.stem if path.is_file() else path.name

@@ -78,10 +78,12 @@ def split_sizes(n: int, world: int, unit: int = 1) -> list[int]:
     return sizes
 
 
-def most_ranks(num_kv_heads: int, intermediate_size: int, vocab_size: int) -> int:
-    """The most ranks a model of these sizes shards over: every rank needs a key/value head (whole
-    query groups stay together), a slice of the MLP and of the vocabulary."""
-    return min(num_kv_heads, intermediate_size, vocab_size)
+def most_ranks(num_kv_heads: int, intermediate_size: int, vocab_size: int) -> tuple[int, str]:
+    """The most ranks a model of these sizes shards over, and the size that binds: every rank needs
+    a key/value head (whole query groups stay together), a slice of the MLP and of the vocabulary."""
+    return min((num_kv_heads, f"it has {num_kv_heads} key/value heads"),
+               (intermediate_size, f"its MLP is {intermediate_size} wide"),
+               (vocab_size, f"its vocabulary has {vocab_size} tokens"))
 
 
 def span(sizes: Sequence[int], rank: int) -> tuple[int, int]:

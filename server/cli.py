@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import sys
 import time
@@ -23,6 +24,7 @@ from dualserve.models.errors import one_line
 from dualserve.models.hub import default_cache_dir, pull_default_model, resolve_model
 from dualserve.models.quant import QUANTIZATIONS
 
+from .router import DECODERS
 from .settings import ModelSpec, Settings
 
 if TYPE_CHECKING:
@@ -42,18 +44,23 @@ def pick_dtype(name: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+def number(text: str, least: float, strict: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
+    if not math.isfinite(value) or value < least or (strict and value == least):
+        raise argparse.ArgumentTypeError(f"must be {'above' if strict else 'at least'} {least:g} and finite, "
+                                         f"not {text}")
     return value
+
+
+def positive(text: str) -> float:
+    return number(text, 0, strict=True)
 
 
 def non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
-    return value
+    return number(text, 0, strict=False)
 
 
 def whole(text: str, least: int) -> int:
@@ -70,7 +77,7 @@ def count(text: str) -> int:
     return whole(text, 1)
 
 
-def count_or_none(text: str) -> int:
+def count_or_zero(text: str) -> int:
     return whole(text, 0)
 
 
@@ -287,7 +294,7 @@ def cmd_serve(settings: Settings) -> int:
     import uvicorn
 
     from .app import create_app
-    from .lifecycle import DrainingServer, PortInUse, bind_port, startup_lines
+    from .lifecycle import DrainingServer, CannotListen, bind_port, startup_lines
     from .router import load_policy
     from .tensor_parallel import exit_on_failure, start as start_group
 
@@ -299,7 +306,7 @@ def cmd_serve(settings: Settings) -> int:
     # has loaded, and the ranks' own sockets (ephemeral ports) cannot take it meanwhile.
     try:
         sock = bind_port(cfg.host, cfg.port)
-    except PortInUse as e:
+    except CannotListen as e:
         print(f"dualserve: {e}", file=sys.stderr)
         return 2
     load_policy(cfg.router_policy)  # a policy file that cannot be used fails now, not after loading
@@ -446,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
     add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=port_number, default=8000)
+    serve.add_argument("--port", type=port_number, default=8000,
+                       help="TCP port (0: one the system picks, named in the start-up lines)")
     serve.add_argument("--max-model-len", type=count, default=8192)
     serve.add_argument("--request-timeout", type=positive, default=600.0,
                        help="seconds a request may run; a stream that times out ends with an error event and [DONE]")
@@ -457,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--node-cost-per-hour", type=non_negative, default=0.0,
                        help="node cost (any currency) per hour, for cost-per-token metrics")
     serve.add_argument("--max-body-mb", type=positive, default=8.0, help="request body size limit")
-    serve.add_argument("--response-store-size", type=count_or_none, default=None,
+    serve.add_argument("--response-store-size", type=count_or_zero, default=None,
                        help="stored /v1/responses kept at most, least recently used evicted first (default 1024)")
     serve.add_argument("--response-store-mb", type=positive, default=None,
                        help="memory for stored /v1/responses, counted as their JSON (default 64)")
@@ -478,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=count, default=64)
     gen.add_argument("--temperature", type=non_negative, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--decoder", default="ar", choices=["ar", "eagle", "diffusion"])
+    gen.add_argument("--decoder", default="ar", choices=DECODERS)
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
     gen.set_defaults(func=cmd_generate)
 

@@ -108,7 +108,7 @@ def handle_http_exception(request: Request, exc: HTTPException) -> Response:
         kind = "server_error"
     message = str(exc.detail)
     if status in (404, 405) and message in ("Not Found", "Method Not Allowed"):
-        message = f"Invalid URL ({request.method} {request.url.path})"
+        message, kind = f"Invalid URL ({request.method} {request.url.path})", "invalid_request_error"
     return _response(status, kind, message, headers=dict(exc.headers or {}))
 
 

@@ -33,8 +33,9 @@ log = logging.getLogger("dualserve.server")
 FLUSH_SECONDS = 5.0
 
 
-class PortInUse(OSError):
-    """The host and port cannot be bound; the message is the one line to print."""
+class CannotListen(OSError):
+    """The host and port cannot be listened on (busy, or a host that does not resolve); the message is
+    the one line to print."""
 
 
 def bind_port(host: str, port: int) -> socket.socket:
@@ -43,7 +44,7 @@ def bind_port(host: str, port: int) -> socket.socket:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
     except OSError as e:
-        raise PortInUse(f"cannot listen on {host}:{port}: {e.strerror or e} (choose another with --host)") from None
+        raise CannotListen(f"cannot listen on {host}:{port}: {e.strerror or e} (choose another with --host)") from None
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart beside old TIME_WAIT connections
     try:
@@ -51,7 +52,7 @@ def bind_port(host: str, port: int) -> socket.socket:
         sock.listen(2048)
     except OSError as e:
         sock.close()
-        raise PortInUse(f"cannot listen on {host}:{port}: {e.strerror or e} (is another server running there? "
+        raise CannotListen(f"cannot listen on {host}:{port}: {e.strerror or e} (is another server running there? "
                         "choose another with --port)") from None
     return sock
 

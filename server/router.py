@@ -93,8 +93,12 @@ def load_policy(path: str | Path | None) -> RoutingPolicy:
     if path is None:
         return RoutingPolicy()
     try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise InputError(f"--router-policy {path}: {e.strerror or e}") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
         raise InputError(f"--router-policy {path}: not a JSON file ({e})") from None
     if not isinstance(raw, dict):
         raise InputError(f"--router-policy {path}: a JSON object of policy fields is needed")

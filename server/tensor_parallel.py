@@ -73,26 +73,28 @@ def init(settings: Settings, rank: int, world: int, init_method: str | None,
 
 
 def check_fits(settings: Settings) -> None:
-    """Refuse, in one line and before any rank starts, a --tensor-parallel-size the model cannot
-    be split over (a rank with no key/value head of its own)."""
+    """Refuse, in one line and before any rank starts, a --tensor-parallel-size a served model
+    cannot be split over (a rank with no key/value head, MLP column or vocabulary row of its own)."""
     import json
 
     from dualserve.models.config import ModelConfig
+    from dualserve.models.errors import InputError
     from dualserve.models.families import of_hf
     from dualserve.models.hub import resolve_model
     from dualserve.models.loader import prepare_source
     from dualserve.models.sharding import most_ranks
 
     model, world = settings.model, settings.parallel.size
-    _, path = resolve_model(model.model, model.cache_dir)
-    raw = json.loads((prepare_source(path, model.cache_dir) / "config.json").read_text())
-    if of_hf(raw).network == "diffusion_gemma":  # its own sharder checks its shapes
-        return
-    config = ModelConfig.from_hf(raw)
-    most = most_ranks(config.num_kv_heads, config.intermediate_size, config.vocab_size)
-    if world > most:
-        raise SystemExit(f"dualserve: --tensor-parallel-size {world} is more ranks than the model can be split "
-                         f"over: it has {config.num_kv_heads} key/value heads, so at most {most}")
+    for name in (model.model, *([model.diffusion] if model.diffusion else [])):
+        _, path = resolve_model(name, model.cache_dir)
+        raw = json.loads((prepare_source(path, model.cache_dir) / "config.json").read_text())
+        if of_hf(raw).network == "diffusion_gemma":  # its own sharder checks its shapes
+            continue
+        config = ModelConfig.from_hf(raw)
+        most, limit = most_ranks(config.num_kv_heads, config.intermediate_size, config.vocab_size)
+        if world > most:
+            raise InputError(f"--tensor-parallel-size {world} is more ranks than {path.name} can be split over: "
+                             f"{limit}, so at most {most}")
 
 
 def start_timeout(settings: Settings) -> timedelta:
@@ -106,6 +108,8 @@ def start(settings: Settings, force: bool = False) -> ParallelGroup | None:
     it serves steps, then exits the process."""
     parallel = settings.parallel
     world = parallel.size
+    if world > 1:
+        check_fits(settings)
     if parallel.launched is not None and parallel.launched[1] > 1:
         rank, env_world = parallel.launched
         if env_world != world:

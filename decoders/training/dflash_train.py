@@ -45,7 +45,7 @@ from dualserve.models.transformer import Transformer
 from . import loop
 from .dflash_losses import DFlashStats, default_decay, dflash_loss, draft_index
 from .eagle_data import ShardBatches, ShardStream, target_batch
-from .eagle_train import distilled_stream, draft_vocab, load_target, schedule_of, trainee
+from .eagle_train import check_data_dirs, distilled_stream, draft_vocab, load_target, schedule_of, trainee
 from .features import feature_store
 from .loop import Trainee, Window
 
@@ -220,6 +220,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def cmd_train_dflash(args: argparse.Namespace) -> int:
+    check_data_dirs(args.data)
     run(load_target(args), args)
     return 0
 

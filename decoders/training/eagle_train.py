@@ -45,6 +45,7 @@ from safetensors.torch import load_file, save_file
 from dualserve.models.config import RopeScaling
 from dualserve.models.eagle import (EagleConfig, EagleHead, HEAD_CLASSES, eagle3_aux_layers, load_eagle_head,
                                     save_eagle_head)
+from dualserve.models.errors import InputError
 from dualserve.models.loader import LoadedModel
 from dualserve.models.quant import QUANTIZATIONS
 
@@ -367,6 +368,13 @@ def run(loaded: LoadedModel, args: argparse.Namespace) -> Path:
     return Path(args.output)
 
 
+def check_data_dirs(dirs: list[str] | None) -> None:
+    """Every ``--data`` directory exists (checked before the target loads)."""
+    missing = [d for d in dirs or () if not Path(d).is_dir()]
+    if missing:
+        raise InputError(f"--data {' '.join(missing)}: no such directory (a set made by distil.py)")
+
+
 def distilled_stream(loaded: LoadedModel, args: argparse.Namespace) -> tuple[ShardStream, list[dict]]:
     """The batches over ``args.data`` and its sequences as ``draft_vocab`` takes them (logged)."""
     # The evaluation prompts were kept out when the data was made; checking again here also keeps
@@ -374,13 +382,11 @@ def distilled_stream(loaded: LoadedModel, args: argparse.Namespace) -> tuple[Sha
     held_out = default_held_out()
     tok = loaded.tokenizer
     exclude = (lambda ids: held_out.overlaps(tok.decode(ids, skip_special_tokens=True))) if tok else None
-    missing = [d for d in args.data if not Path(d).is_dir()]
-    if missing:
-        raise SystemExit(f"--data {' '.join(missing)}: no such directory (a set made by distil.py)")
+    check_data_dirs(args.data)
     stream = ShardStream([Path(d) for d in args.data], args.batch_size, args.block, args.seed, args.max_len,
                          exclude)
     if stream.refresh() == 0:
-        raise SystemExit(f"--data {' '.join(args.data)}: {len(stream.seqs)} sequences, fewer than one block "
+        raise InputError(f"--data {' '.join(args.data)}: {len(stream.seqs)} sequences, fewer than one block "
                          f"({args.block})")
     seqs = [{"ids": s.ids, "prompt_len": torch.tensor(s.prompt_len)} for s in stream.seqs]
     answer = sum(len(s["ids"]) - int(s["prompt_len"]) for s in seqs)
@@ -472,6 +478,7 @@ def load_target(args: argparse.Namespace) -> LoadedModel:
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:
     """Load the target named by ``args`` and run all stages."""
+    check_data_dirs(args.data)
     run(load_target(args), args)
     return 0
 

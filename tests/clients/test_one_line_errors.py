@@ -19,5 +19,5 @@ import pytest
 def test_an_input_mistake_is_one_line_and_exit_2(module: str, argv: list[str], says: str) -> None:
     done = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=300)
     lines = [line for line in done.stderr.splitlines() if line.strip() and "Warning" not in line]
-    assert done.returncode in (1, 2) and "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert says in lines[-1], done.stderr

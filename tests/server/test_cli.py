@@ -95,8 +95,10 @@ def test_settings_travel_to_another_process(tmp_path):
     ("--num-blocks", "-4", "must be at least 1"),
     ("--max-model-len", "x", "must be a whole number"),
     ("--port", "99999", "0 to 65535"),
-    ("--max-queue-wait", "-1", "must be 0 or more"),
-    ("--request-timeout", "0", "must be above 0"),
+    ("--max-queue-wait", "-1", "must be at least 0 and finite"),
+    ("--request-timeout", "0", "must be above 0 and finite"),
+    ("--max-body-mb", "inf", "must be above 0 and finite"),
+    ("--tp-timeout", "soon", "must be a number"),
 ])
 def test_a_flag_out_of_its_range_is_one_line_before_anything_loads(loads, capsys, flag, value, says):
     with pytest.raises(SystemExit) as done:
@@ -112,11 +114,12 @@ def test_a_host_that_does_not_resolve_is_one_line(capsys, tmp_path):
     assert len(err) == 1 and err[0].startswith("dualserve: cannot listen on 300.1.1.1:8000")
 
 
-def test_more_ranks_than_key_value_heads_are_refused_before_any_rank_starts(tmp_path, monkeypatch):
+def test_more_ranks_than_key_value_heads_are_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):
     model = write_tiny_llama(tmp_path)  # 2 key/value heads
+    capsys.readouterr()  # the writer's progress bars
     monkeypatch.setattr(cli, "load_deployment", lambda *_: pytest.fail("loaded"))
-    with pytest.raises(SystemExit) as done:
-        cli.main(["generate", "--model", str(model), "--tensor-parallel-size", "3", "--quantization", "none",
-                  "--cache-dir", str(tmp_path / "cache"), "hi"])
-    assert "--tensor-parallel-size 3 is more ranks than the model can be split over" in str(done.value)
-    assert "at most 2" in str(done.value)
+    assert cli.main(["generate", "--model", str(model), "--tensor-parallel-size", "3", "--quantization", "none",
+                     "--cache-dir", str(tmp_path / "cache"), "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tensor-parallel-size 3 is more ranks than" in err[0], err
+    assert "it has 2 key/value heads, so at most 2" in err[0]

@@ -86,6 +86,7 @@ def test_an_endpoint_not_served_is_named_in_openai_s_shape(http: httpx.Client) -
         r = http.request(method, path, json={})
         error = r.json()["error"]
         assert r.status_code == status and error["message"] == f"Invalid URL ({method} {path})", r.text
+        assert error["type"] == "invalid_request_error"
 
 
 def test_health(http: httpx.Client) -> None:

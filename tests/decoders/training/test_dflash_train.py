@@ -18,6 +18,7 @@ from dualserve.decoders.training.eagle_losses import Batch
 from dualserve.decoders.training.eagle_train import draft_vocab
 from dualserve.models.checkpoint import LoadedModel
 from dualserve.models.dflash import DFlashDrafter, load_dflash
+from dualserve.models.errors import InputError
 from dualserve.models.transformer import apply_rope
 from test_eagle_stream import VOCAB, target, write_shard  # noqa: F401 - fixture
 
@@ -203,9 +204,9 @@ def test_bf16_autocast_step_follows_fp32(target: LoadedModel, data: Path) -> Non
 
 def test_a_data_directory_that_is_missing_or_short_is_one_line(target: LoadedModel, data: Path,
                                                                 tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="no such directory"):
+    with pytest.raises(InputError, match="no such directory"):
         dflash_train.run(target, args_for(tmp_path, tmp_path / "missing"))
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(SystemExit, match="0 sequences, fewer than one block"):
+    with pytest.raises(InputError, match="0 sequences, fewer than one block"):
         dflash_train.run(target, args_for(tmp_path, empty))
