@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import math
 import os
 import sys
 import time
@@ -20,12 +19,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from dualserve.decoders.engine.openmp import SpinGovernor, run_on_own_thread
-from dualserve.models.errors import one_line
+from dualserve.models.errors import InputError, one_line
 from dualserve.models.hub import default_cache_dir, pull_default_model, resolve_model
 from dualserve.models.quant import QUANTIZATIONS
 
 from .router import DECODERS
-from .settings import ModelSpec, Settings
+from .settings import ModelSpec, Settings, count, count_or_zero, non_negative, port_number, positive
 
 if TYPE_CHECKING:
     from dualserve.decoders.engine.decoder import Decoder
@@ -42,51 +41,6 @@ def pick_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     return DTYPES[name]
-
-
-def number(text: str, least: float, strict: bool) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
-    if not math.isfinite(value) or value < least or (strict and value == least):
-        raise argparse.ArgumentTypeError(f"must be {'above' if strict else 'at least'} {least:g} and finite, "
-                                         f"not {text}")
-    return value
-
-
-def positive(text: str) -> float:
-    return number(text, 0, strict=True)
-
-
-def non_negative(text: str) -> float:
-    return number(text, 0, strict=False)
-
-
-def whole(text: str, least: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"must be at least {least}, not {text}")
-    return value
-
-
-def count(text: str) -> int:
-    return whole(text, 1)
-
-
-def count_or_zero(text: str) -> int:
-    return whole(text, 0)
-
-
-def port_number(text: str) -> int:
-    """A TCP port; 0 asks the system for a free one (the start-up lines name it)."""
-    value = whole(text, 0)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, not {text}")
-    return value
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -404,6 +358,9 @@ def cmd_generate(settings: Settings) -> int:
     dep = load_deployment(settings) if group is None else load_deployment(settings, group)
     name = next(iter(dep.models))
     tok = dep.models[name].tokenizer
+    if gen.decoder not in dep.engine.decoders_for(name):
+        raise InputError(f"{name} is served by {', '.join(dep.engine.decoders_for(name))}, not {gen.decoder}: "
+                         "choose one with --decoder")
     if (str(group.device) if group is not None else settings.model.device) == "cpu":
         SpinGovernor().start()
     if gen.chat:

@@ -15,11 +15,15 @@ The environment is read here as well, for its documented knobs alone: ``DUALSERV
 model cache, through ``models.hub.default_cache_dir``), ``DUALSERVE_ATTEND_KERNEL=0`` (compiled
 steps keep inductor's attention loops, for comparison) and torchrun's ``RANK``, ``WORLD_SIZE``
 and ``LOCAL_RANK``. Nothing under ``decoders/`` or ``server/`` reads it elsewhere.
+
+The flags' value types (``positive``, ``count``, ``port_number`` ...) are here too: a value out of
+its range is refused by argparse in one line, before anything loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,3 +159,51 @@ def kv_memory_gb(choice: float | None) -> float:
     except (AttributeError, ValueError, OSError):
         total = 0.0
     return min(1.0, max(0.25, total / 64))
+
+
+# ---- flag values ----------------------------------------------------------------------------
+
+
+def number(text: str, least: float, strict: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
+    if not math.isfinite(value) or value < least or (strict and value == least):
+        raise argparse.ArgumentTypeError(f"must be {'above' if strict else 'at least'} {least:g} and finite, "
+                                         f"not {text}")
+    return value
+
+
+def positive(text: str) -> float:
+    return number(text, 0, strict=True)
+
+
+def non_negative(text: str) -> float:
+    return number(text, 0, strict=False)
+
+
+def whole(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, not {text}")
+    return value
+
+
+def count(text: str) -> int:
+    return whole(text, 1)
+
+
+def count_or_zero(text: str) -> int:
+    return whole(text, 0)
+
+
+def port_number(text: str) -> int:
+    """A TCP port; 0 asks the system for a free one (the start-up lines name it)."""
+    value = whole(text, 0)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, not {text}")
+    return value
