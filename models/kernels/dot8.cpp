@@ -178,6 +178,18 @@ Weights checked_weights(const at::Tensor& q, const at::Tensor& d, const at::Tens
                  per_group ? 0 : 3};
 }
 
+// Tile t of y = the M quantized rows times w on the vector path, in blocks of the path's rows.
+// AVX-512 folds int4's two digits into one accumulator a token (tile_avx512_folded): 16 rows a block.
+inline void vector_tile(const Path& p, TileFn fn, const Weights& w, int64_t t, const Acts& acts, int64_t M,
+                        int64_t n, float* y) {
+  const int64_t block = acts.fused && w.bits == 4 && p.quantizer == Quantizer::AVX512 ? 2 * p.rows : p.rows;
+  const int valid = int(std::min<int64_t>(TILE, n - t * TILE));
+  for (int64_t r0 = 0; r0 < M; r0 += block) {
+    const int rows = int(std::min<int64_t>(block, M - r0));
+    fn(w, t, acts, r0, rows, y + (acts.fused ? r0 / 2 : r0) * n + t * TILE, n, valid);
+  }
+}
+
 // y = the M quantized rows times the packed weight: (M, n), or with two digits (fused) (M / 2, n),
 // each output row from its pair of quantized rows.
 void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y, int64_t force_scalar) {
@@ -214,15 +226,33 @@ void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y,
     return;
   }
 #endif
-  // AVX-512 folds int4's two digits into one accumulator a token (tile_avx512_folded): 16 rows a block.
-  const int64_t block = acts.fused && w.bits == 4 && p.quantizer == Quantizer::AVX512 ? 2 * p.rows : p.rows;
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int valid = int(std::min<int64_t>(TILE, n - t * TILE));
-      for (int64_t r0 = 0; r0 < M; r0 += block) {
-        const int rows = int(std::min<int64_t>(block, M - r0));
-        fn(w, t, acts, r0, rows, y + (acts.fused ? r0 / 2 : r0) * n + t * TILE, n, valid);
-      }
+    for (int64_t t = begin; t < end; ++t) vector_tile(p, fn, w, t, acts, M, n, y);
+  });
+}
+
+// product(w, ...) into y and product(wa, ...) into ya in one pass over both weights' tiles, on the
+// vector path: a LoRA's A (a few tiles) then shares the threads with its projection instead of
+// running after it on one. Each tile is computed as product computes it, so the bits are the same.
+// Where AMX would take either product, the two run apart (their tile configurations differ).
+void product_pair(const Weights& w, int64_t n, float* y, const Weights& wa, int64_t na, float* ya,
+                  const Acts& acts, int64_t M, int64_t force_scalar) {
+#ifdef DOT8_X86
+  const int from = amx_from(force_scalar);
+  if (from && M >= from) {
+    product(w, acts, M, n, y, force_scalar);
+    product(wa, acts, M, na, ya, force_scalar);
+    return;
+  }
+#endif
+  const Path& p = path(force_scalar);
+  const TileFn fn = p.fn[kind_of(w)], fa = p.fn[kind_of(wa)];
+  const int64_t tiles = (n + TILE - 1) / TILE, tiles_a = (na + TILE - 1) / TILE;
+  const int64_t grain = M * (n + na) * acts.K < (int64_t(1) << 18) ? tiles + tiles_a : 4;
+  at::parallel_for(0, tiles + tiles_a, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (i < tiles) vector_tile(p, fn, w, i, acts, M, n, y);
+      else vector_tile(p, fa, wa, i - tiles, acts, M, na, ya);
     }
   });
 }
@@ -268,11 +298,10 @@ at::Tensor dot8_lora(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   if (M == 0) return out;
   const Quantized qx = quantize(x, force_scalar, digits, needs_halves(w));
   float* y = out.data_ptr<float>();
-  product(w, qx.acts(), M * digits, n, y, force_scalar);
-  std::vector<float> ax(M * rank), up(M * n);
-  product(wa, qx.acts(), M * digits, rank, ax.data(), force_scalar);
-  const Quantized qa_x(ax.data(), M, rank, path(force_scalar).quantizer, digits);
-  product(wb, qa_x.acts(), M * digits, n, up.data(), force_scalar);
+  std::unique_ptr<float[]> ax(new float[M * rank]), up(new float[M * n]);
+  product_pair(w, n, y, wa, rank, ax.get(), qx.acts(), M * digits, force_scalar);
+  const Quantized qa_x(ax.get(), M, rank, path(force_scalar).quantizer, digits);
+  product(wb, qa_x.acts(), M * digits, n, up.get(), force_scalar);
   for (int64_t i = 0; i < M * n; ++i) y[i] += up[i];
   return out;
 }
