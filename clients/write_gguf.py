@@ -464,15 +464,11 @@ def write_random_twin(gguf_path: Path, out: Path, seed: int = 0, rank: int = 32,
     from dualserve.models.loader import gguf_metadata, hf_config_dict
 
     config = ModelConfig.from_gguf(gguf_metadata(gguf.GGUFReader(str(gguf_path))))
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    shapes = {"self_attn.qkv_proj": (config.hidden_size, q + 2 * kv), "self_attn.o_proj": (q, config.hidden_size),
-              "mlp.gate_up_proj": (config.hidden_size, 2 * config.intermediate_size),
-              "mlp.down_proj": (config.intermediate_size, config.hidden_size)}
-    gen = torch.Generator().manual_seed(seed)
+    shapes, gen = config.projection_shapes, torch.Generator().manual_seed(seed)
     adapter = {"mask_embedding": torch.randn(config.hidden_size, generator=gen) * STD}
     for i in range(config.num_layers):
         for target in LORA_TARGETS:
-            inp, outp = shapes[target]
+            outp, inp = shapes[target]
             adapter[f"layers.{i}.{target}.lora_A"] = torch.randn(rank, inp, generator=gen) * STD
             adapter[f"layers.{i}.{target}.lora_B"] = torch.randn(outp, rank, generator=gen) * STD
     spec = TwinSpec(block_size=block, mask_token_id=config.vocab_size - 1, base_model=str(Path(gguf_path).resolve()),

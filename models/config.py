@@ -92,6 +92,13 @@ class ModelConfig:
     diffusion_threshold: float | None = None  # measured best unmasking threshold, when the checkpoint says
 
     @property
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of each layer's projections, by module (the transformer's fused q/k/v and gate/up)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {"self_attn.qkv_proj": (q + 2 * kv, h), "self_attn.o_proj": (h, q),
+                "mlp.gate_up_proj": (2 * self.intermediate_size, h), "mlp.down_proj": (h, self.intermediate_size)}
+
+    @property
     def kv_shapes(self) -> tuple[tuple[int, int], ...]:
         """Per layer: (kv heads, head size) of its cached keys and values."""
         return ((self.num_kv_heads, self.head_dim),) * self.num_layers

@@ -112,11 +112,8 @@ def host_key() -> str:
 
 def _shapes(config: ModelConfig) -> list[tuple[int, int, int]]:
     """(out, in, count) of every GEMM in one forward."""
-    h, q = config.hidden_size, config.num_heads * config.head_dim
-    kv = config.num_kv_heads * config.head_dim
-    n = config.num_layers
-    return [(q + 2 * kv, h, n), (h, q, n), (2 * config.intermediate_size, h, n), (h, config.intermediate_size, n),
-            (config.vocab_size, h, 1)]
+    return [(o, i, config.num_layers) for o, i in config.projection_shapes.values()] + \
+        [(config.vocab_size, config.hidden_size, 1)]
 
 
 def _time(fn, repeats: int = 3) -> float:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from dualserve.decoders.engine.decoder import Decoder
     from dualserve.decoders.engine.parallel import ParallelGroup
 
-    from .router import DecoderTraits
+    from .router import DecoderTraits, RoutingPolicy
     from .service import ServedModel
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -201,12 +201,7 @@ def pick_format(model: ModelSpec, path: Path, cache: Path, dtype: torch.dtype):
 def settle_format(settings: Settings) -> Settings:
     """``settings`` with ``--quantization auto`` resolved once, here, under tensor parallelism: every
     rank then loads the format rank 0 picked (the one a single rank picks on this host), never one
-    it measured for itself beside the others. First, a model that cannot be split over the ranks
-    is refused (``tensor_parallel.check_fits``)."""
-    from .tensor_parallel import check_fits
-
-    if settings.parallel.size > 1:
-        check_fits(settings)
+    it measured for itself beside the others."""
     model = settings.model
     if model.quantization != "auto" or settings.parallel.size <= 1:
         return settings
@@ -263,13 +258,13 @@ def cmd_serve(settings: Settings) -> int:
     except CannotListen as e:
         print(f"dualserve: {e}", file=sys.stderr)
         return 2
-    load_policy(cfg.router_policy)  # a policy file that cannot be used fails now, not after loading
+    policy = load_policy(cfg.router_policy)  # a policy file that cannot be used fails now, not after loading
     settings = settle_format(settings)
     group = start_group(settings)
     # Torch work before serving runs on a thread that exits, so the engine's thread owns the one
     # long-lived OpenMP pool and its teams spin (decoders/engine/openmp.py).
     dep = run_on_own_thread(load_deployment, settings, *([group] if group is not None else []))
-    app_state = serving_state(settings, dep)
+    app_state = serving_state(settings, dep, policy)
     dep.engine.start()
     device = str(group.device) if group is not None else settings.model.device
     if device == "cpu":
@@ -291,20 +286,20 @@ def cmd_serve(settings: Settings) -> int:
     return 0
 
 
-def serving_state(settings: Settings, dep):
+def serving_state(settings: Settings, dep, policy: RoutingPolicy):
     """The app's state over a loaded deployment: its models as the API shows them, metrics, the
-    router (its policy fitted to this host's measured costs unless a file gives it), the service."""
+    router (``policy``, the file's or the defaults, fitted to this host's measured costs unless a
+    file gave it), the service."""
     from .app import AppState
     from .metrics import Metrics
     from .responses.store import ResponseStore
-    from .router import Router, load_policy
+    from .router import Router
     from .service import Service, ServiceLimits
 
     cfg = settings.server
     served = served_models(dep, cfg.max_model_len)
     metrics = Metrics(node_cost_per_hour=cfg.node_cost_per_hour)
     metrics.record_formats(dep.format_table, {n: m.quantization for n, m in dep.models.items()})
-    policy = load_policy(cfg.router_policy)
     name = next(iter(dep.models))
     if dep.format_table is not None and cfg.router_policy is None:
         from .calibrate import fit_to_forward_costs
