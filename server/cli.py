@@ -250,7 +250,7 @@ def cmd_serve(settings: Settings) -> int:
     cfg = settings.server
     launched = settings.parallel.launched
     if launched is not None and launched[0] != 0:
-        start_group(settle_format(settings))  # a torchrun rank other than 0 replays rank 0's steps, then exits
+        start_group(settings)  # a torchrun rank other than 0 takes rank 0's format, replays its steps, then exits
     # The port is bound before any rank starts: a busy port fails in a moment, not after the model
     # has loaded, and the ranks' own sockets (ephemeral ports) cannot take it meanwhile.
     try:

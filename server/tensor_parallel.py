@@ -97,6 +97,20 @@ def check_fits(settings: Settings) -> None:
                              f"{limit}, so at most {most}")
 
 
+def rank0_format(settings: Settings) -> Settings:
+    """``settings`` with rank 0's weight format and dtype, sent over the group: torchrun's ranks each
+    start from the command line, so a rank other than 0 must not resolve ``--quantization auto``
+    for itself (on another host, or beside the other ranks measuring, it could pick another
+    format, and the shards would then compute another model than one rank does)."""
+    import dataclasses
+
+    model = settings.model
+    sent = [(model.quantization, model.dtype)]
+    dist.broadcast_object_list(sent, src=0)
+    quantization, dtype = sent[0]
+    return dataclasses.replace(settings, model=dataclasses.replace(model, quantization=quantization, dtype=dtype))
+
+
 def start_timeout(settings: Settings) -> timedelta:
     """How long the ranks may take to meet: --tp-timeout, but never less than START_SECONDS."""
     return timedelta(seconds=max(settings.parallel.timeout, START_SECONDS))
@@ -115,6 +129,7 @@ def start(settings: Settings, force: bool = False) -> ParallelGroup | None:
         if env_world != world:
             raise SystemExit(f"dualserve: --tensor-parallel-size {world} but torchrun started {env_world} ranks")
         shard, device = init(settings, rank, world, "env://")
+        settings = rank0_format(settings)
         if rank != 0:
             sys.exit(run_worker(settings, shard, device))
         return ParallelGroup(shard, device, parallel.heartbeat)

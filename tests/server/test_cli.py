@@ -123,3 +123,36 @@ def test_more_ranks_than_key_value_heads_are_refused_before_any_rank_starts(tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--tensor-parallel-size 3 is more ranks than" in err[0], err
     assert "it has 2 key/value heads, so at most 2" in err[0]
+
+
+def _rank_takes_format(rank: int, rendezvous: str, quantization: str, out) -> None:
+    import torch.distributed as dist
+
+    from dualserve.server.tensor_parallel import rank0_format
+
+    settings = model_settings(["--device", "cpu", "--quantization", quantization], command="serve")
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
+    try:
+        agreed = rank0_format(settings).model
+        out.put((rank, agreed.quantization, agreed.dtype))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_torchrun_rank_takes_rank_0_s_weight_format(tmp_path):
+    """Under torchrun every rank starts from the command line; a rank other than 0 loads the format
+    rank 0 resolved (--quantization auto), never one it measured for itself."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_rank_takes_format, args=(r, rendezvous, q, out))
+             for r, q in ((0, "w4a16"), (1, "auto"))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    seen = sorted(out.get(timeout=5) for _ in procs)
+    assert seen == [(0, "w4a16", "auto"), (1, "w4a16", "auto")]
