@@ -22,8 +22,8 @@ capability, the model's config, every weight's name, shape and dtype, every modu
 (its ``extra_repr``: a dot8 layer's activation digits, say), the KV cache's dtype
 and block size, the step shape, the feature layers, and the source of the modules the graph is
 traced from. Before a package is used it must match the eager forward at two sizes of its
-shape; a package that fails to build, load or match is not used, and that shape runs eagerly,
-with a log line saying why.
+shape; a stored package that fails to load or match is built again once, and one that fails to
+build, load or match is not used: that shape runs eagerly, with a log line saying why.
 
 **Pruned when unused.** Loading a package marks it used (its modification time); the first
 package a process loads or builds removes the packages of the same directory that no process
@@ -58,6 +58,7 @@ import ast
 import atexit
 import hashlib
 import inspect
+import logging
 import os
 import re
 import shutil
@@ -74,6 +75,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.fx.experimental._config  # noqa: F401 - size_oblivious patches it
 
+log = logging.getLogger("dualserve.aoti")
 FORMAT = 1  # bump when the package layout or the graph's signature changes
 STALE_DAYS = 14  # a package no process has loaded for this long is removed
 _pruned: set[Path] = set()  # directories pruned by this process
@@ -290,11 +292,23 @@ def load_or_build(module: torch.nn.Module, path: Path, inputs: Callable[[int], t
     """``module``'s package at ``path``, loaded, or built there first (``build`` on ``inputs(example)``,
     after ``announce()``), and used only once it matches the eager module on ``inputs(n)`` for each n
     of ``checks`` (``matches`` at ``tolerance``). Returns the graph and how it came: "loaded" or "built"."""
-    how = "loaded"
-    if not path.exists():
-        announce()
-        build(module, inputs(example), dynamic, path, inductor, inductor_cache=inductor_cache, progress=progress)
-        how = "built"
+    if path.exists():
+        try:
+            return _checked(module, path, inputs, checks, tolerance), "loaded"
+        except Exception as e:  # noqa: BLE001 - a stored package that cannot serve is built again
+            # A file cut short (a full disk, a host that died mid-write elsewhere) or left by an
+            # incompatible build would otherwise keep this shape eager on every start.
+            log.warning("the stored package %s cannot be used (%s); building it again",
+                        path.name, str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+            path.unlink(missing_ok=True)
+    announce()
+    build(module, inputs(example), dynamic, path, inductor, inductor_cache=inductor_cache, progress=progress)
+    return _checked(module, path, inputs, checks, tolerance), "built"
+
+
+def _checked(module: torch.nn.Module, path: Path, inputs: Callable[[int], tuple[torch.Tensor, ...]],
+             checks: Sequence[int], tolerance: float) -> PackagedGraph:
+    """The package at ``path``, loaded and matched against the eager module at each size of ``checks``."""
     mark_used(path)
     graph = PackagedGraph(path, module)
     with torch.inference_mode():
@@ -303,7 +317,7 @@ def load_or_build(module: torch.nn.Module, path: Path, inputs: Callable[[int], t
             problem = matches(graph(*step), module(*step), tolerance)
             if problem:
                 raise RuntimeError(f"the package {path.name} does not match the eager forward: {problem}")
-    return graph, how
+    return graph
 
 
 def _wait(child: subprocess.Popen, progress: Callable[[float], None] | None) -> tuple[str, str]:

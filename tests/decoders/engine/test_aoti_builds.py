@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from dualserve.decoders.engine import aoti
 from dualserve.decoders.engine.compile_worker import CompileWorker
@@ -126,3 +127,36 @@ def test_the_compile_worker_says_which_job_of_how_many_runs():
     assert seen == [(1, 3), (2, 3), (3, 3)] and worker.pending == 0
     worker.submit(lambda: seen.append(worker.position()))  # a later burst counts afresh
     assert until(lambda: not worker.busy, 10) and seen[-1] == (1, 1)
+
+
+class _TwoLayers(torch.nn.Module):
+    """A step-like module: its outputs a tuple, as the step graphs' are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.net(x),)
+
+
+def test_a_stored_package_that_cannot_load_is_built_again(tmp_path, caplog):
+    """A package file cut short (an empty or truncated ``.pt2`` in the cache) is removed and built
+    again, once, instead of leaving its shape eager on every start."""
+    torch.manual_seed(0)
+    module = _TwoLayers().eval()
+    path = tmp_path / "step.pt2"
+    path.write_bytes(b"PK\x03\x04 cut short")
+    announced = []
+    with caplog.at_level("WARNING", logger="dualserve.aoti"):
+        graph, how = aoti.load_or_build(module, path, lambda n: (torch.randn(n, 8),), ({0: torch.export.Dim.AUTO},),
+                                        {}, example=3, checks=(2, 5), tolerance=1e-5,
+                                        announce=lambda: announced.append(True))
+    assert how == "built" and announced == [True]
+    assert "cannot be used" in caplog.text and "building it again" in caplog.text
+    x = torch.randn(4, 8)
+    with torch.inference_mode():
+        assert torch.allclose(graph(x)[0], module(x)[0], atol=1e-5)
+    graph, how = aoti.load_or_build(module, path, lambda n: (torch.randn(n, 8),), ({0: torch.export.Dim.AUTO},),
+                                    {}, example=3, checks=(2,), tolerance=1e-5)
+    assert how == "loaded"
