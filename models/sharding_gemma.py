@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .diffusion_gemma import Attention, DiffusionGemma, Experts, grouped_linear
+from .diffusion_gemma import Attention, DiffusionGemma, DiffusionGemmaConfig, Experts, grouped_linear
 from .sharding import GatheredLinear, Shard, gather_last, span, split_sizes, take_cols, take_rows
 
 
@@ -68,6 +68,18 @@ class ShardedExperts(Experts):
             return y
         y = grouped_linear(gather_last(act, self.in_sizes, self.group), self.down_proj, ends)
         return gather_last(y, self.out_sizes, self.group)
+
+
+def cannot_split(config: DiffusionGemmaConfig, world: int) -> str | None:
+    """Why ``world`` ranks cannot share this model, or None: each rank takes whole key/value heads,
+    or an equal share of one head's query heads (``head_split``), and a slice of every MLP."""
+    for kv in sorted(set(config.kv_heads)):
+        if kv < world and (world % kv or config.num_heads % world):
+            return f"its {config.num_heads} query heads over {kv} key/value heads do not split over {world} ranks"
+    for size, what in ((config.intermediate_size, "its MLP"), (config.moe_intermediate_size, "its experts' MLP")):
+        if size < world:
+            return f"{what} is {size} wide"
+    return None
 
 
 def head_split(num_heads: int, kv_heads: int, world: int, rank: int) -> tuple[int, int, int, int]:

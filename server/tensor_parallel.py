@@ -88,7 +88,13 @@ def check_fits(settings: Settings) -> None:
     for name in (model.model, *([model.diffusion] if model.diffusion else [])):
         _, path = resolve_model(name, model.cache_dir)
         raw = json.loads((prepare_source(path, model.cache_dir) / "config.json").read_text())
-        if of_hf(raw).network == "diffusion_gemma":  # its own sharder checks its shapes
+        if of_hf(raw).network == "diffusion_gemma":
+            from dualserve.models.diffusion_gemma import DiffusionGemmaConfig
+            from dualserve.models.sharding_gemma import cannot_split
+
+            reason = cannot_split(DiffusionGemmaConfig.from_hf(raw), world)
+            if reason:
+                raise InputError(f"--tensor-parallel-size {world} cannot split {path.name}: {reason}")
             continue
         config = ModelConfig.from_hf(raw)
         most, limit = most_ranks(config.num_kv_heads, config.intermediate_size, config.vocab_size)

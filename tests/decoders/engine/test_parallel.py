@@ -313,6 +313,18 @@ def test_diffusion_gemma_ranks_hold_their_share(diffusion_gemma):
     assert model.config.kv_heads == (1, 1) and [layer.self_attn.num_heads for layer in model.layers] == [1, 1]
 
 
+def test_a_diffusion_gemma_that_does_not_split_is_refused_before_any_rank_starts(diffusion_gemma):
+    """2 query heads over 1 KV head split over 2 ranks, not 3: refused by name in the start-up check,
+    as a Llama-family model is (not by the sharder inside each rank)."""
+    from dualserve.models.errors import InputError
+    from dualserve.server.tensor_parallel import check_fits
+
+    check_fits(settings_for("--model", str(diffusion_gemma), tp=2))
+    with pytest.raises(InputError, match="--tensor-parallel-size 3 cannot split .*: its 2 query heads over 1 "
+                                         "key/value heads do not split over 3 ranks"):
+        check_fits(settings_for("--model", str(diffusion_gemma), tp=3))
+
+
 def test_head_split_replicates_kv_heads_only_when_there_are_fewer_than_ranks():
     from dualserve.models.sharding_gemma import head_split
 
