@@ -64,7 +64,8 @@ FORWARD_TOKENS = {"eagle": 8, "diffusion": 5}
 
 
 def fit_to_forward_costs(policy: RoutingPolicy, table, fmt: str, decoders: list[str]) -> RoutingPolicy:
-    """The policy with slower-than-``ar`` decoders taken out of ``interactive`` and ``high_value``.
+    """The policy with slower-than-``ar`` decoders taken out of ``interactive`` and ``high_value``
+    (``eagle`` is never counted slower: its budget takes plain steps where drafts would not pay).
 
     ``table`` is the start-up format measurement (``models.formats.FormatTable``); a forward of n
     tokens is interpolated between its 1- and 8-token costs. A decoder's expected speed relative
@@ -77,9 +78,15 @@ def fit_to_forward_costs(policy: RoutingPolicy, table, fmt: str, decoders: list[
             return 1.0
         n = FORWARD_TOKENS[decoder]
         cost = (one + (eight - one) * (n - 1) / 7) / one
-        return PRIOR_TOKENS_PER_FORWARD[decoder] / cost
+        speed = PRIOR_TOKENS_PER_FORWARD[decoder] / cost
+        # EAGLE's cost budget drafts only where a draft is expected to pay on this host's measured
+        # verify curve and takes a plain ``ar`` step elsewhere, and suffix lookup drafts for free:
+        # it is not slower than ``ar`` where whole trees would be (docs/decoders.md, Routing).
+        return max(speed, 1.0) if decoder == "eagle" else speed
 
-    speeds = {d: relative(d) for d in decoders}
+    # Ties go to EAGLE: at worst a plain step, and an answer that repeats its context is drafted.
+    order = sorted(decoders, key=lambda d: d != "eagle")
+    speeds = {d: relative(d) for d in order}
     fastest = max(speeds, key=speeds.get)
     lossless = [d for d in speeds if d in LOSSLESS]
     tuned = dataclasses.replace(policy, interactive=fastest,

@@ -172,9 +172,15 @@ def test_policy_fitted_to_forward_costs() -> None:
     def table(one: float, eight: float) -> FormatTable:
         return FormatTable("test", {"int4": {"1": one, "8": eight}})
 
-    # 8 tokens cost 2.6x one (a small CPU): neither speculative decoder beats plain AR
+    # 8 tokens cost 2.6x one (a small CPU): whole trees and the twin's blocks do not pay, but EAGLE's
+    # budget drafts only what pays (suffix lookup is free) and else takes plain steps: EAGLE, not
+    # the twin, whichever order the decoders come in
     slow = fit_to_forward_costs(RoutingPolicy(), table(7.0, 18.3), "int4", ALL)
-    assert (slow.interactive, slow.high_value) == ("ar", "ar")
+    assert (slow.interactive, slow.high_value) == ("eagle", "eagle")
+    slow = fit_to_forward_costs(RoutingPolicy(), table(7.0, 18.3), "int4", ["ar", "diffusion", "eagle"])
+    assert (slow.interactive, slow.high_value) == ("eagle", "eagle")
+    no_eagle = fit_to_forward_costs(RoutingPolicy(), table(7.0, 18.3), "int4", ["ar", "diffusion"])
+    assert (no_eagle.interactive, no_eagle.high_value) == ("ar", "ar")
     # multi-token forwards cost about one (AMX, GPUs): speculation pays, lossless EAGLE for high value
     flat = fit_to_forward_costs(RoutingPolicy(), table(7.0, 7.4), "int4", ALL)
     assert (flat.interactive, flat.high_value) == ("eagle", "eagle")
