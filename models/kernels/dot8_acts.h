@@ -199,6 +199,7 @@ struct Quantized {
   std::unique_ptr<float[]> sx, fsum;
   std::unique_ptr<int32_t[]> sum, sum128, half, half128;
   std::unique_ptr<int8_t[]> a64;  // with ``interleave``: (M, G, 64), row r's group g as [a0 | a1]
+  std::unique_ptr<int8_t[]> blk;  // two digits on AVX-512 without ``interleave``: Acts::blk
   int64_t K, G, digits;
 
   // M rows of x, each as ``digits`` quantized rows (quantize_digits). ``halves``: also the sums
@@ -220,6 +221,7 @@ struct Quantized {
       half128.reset(new int32_t[2 * n]);
     }
     if (interleave && digits == 2) a64.reset(new int8_t[M * G * 64]);
+    if (!interleave && digits == 2 && how == Quantizer::AVX512) blk.reset(new int8_t[M * G * 64]);
     void (*group)(const T*, int64_t, const GroupOut&) = quantize_group_digits_scalar<T>;
 #ifdef DOT8_X86
     if (how == Quantizer::AVX512) group = quantize_group_digits_avx512<T>;
@@ -238,11 +240,16 @@ struct Quantized {
         group(x + r * K + g * GROUP, digits, o);
         if (a64)
           for (int64_t k = 0; k < 2; ++k) std::memcpy(a64.get() + i * 64 + k * GROUP, o.a + k * K, GROUP);
+        if (blk) {  // token r in its block of MAX_ROWS: [g][token][a0 | a1]
+          const int64_t b0 = r / MAX_ROWS * MAX_ROWS, tokens = std::min<int64_t>(MAX_ROWS, M - b0);
+          int8_t* at = blk.get() + (b0 * G + g * tokens + (r - b0)) * 64;
+          for (int64_t k = 0; k < 2; ++k) std::memcpy(at + k * GROUP, o.a + k * K, GROUP);
+        }
       }
     });
   }
   Acts acts() const {
     return Acts{a.get(), sx.get(), sum.get(), fsum.get(), sum128.get(), K, G,
-                half128.get(), half.get(), digits == 2, a64.get()};
+                half128.get(), half.get(), digits == 2, a64.get(), blk.get()};
   }
 };

@@ -32,6 +32,8 @@ struct Acts {
   const int32_t* half;    // (M, G, 2): those sums (5 / 6 bits with an offset and multipliers per half)
   bool fused;             // two digits a row: quantized rows 2i, 2i + 1 are output row i's (fuse)
   const int8_t* a64;      // fused, or null: (M / 2, G, 64), a token's group as [a0 | a1] (AMX's folded int4 path)
+  const int8_t* blk;      // fused on AVX-512's vector path, or null: (M / 2, G, 64) in blocks of MAX_ROWS tokens,
+                          // each block group-major, [g][token][a0 | a1] (tile_avx512_folded)
 };
 
 struct Weights {
@@ -373,6 +375,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))
 void tile_avx512_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, float* out, int64_t ldo, int valid) {
   const uint8_t* q = w.tile(t);
   const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(char(0xF0));
+  // The block's R tokens' digits of a group lie side by side (Acts::blk): one pointer a group, the
+  // tokens at fixed offsets. Rows K apart took one register each and, K a multiple of 4 KB, the
+  // same L1 set each (at 8 tokens, 16 streams in an 8-way set).
+  const int8_t* blk = x.blk + (r0 / 2) * x.G * 64;
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.G; ++g) {
@@ -380,6 +386,7 @@ void tile_avx512_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, 
     __m512i dlo[MULT == 2 ? R : 1];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
     const uint8_t* qg = q + g * 4 * 64;
+    const int8_t* ag = blk + g * R * 64;
     for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
     for (int j = 0; j < 4; ++j) {
       if constexpr (MULT == 2) {
@@ -393,8 +400,8 @@ void tile_avx512_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, 
       const __m512i lo4 = _mm512_and_si512(v, low), hi4 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       const __m512i lo16 = _mm512_and_si512(_mm512_slli_epi16(v, 4), high), hi16 = _mm512_and_si512(v, high);
       for (int r = 0; r < R; ++r) {
-        const int8_t* a0 = x.a + (r0 + 2 * r) * x.K + g * GROUP + 8 * j;
-        const int8_t* a1 = a0 + x.K;
+        const int8_t* a0 = ag + r * 64 + 8 * j;
+        const int8_t* a1 = a0 + GROUP;
         acc[r] = _mm512_dpbusd_epi32(acc[r], lo16, _mm512_set1_epi32(load4(a0)));
         acc[r] = _mm512_dpbusd_epi32(acc[r], hi16, _mm512_set1_epi32(load4(a0 + 4)));
         acc[r] = _mm512_dpbusd_epi32(acc[r], lo4, _mm512_set1_epi32(load4(a1)));
