@@ -202,8 +202,10 @@ def settle_format(settings: Settings) -> Settings:
     """``settings`` with ``--quantization auto`` resolved once, here, under tensor parallelism: every
     rank then loads the format rank 0 picked (the one a single rank picks on this host), never one
     it measured for itself beside the others."""
-    model = settings.model
+    model, launched = settings.model, settings.parallel.launched
     if model.quantization != "auto" or settings.parallel.size <= 1:
+        return settings
+    if launched is not None and launched[0] != 0:  # a torchrun rank takes rank 0's (``tensor_parallel.rank0_format``)
         return settings
     _, path = resolve_model(model.model, model.cache_dir)
     quantization, dtype, _ = pick_format(model, Path(path), model.cache_dir, pick_dtype(model.dtype, model.device))

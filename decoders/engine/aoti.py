@@ -22,8 +22,8 @@ capability, the model's config, every weight's name, shape and dtype, every modu
 (its ``extra_repr``: a dot8 layer's activation digits, say), the KV cache's dtype
 and block size, the step shape, the feature layers, and the source of the modules the graph is
 traced from. Before a package is used it must match the eager forward at two sizes of its
-shape; a stored package that fails to load or match is built again once, and one that fails to
-build, load or match is not used: that shape runs eagerly, with a log line saying why.
+shape; a stored package that does not load is built again, and one that fails to build, load or
+match is not used: that shape runs eagerly, with a log line saying why.
 
 **Pruned when unused.** Loading a package marks it used (its modification time); the first
 package a process loads or builds removes the packages of the same directory that no process
@@ -292,32 +292,42 @@ def load_or_build(module: torch.nn.Module, path: Path, inputs: Callable[[int], t
     """``module``'s package at ``path``, loaded, or built there first (``build`` on ``inputs(example)``,
     after ``announce()``), and used only once it matches the eager module on ``inputs(n)`` for each n
     of ``checks`` (``matches`` at ``tolerance``). Returns the graph and how it came: "loaded" or "built"."""
-    if path.exists():
-        try:
-            return _checked(module, path, inputs, checks, tolerance), "loaded"
-        except Exception as e:  # noqa: BLE001 - a stored package that cannot serve is built again
-            # A file cut short (a full disk, a host that died mid-write elsewhere) or left by an
-            # incompatible build would otherwise keep this shape eager on every start.
-            log.warning("the stored package %s cannot be used (%s); building it again",
-                        path.name, str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
-            path.unlink(missing_ok=True)
-    announce()
-    build(module, inputs(example), dynamic, path, inductor, inductor_cache=inductor_cache, progress=progress)
-    return _checked(module, path, inputs, checks, tolerance), "built"
-
-
-def _checked(module: torch.nn.Module, path: Path, inputs: Callable[[int], tuple[torch.Tensor, ...]],
-             checks: Sequence[int], tolerance: float) -> PackagedGraph:
-    """The package at ``path``, loaded and matched against the eager module at each size of ``checks``."""
-    mark_used(path)
-    graph = PackagedGraph(path, module)
+    graph, how = _stored(path, module), "loaded"
+    if graph is None:
+        announce()
+        build(module, inputs(example), dynamic, path, inductor, inductor_cache=inductor_cache, progress=progress)
+        mark_used(path)
+        graph, how = PackagedGraph(path, module), "built"
     with torch.inference_mode():
         for n in checks:
             step = inputs(n)
             problem = matches(graph(*step), module(*step), tolerance)
             if problem:
                 raise RuntimeError(f"the package {path.name} does not match the eager forward: {problem}")
-    return graph
+    return graph, how
+
+
+def _stored(path: Path, module: torch.nn.Module) -> PackagedGraph | None:
+    """The package at ``path``, loaded, or None: absent, or a file that does not load, which is
+    removed to be built again (a file cut short by a full disk or a host that died mid-copy would
+    otherwise keep its shape eager on every start). A package that loads but does not match is not
+    removed: its key pins what it was built from, so a new build would not match either."""
+    try:
+        seen = path.stat()
+    except FileNotFoundError:
+        return None
+    mark_used(path)
+    try:
+        return PackagedGraph(path, module)
+    except Exception as e:  # noqa: BLE001 - any failure to load means building it again
+        log.warning("the stored package %s does not load (%s); building it again",
+                    path.name, str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        try:
+            if path.stat().st_ino == seen.st_ino:  # not a package another process has put there since
+                path.unlink()
+        except FileNotFoundError:
+            pass
+        return None
 
 
 def _wait(child: subprocess.Popen, progress: Callable[[float], None] | None) -> tuple[str, str]:

@@ -137,15 +137,17 @@ int amx_from(int64_t force_scalar) {
 
 // ``halves``: the weight has multipliers per half group and an offset, so its dots need each half
 // group's activation sum.
-// Two digits that AMX will multiply also get their digits interleaved (Quantized::a64).
-Quantized quantize(const at::Tensor& x, int64_t force_scalar, int64_t digits, bool halves) {
+// Two digits that AMX will multiply also get their digits interleaved (Quantized::a64); for int4
+// weights (``int4``) on AVX-512's vector path, blocked group-major for the folded kernel (Acts::blk).
+Quantized quantize(const at::Tensor& x, int64_t force_scalar, int64_t digits, bool halves, bool int4 = false) {
   TORCH_CHECK(digits == 1 || digits == 2, "dot8: digits must be 1 or 2");
   const int64_t M = x.size(0), K = x.size(1);
   const Quantizer how = path(force_scalar).quantizer;
   const int from = amx_from(force_scalar);
   const bool interleave = digits == 2 && from && M * digits >= from;
-  if (x.scalar_type() == at::kFloat) return Quantized(x.data_ptr<float>(), M, K, how, digits, halves, interleave);
-  return Quantized(x.data_ptr<c10::BFloat16>(), M, K, how, digits, halves, interleave);
+  if (x.scalar_type() == at::kFloat)
+    return Quantized(x.data_ptr<float>(), M, K, how, digits, halves, interleave, int4);
+  return Quantized(x.data_ptr<c10::BFloat16>(), M, K, how, digits, halves, interleave, int4);
 }
 
 bool needs_halves(const Weights& w) { return w.s && w.s_per == 2 && offset_of(w.bits, w.minimum) != 0; }
@@ -272,7 +274,7 @@ at::Tensor dot8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const Weights w = checked_weights(q, d, m, K, n, bits, "dot8_linear", s, mn, minimum);
   at::Tensor out = at::empty({M, n}, x.options().dtype(at::kFloat));
   if (M == 0) return out;
-  const Quantized qx = quantize(x, force_scalar, digits, needs_halves(w));
+  const Quantized qx = quantize(x, force_scalar, digits, needs_halves(w), w.bits == 4);
   product(w, qx.acts(), M * digits, n, out.data_ptr<float>(), force_scalar);
   return out;
 }
@@ -296,7 +298,7 @@ at::Tensor dot8_lora(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const Weights wb = checked_weights(qb, db, mb, rank, n, 8, "dot8_lora (B)");
   at::Tensor out = at::empty({M, n}, x.options().dtype(at::kFloat));
   if (M == 0) return out;
-  const Quantized qx = quantize(x, force_scalar, digits, needs_halves(w));
+  const Quantized qx = quantize(x, force_scalar, digits, needs_halves(w), w.bits == 4);
   float* y = out.data_ptr<float>();
   std::unique_ptr<float[]> ax(new float[M * rank]), up(new float[M * n]);
   product_pair(w, n, y, wa, rank, ax.get(), qx.acts(), M * digits, force_scalar);

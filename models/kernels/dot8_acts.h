@@ -199,7 +199,7 @@ struct Quantized {
   std::unique_ptr<float[]> sx, fsum;
   std::unique_ptr<int32_t[]> sum, sum128, half, half128;
   std::unique_ptr<int8_t[]> a64;  // with ``interleave``: (M, G, 64), row r's group g as [a0 | a1]
-  std::unique_ptr<int8_t[]> blk;  // two digits on AVX-512 without ``interleave``: Acts::blk
+  std::unique_ptr<int8_t[]> blk;  // ``blocked`` (int4 weights), two digits on AVX-512 without ``interleave``: Acts::blk
   int64_t K, G, digits;
 
   // M rows of x, each as ``digits`` quantized rows (quantize_digits). ``halves``: also the sums
@@ -208,7 +208,7 @@ struct Quantized {
   // AMX's folded int4 path (dot8_amx.h).
   template <typename T>
   Quantized(const T* x, int64_t M, int64_t K_, Quantizer how, int64_t digits_ = 1, bool halves = false,
-            bool interleave = false)
+            bool interleave = false, bool blocked = false)
       : K(K_), G(K_ / GROUP), digits(digits_) {
     const int64_t rows = M * digits, n = rows * G;
     a.reset(new int8_t[rows * K]);
@@ -221,7 +221,7 @@ struct Quantized {
       half128.reset(new int32_t[2 * n]);
     }
     if (interleave && digits == 2) a64.reset(new int8_t[M * G * 64]);
-    if (!interleave && digits == 2 && how == Quantizer::AVX512) blk.reset(new int8_t[M * G * 64]);
+    if (blocked && !interleave && digits == 2 && how == Quantizer::AVX512) blk.reset(new int8_t[M * G * 64]);
     void (*group)(const T*, int64_t, const GroupOut&) = quantize_group_digits_scalar<T>;
 #ifdef DOT8_X86
     if (how == Quantizer::AVX512) group = quantize_group_digits_avx512<T>;

@@ -153,10 +153,33 @@ def test_a_stored_package_that_cannot_load_is_built_again(tmp_path, caplog):
                                         {}, example=3, checks=(2, 5), tolerance=1e-5,
                                         announce=lambda: announced.append(True))
     assert how == "built" and announced == [True]
-    assert "cannot be used" in caplog.text and "building it again" in caplog.text
+    assert "does not load" in caplog.text and "building it again" in caplog.text
     x = torch.randn(4, 8)
     with torch.inference_mode():
         assert torch.allclose(graph(x)[0], module(x)[0], atol=1e-5)
     graph, how = aoti.load_or_build(module, path, lambda n: (torch.randn(n, 8),), ({0: torch.export.Dim.AUTO},),
                                     {}, example=3, checks=(2,), tolerance=1e-5)
     assert how == "loaded"
+
+
+class _TwoLayersTanh(_TwoLayers):
+    """The same weights as ``_TwoLayers``, another function of them."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.tanh(self.net(x)),)
+
+
+def test_a_stored_package_that_loads_but_does_not_match_is_kept_and_not_rebuilt(tmp_path):
+    """Matching is what a package's key pins (its model, its code): a package that loads but does not
+    match would not match when built again either, so it is refused, not rebuilt at every start."""
+    torch.manual_seed(0)
+    path = tmp_path / "step.pt2"
+    dims = ({0: torch.export.Dim.AUTO},)
+    aoti.load_or_build(_TwoLayers().eval(), path, lambda n: (torch.randn(n, 8),), dims, {}, example=3, checks=(2,),
+                       tolerance=1e-5)
+    other = _TwoLayersTanh().eval()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="does not match the eager forward"):
+            aoti.load_or_build(other, path, lambda n: (torch.randn(n, 8),), dims, {}, example=3, checks=(2,),
+                               tolerance=1e-5, announce=lambda: pytest.fail("built again"))
+        assert path.exists()
