@@ -31,6 +31,7 @@ import json
 import math
 import statistics
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, Sequence
@@ -150,6 +151,20 @@ class LevelSummary:
     usage_missing: int
     n_empty: int  # ok requests that streamed no text
     errors: list[str]
+
+
+def answered_before(base_url: str) -> int:
+    """Requests a running dualserve has finished (its ``/metrics``), 0 where it does not say. A server
+    that has answered a prompt keeps the answer in ``eagle``'s suffix cache and copies it when asked
+    again, so its figures are not a new server's."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        with urllib.request.urlopen(f"{root}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except (OSError, ValueError):
+        return 0
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("dualserve_requests_total{")))
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -75,6 +75,7 @@ from dualserve.clients.bench import (
     DEFAULT_PROMPTS,
     WARMUP_PROMPT,
     BenchSpec,
+    answered_before,
     LevelSummary,
     Prompt,
     RequestResult,
@@ -482,6 +483,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         with servers(args) as (ours_url, llama_url):
+            if args.dualserve_url and (seen := answered_before(ours_url)):
+                print(f"note: this dualserve has answered {seen} requests; eagle's suffix lookup copies answers it "
+                      "has given, so start a new server for a new server's figures", file=sys.stderr, flush=True)
             asyncio.run(run_bench(args, ours_url, llama_url))
     except KeyboardInterrupt:
         print("interrupted; servers started by this command were stopped", file=sys.stderr)

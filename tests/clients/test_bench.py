@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -276,3 +277,20 @@ async def test_cli_with_baseline_writes_json_and_table(canned_url, tmp_path, cap
     assert json.loads(out.read_text())["levels"][1]["completion_tokens"] == 15
     printed = capsys.readouterr().out
     assert "baseline" in printed and "decode tok/s (higher is better)" in printed
+
+
+def test_a_server_that_has_answered_before_says_how_often(server_url: str) -> None:
+    """``bench_llamacpp --dualserve-url`` warns when the server has answered requests already (its
+    suffix cache would copy them): the count is the server's own, and 0 where none answers."""
+    from openai import OpenAI
+
+    from dualserve.clients.bench import answered_before
+
+    before = answered_before(f"{server_url}/v1")
+    OpenAI(base_url=f"{server_url}/v1", api_key="x").completions.create(
+        model="SmolLM2-135M-Instruct", prompt="Counting: one, two,", max_tokens=2, temperature=0)
+    deadline = time.monotonic() + 5  # counted as the request finishes, which may trail the response
+    while answered_before(f"{server_url}/v1") < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert answered_before(f"{server_url}/v1") >= before + 1
+    assert answered_before("http://127.0.0.1:9/v1") == 0
