@@ -74,12 +74,18 @@ def cannot_split(config: DiffusionGemmaConfig, world: int) -> str | None:
     """Why ``world`` ranks cannot share this model, or None: each rank takes whole key/value heads,
     or an equal share of one head's query heads (``head_split``), and a slice of every MLP."""
     for kv in sorted(set(config.kv_heads)):
-        if kv < world and (world % kv or config.num_heads % world):
+        if not heads_split(config.num_heads, kv, world):
             return f"its {config.num_heads} query heads over {kv} key/value heads do not split over {world} ranks"
     for size, what in ((config.intermediate_size, "its MLP"), (config.moe_intermediate_size, "its experts' MLP")):
         if size < world:
             return f"{what} is {size} wide"
     return None
+
+
+def heads_split(num_heads: int, kv_heads: int, world: int) -> bool:
+    """Whether one attention layer shares out over ``world`` ranks (``head_split``): whole KV heads
+    each, or, with fewer KV heads than ranks, an equal share of one KV head's query heads."""
+    return kv_heads >= world or (world % kv_heads == 0 and num_heads % world == 0)
 
 
 def head_split(num_heads: int, kv_heads: int, world: int, rank: int) -> tuple[int, int, int, int]:
@@ -88,7 +94,7 @@ def head_split(num_heads: int, kv_heads: int, world: int, rank: int) -> tuple[in
         kv_lo, kv_hi = span(split_sizes(kv_heads, world), rank)
         group = num_heads // kv_heads
         return kv_lo * group, kv_hi * group, kv_lo, kv_hi
-    if world % kv_heads or num_heads % world:
+    if not heads_split(num_heads, kv_heads, world):
         raise ValueError(f"{num_heads} query heads over {kv_heads} KV heads cannot be split over {world} ranks")
     per_rank, ranks_per_kv = num_heads // world, world // kv_heads
     kv = rank // ranks_per_kv
