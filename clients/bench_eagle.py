@@ -141,7 +141,7 @@ def deploy(args: argparse.Namespace):
     from dualserve.decoders.deployment import CompileSpec, PoolSpec, ServedSpec, build_deployment
     from dualserve.decoders.eagle.tree import TreeConfig
     from dualserve.decoders.engine.engine import EngineConfig
-    from dualserve.models.assets import default_eagle_head
+    from dualserve.models.assets import default_datastore, default_eagle_head
     from dualserve.models.formats import cached_measure
     from dualserve.models.hub import default_cache_dir, resolve_model
     from dualserve.models.loader import load_model
@@ -155,7 +155,9 @@ def deploy(args: argparse.Namespace):
     table = (table or cached_measure(loaded.config, cache / "host")) if args.budget == "cost" else None
     compile_spec = CompileSpec(cache_dir=cache / "compile") if args.compile else None
     dflash = Path(args.dflash) if args.dflash else None
-    dep = build_deployment([ServedSpec(name, loaded, eagle_head=head or "suffix", dflash=dflash)],
+    datastore = (None if args.datastore == "none" else default_datastore(name) if args.datastore == "auto"
+                 else Path(args.datastore))
+    dep = build_deployment([ServedSpec(name, loaded, eagle_head=head or "suffix", dflash=dflash, datastore=datastore)],
                            EngineConfig(enable_prefix_caching=False), PoolSpec(num_blocks=args.num_blocks),
                            compile=compile_spec, format_table=table)
     if compile_spec is not None:  # measure compiled steps only: wait for every graph (built or loaded)
@@ -278,6 +280,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--head", default=None, help="EAGLE head directory (default: the bundled one for the model)")
+    p.add_argument("--datastore", default="auto", help="answers for suffix drafts, as serve's --datastore "
+                   "(auto: the bundled one for the default model; none: without)")
     p.add_argument("--dflash", default=None, help="a DFlash drafter directory, for the block mode")
     p.add_argument("--prompts", nargs="+", default=[str(DEFAULT_PROMPTS), str(AGENTIC_PROMPTS)],
                    help="prompt sets (JSONL with prompt or messages)")

@@ -18,6 +18,8 @@ static split of memory between decoders or models.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -35,6 +37,8 @@ from dualserve.models.heap import trim_heap
 from .engine.paged_attention import KVCache
 from .engine.parallel import ParallelGroup, TensorParallelRunner
 from .engine.runner import ModelRunner
+
+log = logging.getLogger("dualserve")
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class ServedSpec:
     # A DFlash drafter directory: a second model draft source of ``eagle`` (``draft: "block"``)
     dflash: Path | None = None
     twin: LoadedModel | None = None    # diffusion twin of an AR base, served as its "diffusion" decoder
+    # Answers for ``eagle``'s suffix drafts (``eagle.datastore``): a file or a directory of distilled shards
+    datastore: Path | None = None
 
 
 @dataclass
@@ -167,6 +173,7 @@ def register_eagle(engine: Engine, spec: ServedSpec, runner: ModelRunner, device
     from dualserve.models.quant import quantize_linears
 
     from .eagle.budget import CostCurve
+    from .eagle.datastore import Datastore
     from .eagle.decoder import EagleDecoder
 
     base = spec.base
@@ -188,7 +195,14 @@ def register_eagle(engine: Engine, spec: ServedSpec, runner: ModelRunner, device
             quantize_linears(model, fmt, bits=8)
         if isinstance(model, DFlashDrafter):  # its output rows are the target's, borrowed, not a layer of its own
             model.serve_in(fmt, bits=8)
-    decoder = EagleDecoder(runner, engine.pool, head, cost=verify_cost(base, device, format_table), block=block)
+    datastore = None
+    if spec.datastore is not None:
+        started = time.perf_counter()
+        datastore = Datastore.load(spec.datastore)
+        log.info("datastore %s: %d answers, %d tokens, indexed in %.2fs", spec.datastore, datastore.answers,
+                 len(datastore), time.perf_counter() - started)
+    decoder = EagleDecoder(runner, engine.pool, head, cost=verify_cost(base, device, format_table), block=block,
+                           datastore=datastore)
     if compile is not None and compile.background and runner.compiled is not None and decoder.aux_layers:
         runner.compiled.prewarm(decoder.aux_layers)
     if compile is not None and compile.background:

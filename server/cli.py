@@ -52,6 +52,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "(no head); 'none' disables. A DFlash drafter directory is accepted too")
     p.add_argument("--dflash", default="none", help="a DFlash block-diffusion drafter directory, loaded beside the "
                    "EAGLE head as eagle's second model draft source (request field draft: \"block\")")
+    p.add_argument("--datastore", default="auto", help="answers that eagle's suffix lookup drafts from where a "
+                   "request's own text does not match: a file written by Datastore.save or a directory of distilled "
+                   "shards; 'auto' uses the bundled one for the default model; 'none' disables")
     p.add_argument("--twin", default="auto", help="diffusion twin (adapter directory) of the AR model, served as "
                    "its 'diffusion' decoder; 'auto' uses the bundled twin for the default model; 'none' disables")
     p.add_argument("--diffusion", default=None, help="a diffusion model (LLaDA, Dream, block diffusion, "
@@ -125,7 +128,7 @@ def load_deployment(settings: Settings, parallel: ParallelGroup | None = None):
     """Load the models ``settings.model`` names and build their deployment. Under tensor parallelism
     each rank loads onto its group's device (``tensor_parallel.init``: its own GPU)."""
     from dualserve.decoders.deployment import ServedSpec, build_deployment
-    from dualserve.models.assets import default_eagle_head, default_twin
+    from dualserve.models.assets import default_datastore, default_eagle_head, default_twin
     from dualserve.models.loader import load_model, load_twin
 
     log = logging.getLogger("dualserve")
@@ -148,6 +151,7 @@ def load_deployment(settings: Settings, parallel: ParallelGroup | None = None):
         specs[0].eagle_head = "suffix" if spec.eagle == "suffix" else bundled(spec.eagle, name, default_eagle_head)
         if specs[0].eagle_head is not None:
             log.info("EAGLE head %s", specs[0].eagle_head)
+            specs[0].datastore = bundled(spec.datastore, name, default_datastore)
         if spec.dflash != "none":
             specs[0].dflash = bundled(spec.dflash, name, lambda _: None)
             log.info("DFlash drafter %s (eagle's draft: \"block\")", specs[0].dflash)

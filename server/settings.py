@@ -43,6 +43,7 @@ class ModelSpec:
     eagle: str = "auto"                # a draft head directory, "auto" (bundled), "suffix" or "none"
     dflash: str = "none"               # a DFlash drafter directory, or "none"
     twin: str = "auto"                 # a diffusion twin directory, "auto" (bundled) or "none"
+    datastore: str = "auto"            # answers for eagle's suffix drafts: a file or directory, "auto" or "none"
     diffusion: str | None = None       # a diffusion model served beside the AR model
     dtype: str = "auto"                # a name of ``cli.DTYPES``, or "auto" (by device)
     device: str = "cpu"                # a rank's own device is its group's (``cli.load_deployment``)
@@ -120,6 +121,7 @@ class Settings:
         env = os.environ if env is None else env
         cache = default_cache_dir(args.cache_dir)
         model = ModelSpec(cache_dir=cache, model=args.model, eagle=args.eagle, dflash=args.dflash, twin=args.twin,
+                          datastore=args.datastore,
                           diffusion=args.diffusion, dtype=args.dtype, device=args.device,
                           quantization=args.quantization)
         engine = EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,

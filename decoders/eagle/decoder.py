@@ -52,6 +52,7 @@ from ..engine.scheduler import Scheduled
 from .budget import NO_DRAFT, Budget, CostCurve, DraftBudget, Source, SourceRate
 from .drafters import BlockSource, HeadSource
 from .source import DraftSource
+from .datastore import Datastore
 from .suffix import SuffixConfig, SuffixSource
 from .tree import DraftTree, TreeConfig, accept_greedy, accept_sampled, merge_trees, path_logits, source_outcome
 
@@ -113,13 +114,15 @@ class EagleDecoder:
 
     def __init__(self, runner: ModelRunner, pool: BlockPool, head: EagleHead | None = None,
                  tree: TreeConfig | None = None, suffix: SuffixConfig | None = SuffixConfig(),
-                 cost: CostCurve | None = None, block: DFlashDrafter | None = None, prefer: Source | None = None):
+                 cost: CostCurve | None = None, block: DFlashDrafter | None = None, prefer: Source | None = None,
+                 datastore: Datastore | None = None):
         """The one way ``eagle`` is built (the server's ``deployment.register_eagle`` and the tests).
 
         ``head``: an EAGLE head, grown into trees shaped by ``tree``; ``block``: a DFlash drafter;
         either, both or neither (suffix drafts alone). A request drafts from the model its
         ``draft`` field names, else from ``prefer`` (default: the head if loaded). ``suffix`` None:
-        models alone. ``cost`` None: every step drafts everything each source offers; a
+        models alone; ``datastore``: answers to other prompts that suffix lookup also drafts from.
+        ``cost`` None: every step drafts everything each source offers; a
         ``CostCurve``: the budget sizes each step, down to no draft at all, and the curve learns
         from the verify forwards."""
         if head is not None and not isinstance(head, EagleHead):
@@ -138,7 +141,7 @@ class EagleDecoder:
         if block is not None:
             self.sources["block"] = BlockSource(runner, pool, block, self.aux_layers)
         if suffix is not None:
-            self.sources["suffix"] = SuffixSource(suffix)
+            self.sources["suffix"] = SuffixSource(suffix, datastore)
         if prefer is not None and (prefer not in ("head", "block") or prefer not in self.sources):
             raise ValueError(f"no {prefer!r} draft model is loaded")
         self.prefer: Source | None = prefer or next((m for m in ("head", "block") if m in self.sources), None)
@@ -437,7 +440,8 @@ class EagleDecoder:
         for i, src in enumerate(st.sources):  # source i proposed the nodes with bit i (merge order)
             outcome = source_outcome(tree, path, i) if tree.sources else None
             match = budget.matches[i] if i < len(budget.matches) else 0
-            self.budget.record(src.name, st.rates[src.name], outcome, match)
+            lookup = budget.lookups[i] if i < len(budget.lookups) else None
+            self.budget.record(src.name, st.rates[src.name], outcome, match, lookup)
             if outcome is not None:
                 counters.drafted[src.name] = counters.drafted.get(src.name, 0) + 1
                 counters.accepted[src.name] = counters.accepted.get(src.name, 0) + outcome[0]

@@ -1,7 +1,9 @@
-"""Small artifacts shipped with the package: the default model's EAGLE head and diffusion twin.
+"""Small artifacts shipped with the package: the default model's EAGLE head, diffusion twin and
+datastore of answers for suffix drafts.
 
-Both are trained by commands in the README (``dualserve train-eagle``,
-``dualserve train-diffusion``) and committed because they are small.
+The head and the twin are trained by commands in docs/training.md (``dualserve train-eagle``,
+``dualserve train-diffusion``); the datastore holds the self-distilled answers they trained on
+(``decoders.eagle.datastore``). All are committed because they are small.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dualserve.models.hub import DEFAULT_MODEL_NAME
 ASSETS = Path(__file__).parent
 BUNDLED_EAGLE = {DEFAULT_MODEL_NAME: ASSETS / "eagle-smollm2"}
 BUNDLED_TWIN = {DEFAULT_MODEL_NAME: ASSETS / "twin-smollm2"}
+BUNDLED_DATASTORE = {DEFAULT_MODEL_NAME: ASSETS / "datastore-smollm2" / "answers.npz"}
 
 
 def default_eagle_head(model_name: str) -> Path | None:
@@ -24,3 +27,8 @@ def default_eagle_head(model_name: str) -> Path | None:
 def default_twin(model_name: str) -> Path | None:
     path = BUNDLED_TWIN.get(model_name) or BUNDLED_TWIN.get(model_name.split(".")[0])
     return path if path is not None and (path / "config.json").exists() else None
+
+
+def default_datastore(model_name: str) -> Path | None:
+    path = BUNDLED_DATASTORE.get(model_name) or BUNDLED_DATASTORE.get(model_name.split(".")[0])
+    return path if path is not None and path.exists() else None

@@ -51,7 +51,7 @@ def test_generate_keeps_an_explicit_twin_for_diffusion(loads, tmp_path):
 def test_serve_loads_everything_as_before(loads, monkeypatch):
     monkeypatch.setattr("dualserve.server.lifecycle.bind_port", lambda host, port: None)
     model = loads("serve", "--port", "0", "--diffusion", "some-llada").model
-    assert (model.twin, model.eagle, model.diffusion) == ("auto", "auto", "some-llada")
+    assert (model.twin, model.eagle, model.diffusion, model.datastore) == ("auto", "auto", "some-llada", "auto")
 
 
 def test_settings_are_frozen_and_built_once_from_the_flags(loads, tmp_path):
@@ -112,6 +112,17 @@ def test_a_host_that_does_not_resolve_is_one_line(capsys, tmp_path):
     assert cli.main(["serve", "--host", "300.1.1.1", "--cache-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dualserve: cannot listen on 300.1.1.1:8000")
+
+
+def test_a_file_that_is_not_a_datastore_is_one_line(tmp_path, capsys):
+    model = write_tiny_llama(tmp_path)
+    bad = tmp_path / "answers.npz"
+    bad.write_text("not numbers")
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", str(model), "--quantization", "none", "--decoder", "eagle", "--eagle",
+                     "suffix", "--datastore", str(bad), "--cache-dir", str(tmp_path / "cache"), "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"dualserve: {bad}: not a datastore"), err
 
 
 def test_more_ranks_than_key_value_heads_are_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):

@@ -78,14 +78,15 @@ def oracle_head(target: Transformer, noise: float = 0.0, seed: int = 0) -> Eagle
 
 
 def make_engine(target, head=None, tree: TreeConfig = TreeConfig(3, 2, 4), *, block=None, cost=None,
-                num_blocks: int = 256, block_size: int = 4, **kw) -> Engine:
+                datastore=None, num_blocks: int = 256, block_size: int = 4, **kw) -> Engine:
     """``ar`` and ``eagle`` on one runner, "m"; ``eagle`` built as the server builds it (``EagleDecoder``,
     from ``deployment.register_eagle``): ``head`` an EAGLE head, ``block`` a DFlash drafter, suffix lookup
-    beside them; ``cost`` None drafts everything on offer each step."""
+    beside them (with ``datastore``'s answers); ``cost`` None drafts everything on offer each step."""
     engine = Engine(EngineConfig(num_blocks=num_blocks, block_size=block_size, **kw))
     runner = ModelRunner(target, num_blocks, block_size)
     engine.add_decoder("m", ARDecoder(runner, engine.pool), Tok())
-    engine.add_decoder("m", EagleDecoder(runner, engine.pool, head, tree, cost=cost, block=block), Tok())
+    engine.add_decoder("m", EagleDecoder(runner, engine.pool, head, tree, cost=cost, block=block, datastore=datastore),
+                       Tok())
     return engine
 
 

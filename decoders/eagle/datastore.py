@@ -1,0 +1,148 @@
+"""A datastore of the model's own answers, for suffix drafts on text no request has shown yet.
+
+Retrieval-based drafting (He et al., "REST: Retrieval-Based Speculative Decoding", 2023): keep a
+large corpus of text like the model's output, find the longest suffix of the context in it, and
+draft what followed there. A small model's answers reuse their own phrasing across prompts
+("Here's a ...", the shape of a list, a code idiom), so its greedy answers to other prompts predict
+its next tokens on a new chat where neither the prompt nor earlier requests hold the text.
+
+The corpus is one token array, answers apart by a separator no context holds. For each key length
+k in ``KEYS`` every window of k tokens is hashed (a polynomial over 64-bit integers), and the windows are sorted by hash, so the positions that follow a k-gram are one
+``searchsorted`` range. A lookup tries the longest key first; it reads at most ``max_candidates``
+of the range's positions, spread evenly over it, extends each match backwards token by token (which
+also drops a hash collision), and keeps the positions whose match is longest, as ``TokenIndex`` does
+for a request's own text. Lookups cost microseconds whatever the corpus size, and 50 bytes a token of
+memory.
+
+``Datastore`` has ``TokenIndex``'s two reads (``match``, ``continuation``), so suffix lookup
+(``suffix.py``) pools it with the request's text and the recent outputs: the longest match wins.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from dualserve.models.errors import InputError
+
+from .suffix import NO_MATCH, Match, SuffixConfig
+
+KEYS = (8, 4, 2, 1)  # key lengths indexed, longest first; a match extends past its key backwards
+SEPARATOR = -1       # between answers: no token id, so no context matches across it
+PAD = 64             # separators before the corpus: a match extends at most this far back
+_B, _MASK = 0x9E3779B97F4A7C15, (1 << 64) - 1
+_BASE = np.uint64(_B)
+
+
+class Datastore:
+    """Answers as one token array, indexed by the hashes of their short n-grams (module docstring)."""
+
+    def __init__(self, answers: Iterable[Sequence[int]]):
+        parts: list[int] = []
+        for a in answers:
+            if len(a) >= 2:
+                parts.extend(a)
+                parts.append(SEPARATOR)
+        self.tokens = np.asarray(parts, dtype=np.int32)
+        self.answers = int((self.tokens == SEPARATOR).sum())
+        self._padded = np.concatenate([np.full(PAD, SEPARATOR, np.int32), self.tokens])
+        self._keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        sep = np.concatenate([[0], np.cumsum(self.tokens == SEPARATOR)])
+        for k in KEYS:
+            # Windows of one answer with a token of it after them: where a continuation starts.
+            start = np.arange(len(self.tokens) - k)
+            start = start[sep[start + k + 1] == sep[start]]
+            h = _hash_windows(self.tokens, k)[start]
+            order = np.argsort(h, kind="stable")  # positions ascending within one hash
+            self._keys[k] = (h[order], (start[order] + k).astype(np.int32))  # where the token after goes
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def load(cls, path: Path | str) -> "Datastore":
+        """A datastore from a file ``save`` wrote, or a directory of distilled shards (``*.jsonl``
+        records with ``answer_ids``, as ``decoders.training.distil`` writes them)."""
+        path = Path(path)
+        if path.is_dir():
+            answers = []
+            for f in sorted(path.glob("*.jsonl")):
+                for i, line in enumerate(f.read_text().splitlines(), 1):
+                    try:
+                        answers += [[int(t) for t in json.loads(line)["answer_ids"]]] if line.strip() else []
+                    except (ValueError, KeyError, TypeError) as e:
+                        raise InputError(f"{f}:{i}: not a distilled record with answer_ids ({e})") from None
+            if not answers:
+                raise InputError(f"{path}: no answers (no *.jsonl records with answer_ids)")
+            return cls(answers)
+        try:
+            with np.load(path) as f:
+                stored = f["tokens"]
+        except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+            raise InputError(f"{path}: not a datastore (an .npz of tokens, as Datastore.save writes): {e}") from None
+        tokens = stored.astype(np.int32)
+        tokens[stored == np.iinfo(stored.dtype).max] = SEPARATOR
+        cuts = np.flatnonzero(tokens == SEPARATOR)
+        return cls(a[:-1] for a in np.split(tokens, cuts + 1)[: len(cuts)])
+
+    def save(self, path: Path | str) -> None:
+        """The answers, compressed, in the narrowest unsigned type that holds them and the separator
+        (its largest value)."""
+        dtype = np.uint16 if self.tokens.max(initial=0) < np.iinfo(np.uint16).max else np.uint32
+        stored = self.tokens.astype(dtype)
+        stored[self.tokens == SEPARATOR] = np.iinfo(dtype).max
+        with open(path, "wb") as f:
+            np.savez_compressed(f, tokens=stored)
+
+    def match(self, context: Sequence[int], config: SuffixConfig) -> Match:
+        """The positions following the longest suffix of ``context`` found here (at most
+        ``config.max_match`` tokens long), as ``TokenIndex.match``."""
+        for k in KEYS:
+            if len(context) < k:
+                continue
+            hashes, follows = self._keys[k]
+            key = np.uint64(_hash(context[-k:]))
+            lo, hi = np.searchsorted(hashes, key, "left"), np.searchsorted(hashes, key, "right")
+            if lo == hi:
+                continue
+            cand = follows[lo:hi]
+            if len(cand) > config.max_candidates:  # spread over the range: the whole corpus, not one part
+                cand = cand[np.linspace(0, len(cand) - 1, config.max_candidates).astype(np.int64)]
+            # Extend backwards: the tokens before each candidate against the context's, newest first
+            # (the padding and the separators end a run; so does a hash collision, at once).
+            n = min(len(context), config.max_match, PAD)
+            tail = np.asarray(context[-n:], dtype=np.int32)[::-1]
+            before = self._padded[(cand + (PAD - 1))[:, None] - np.arange(n)]
+            same = before == tail
+            length = np.where(same.all(1), n, same.argmin(1))
+            best = int(length.max())
+            if best >= k:  # below k: a hash collision
+                return Match(best, tuple(int(p) for p in cand[length == best]))
+        return NO_MATCH
+
+    def continuation(self, start: int, depth: int) -> list[int]:
+        out = self.tokens[start: start + depth].tolist()
+        return out[: out.index(SEPARATOR)] if SEPARATOR in out else out
+
+
+def _hash_windows(tokens: np.ndarray, k: int) -> np.ndarray:
+    """The hash of every window of ``k`` tokens, directly (k small)."""
+    n = max(len(tokens) - k + 1, 0)
+    t = tokens.astype(np.uint64) + np.uint64(1)
+    h = np.zeros(n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for i in range(k):
+            h = h * _BASE + t[i: i + n]
+    return h
+
+
+def _hash(window: Sequence[int]) -> int:
+    """``_hash_windows``'s hash of one window."""
+    h = 0
+    for t in window:
+        h = (h * _B + t + 1) & _MASK
+    return h
