@@ -11,7 +11,9 @@ their input, multi-turn tool calls) it generates greedily in each mode:
 - ``suffix``: ``eagle`` drafting from suffix lookup alone (``draft: "suffix"``);
 - ``both``: the head and suffix lookup in one tree (``draft: "both"``, the default);
 - ``block``: ``eagle`` drafting with a DFlash block-diffusion drafter alone (``draft: "block"``;
-  ``--dflash DIR`` loads one beside the head).
+  ``--dflash DIR`` loads one beside the head);
+- ``both-no-datastore``: ``both`` with suffix lookup's datastore of answers set aside
+  (``--datastore``), so its gain is measured in the same run.
 
 Modes take turns going first, so slow drift on a shared machine hits all alike. Reported per set
 and mode: tok/s (completion tokens / request wall time, prefill included), the ratio to ``ar``,
@@ -43,7 +45,8 @@ from dualserve.models.quant import QUANTIZATIONS
 
 AGENTIC_PROMPTS = Path(__file__).parent / "prompts" / "agentic.jsonl"
 MODES = {"ar": ("ar", "auto"), "head": ("eagle", "head"), "suffix": ("eagle", "suffix"), "both": ("eagle", "both"),
-         "block": ("eagle", "block")}
+         "block": ("eagle", "block"), "both-no-datastore": ("eagle", "both")}
+NO_DATASTORE = {"both-no-datastore"}  # modes run with the datastore set aside
 
 
 @dataclass
@@ -190,6 +193,7 @@ def bench(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
                       add_special_tokens=False)
     for mode in modes:  # unmeasured warm-up
         generate(engine, name, mode, warm, 8)
+    datastore = decoder.suffix.datastore if decoder.suffix is not None else None
     for path_ in args.prompts:
         set_name = Path(path_).stem
         cases = load_cases(path_)[: args.limit or None]
@@ -203,6 +207,7 @@ def bench(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
                 if cache is not None:  # the cache never holds this prompt's output from another mode
                     for key in [k for k in cache.entries if k not in before]:
                         cache.remove(key)
+                    decoder.suffix.datastore = None if mode in NO_DATASTORE else datastore
                 out[mode] = generate(engine, name, mode, ids, args.max_tokens)
             reference = out["ar"][0] if "ar" in out else None
             for mode in modes:
@@ -304,7 +309,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write rows and summary here")
     args = p.parse_args(argv)
     if args.modes is None:
-        args.modes = ",".join(m for m in MODES if m != "block" or args.dflash)
+        args.modes = ",".join(m for m in MODES if (m != "block" or args.dflash)
+                              and (m not in NO_DATASTORE or args.datastore != "none"))
     if "block" in args.modes.split(",") and not args.dflash:
         p.error("mode block needs --dflash DIR")
     if unknown := [m for m in args.modes.split(",") if m and m not in MODES]:

@@ -54,7 +54,7 @@ Source = Literal["head", "block", "suffix", "datastore"]  # the EAGLE head | a D
 # is weighed by match length instead (``MatchRates``); its entry here keeps the request's
 # bookkeeping (idle steps, accepted length).
 # A DFlash drafter starts from the head's prior until its own rate is measured.
-PRIOR_RATE = {"head": 0.35, "block": 0.35, "suffix": 0.6, "datastore": 0.6}
+PRIOR_RATE = {"head": 0.35, "block": 0.35, "suffix": 0.6}
 EMA = 0.3            # weight of the newest observation
 DRIFT = 0.02         # per unused step, towards the prior
 # A source with a drafting cost that the budget has left unused for this many of a request's

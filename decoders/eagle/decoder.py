@@ -50,9 +50,9 @@ from ..engine.runner import ForwardItem, ModelRunner
 from ..engine.sampling import DRAFT_CHOICES, process_logits, token_logprobs, truncated_probs
 from ..engine.scheduler import Scheduled
 from .budget import NO_DRAFT, Budget, CostCurve, DraftBudget, Source, SourceRate
+from .datastore import Datastore
 from .drafters import BlockSource, HeadSource
 from .source import DraftSource
-from .datastore import Datastore
 from .suffix import SuffixConfig, SuffixSource
 from .tree import DraftTree, TreeConfig, accept_greedy, accept_sampled, merge_trees, path_logits, source_outcome
 

@@ -89,18 +89,15 @@ def test_suffix_lookup_drafts_from_the_datastore_only_where_it_matches_longer() 
     cfg = SuffixConfig(spec_factor=4.0)
     store = Datastore([[20, 21, 22, 23, 50, 51, 52]])
     source = SuffixSource(cfg, store)
-    # The request's own text matches "23" (one token); the datastore "21 22 23" (three): it leads by 2.
-    own = TokenIndex([23, 60, 61, 20, 21, 22, 23])
-    draft = source.lookup(own, own.tokens, max_nodes=8, max_depth=8)
-    assert draft.lookup == "datastore" and draft.match_length == 4 and draft.tree.tokens[:3] == [23, 50, 51]
-    # Its own "22 23" (two tokens) against the datastore's four: a lead of 2 still.
-    own = TokenIndex([22, 23, 70, 20, 21, 22, 23])
-    assert source.lookup(own, own.tokens, 8, 8).lookup == "datastore"
-    # Its own "21 22 23" (three) against four: the request's own text drafts.
-    own = TokenIndex([21, 22, 23, 70, 71, 20, 21, 22, 23])
-    draft = source.lookup(own, own.tokens, 8, 8)
-    assert draft.lookup is None and draft.tree.tokens[:2] == [23, 70]
-    assert DATASTORE_LEAD == 2
+    shared = [20, 21, 22, 23]  # the datastore matches the context's last 4 tokens
+    for own_match in range(1, 5):
+        # The request's own text holds the context's last own_match tokens once before, then 70, 71.
+        own = TokenIndex([9] + shared[-own_match:] + [70, 71, 9] + shared)
+        draft = source.lookup(own, own.tokens, max_nodes=8, max_depth=8)
+        if own_match <= len(shared) - DATASTORE_LEAD:
+            assert draft.lookup == "datastore" and draft.match_length == 4 and draft.tree.tokens[:3] == [23, 50, 51]
+        else:
+            assert draft.lookup is None and draft.tree.tokens[:3] == [23, 70, 71]
 
 
 def test_datastore_drafts_are_weighed_and_learned_apart() -> None:
