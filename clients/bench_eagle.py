@@ -194,6 +194,9 @@ def bench(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
     for mode in modes:  # unmeasured warm-up
         generate(engine, name, mode, warm, 8)
     datastore = decoder.suffix.datastore if decoder.suffix is not None else None
+    if datastore is None and NO_DATASTORE & set(modes):
+        print("no datastore is loaded: without-datastore modes skipped", file=sys.stderr)
+        modes = [m for m in modes if m not in NO_DATASTORE]
     for path_ in args.prompts:
         set_name = Path(path_).stem
         cases = load_cases(path_)[: args.limit or None]

@@ -115,7 +115,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     from dualserve.decoders.diffusion.policies import Threshold
     from dualserve.decoders.engine.engine import EngineConfig
     from dualserve.models.loader import load_twin
-    from dualserve.models.assets import BUNDLED_EAGLE, BUNDLED_TWIN
+    from dualserve.models.assets import BUNDLED_EAGLE, BUNDLED_TWIN, default_datastore
     from dualserve.models.hub import default_cache_dir, resolve_model
     from dualserve.models.loader import load_model
 
@@ -127,7 +127,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     base = load_model(path, name=name, cache_dir=cache, quantization=quantization, dtype=dtype)
     twin = load_twin(args.twin or BUNDLED_TWIN[name], base=base, name=f"{name}-twin")
     head = Path(args.eagle or BUNDLED_EAGLE[name])
-    spec = ServedSpec(name, base, eagle_head=head if head.exists() else None, twin=twin)
+    spec = ServedSpec(name, base, eagle_head=head if head.exists() else None, twin=twin,
+                      datastore=default_datastore(name))  # eagle as served
     compile_spec = CompileSpec(cache_dir=cache / "compile") if args.compile else None
     dep = build_deployment([spec], EngineConfig(enable_prefix_caching=False), PoolSpec(num_blocks=256),
                            compile=compile_spec)

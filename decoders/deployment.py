@@ -33,6 +33,7 @@ from dualserve.models.loader import LoadedModel
 from .ar import ARDecoder
 from .engine.compile_worker import CompileWorker
 from .engine.engine import Engine, EngineConfig
+from dualserve.models.errors import InputError
 from dualserve.models.heap import trim_heap
 from .engine.paged_attention import KVCache
 from .engine.parallel import ParallelGroup, TensorParallelRunner
@@ -196,9 +197,12 @@ def register_eagle(engine: Engine, spec: ServedSpec, runner: ModelRunner, device
         if isinstance(model, DFlashDrafter):  # its output rows are the target's, borrowed, not a layer of its own
             model.serve_in(fmt, bits=8)
     datastore = None
-    if spec.datastore is not None:
+    if spec.datastore is not None and (parallel is None or parallel.shard.rank == 0):  # only rank 0 drafts
         started = time.perf_counter()
         datastore = Datastore.load(spec.datastore)
+        if len(datastore) and int(datastore.tokens.max()) >= base.config.vocab_size:
+            raise InputError(f"{spec.datastore}: holds token id {int(datastore.tokens.max())}, past {spec.name}'s "
+                             f"vocabulary ({base.config.vocab_size}): answers of another model?")
         log.info("datastore %s: %d answers, %d tokens, indexed in %.2fs", spec.datastore, datastore.answers,
                  len(datastore), time.perf_counter() - started)
     decoder = EagleDecoder(runner, engine.pool, head, cost=verify_cost(base, device, format_table), block=block,

@@ -113,7 +113,8 @@ def model_settings(argv: list[str], command: str = "generate") -> Settings:
 
 
 def bundled(choice: str, model_name: str, finder) -> Path | None:
-    """Resolve --eagle / --twin: a path, 'none', or 'auto' (the bundled artifact for this model, if any)."""
+    """Resolve --eagle / --twin / --datastore: a path, 'none', or 'auto' (the bundled artifact for this
+    model, if any)."""
     if choice == "none":
         return None
     if choice == "auto":
@@ -151,10 +152,11 @@ def load_deployment(settings: Settings, parallel: ParallelGroup | None = None):
         specs[0].eagle_head = "suffix" if spec.eagle == "suffix" else bundled(spec.eagle, name, default_eagle_head)
         if specs[0].eagle_head is not None:
             log.info("EAGLE head %s", specs[0].eagle_head)
-            specs[0].datastore = bundled(spec.datastore, name, default_datastore)
         if spec.dflash != "none":
             specs[0].dflash = bundled(spec.dflash, name, lambda _: None)
             log.info("DFlash drafter %s (eagle's draft: \"block\")", specs[0].dflash)
+        if specs[0].eagle_head is not None or specs[0].dflash is not None:  # eagle is served: suffix lookup's answers
+            specs[0].datastore = bundled(spec.datastore, name, default_datastore)
         twin_path = bundled(spec.twin, name, default_twin)
         if twin_path is not None:
             specs[0].twin = load_twin(twin_path, name=name, base=loaded)

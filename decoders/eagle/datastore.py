@@ -45,12 +45,14 @@ class Datastore:
     """Answers as one token array, indexed by the hashes of their short n-grams (module docstring)."""
 
     def __init__(self, answers: Iterable[Sequence[int]]):
-        parts: list[int] = []
+        parts: list[np.ndarray] = []
         for a in answers:
+            a = np.asarray(a, dtype=np.int64)
+            if len(a) and (a.min() < 0 or a.max() >= np.iinfo(np.int32).max):
+                raise InputError(f"a datastore answer holds a token id outside 0 .. 2**31 - 2: {a.min()} .. {a.max()}")
             if len(a) >= 2:
-                parts.extend(a)
-                parts.append(SEPARATOR)
-        self.tokens = np.asarray(parts, dtype=np.int32)
+                parts += [a, np.array([SEPARATOR])]
+        self.tokens = np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
         self.answers = int((self.tokens == SEPARATOR).sum())
         self._padded = np.concatenate([np.full(PAD, SEPARATOR, np.int32), self.tokens])
         self._keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -74,7 +76,11 @@ class Datastore:
         if path.is_dir():
             answers = []
             for f in sorted(path.glob("*.jsonl")):
-                for i, line in enumerate(f.read_text().splitlines(), 1):
+                try:
+                    lines = f.read_text().splitlines()
+                except (OSError, UnicodeDecodeError) as e:
+                    raise InputError(f"{f}: cannot be read as text ({e})") from None
+                for i, line in enumerate(lines, 1):
                     try:
                         answers += [[int(t) for t in json.loads(line)["answer_ids"]]] if line.strip() else []
                     except (ValueError, KeyError, TypeError) as e:
@@ -87,6 +93,8 @@ class Datastore:
                 stored = f["tokens"]
         except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
             raise InputError(f"{path}: not a datastore (an .npz of tokens, as Datastore.save writes): {e}") from None
+        if stored.dtype.kind != "u":
+            raise InputError(f"{path}: not a datastore (its tokens are {stored.dtype}, not unsigned integers)")
         tokens = stored.astype(np.int32)
         tokens[stored == np.iinfo(stored.dtype).max] = SEPARATOR
         cuts = np.flatnonzero(tokens == SEPARATOR)
@@ -147,5 +155,5 @@ def _hash(window: Sequence[int]) -> int:
     """``_hash_windows``'s hash of one window."""
     h = 0
     for t in window:
-        h = (h * _B + t + 1) & _MASK
+        h = (h * _B + int(t) + 1) & _MASK
     return h

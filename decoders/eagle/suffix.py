@@ -22,7 +22,9 @@ small equivalent in plain Python:
   match earns a short draft, a long one a long draft;
 * the sources are the request's own prompt and output (one index, extended as tokens are
   committed) and a ``SuffixCache`` of the outputs of recent requests, bounded in entries and
-  tokens, evicted least recently used (a lookup that drafts from an entry refreshes it).
+  tokens, evicted least recently used (a lookup that drafts from an entry refreshes it); and,
+  where one is loaded, a datastore of answers to other prompts (``datastore.py``), drafted from
+  only where it matches longer than the others and weighed by its own acceptance.
 
 ``SuffixSource`` is the ``DraftSource`` (``source.py``) the decoder drives: it looks the
 context up when the budget asks what it can draft, and cuts that draft to the budget.
@@ -297,7 +299,8 @@ class SuffixSource:
     # ---- the lookup ----------------------------------------------------------------------
 
     def lookup(self, own: TokenIndex, context: Sequence[int], max_nodes: int, max_depth: int) -> SuffixDraft:
-        """The draft after ``context`` (whose last token is the root) from ``own`` and the cache.
+        """The draft after ``context`` (whose last token is the root) from ``own`` and the cache, or
+        from the datastore where it matches ``DATASTORE_LEAD`` tokens longer than both.
 
         The longest match wins; sources that tie on it pool their continuations.
         """

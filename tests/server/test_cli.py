@@ -114,15 +114,21 @@ def test_a_host_that_does_not_resolve_is_one_line(capsys, tmp_path):
     assert len(err) == 1 and err[0].startswith("dualserve: cannot listen on 300.1.1.1:8000")
 
 
-def test_a_file_that_is_not_a_datastore_is_one_line(tmp_path, capsys):
+def test_a_datastore_that_cannot_serve_is_one_line(tmp_path, capsys):
+    """Not a datastore at all, or another model's answers (ids past this model's vocabulary)."""
+    from dualserve.decoders.eagle.datastore import Datastore
+
     model = write_tiny_llama(tmp_path)
     bad = tmp_path / "answers.npz"
     bad.write_text("not numbers")
+    other = tmp_path / "other.npz"
+    Datastore([[1, 2, 3], [60000, 5]]).save(other)
     capsys.readouterr()
-    assert cli.main(["generate", "--model", str(model), "--quantization", "none", "--decoder", "eagle", "--eagle",
-                     "suffix", "--datastore", str(bad), "--cache-dir", str(tmp_path / "cache"), "hi"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"dualserve: {bad}: not a datastore"), err
+    for path, says in ((bad, "not a datastore"), (other, "holds token id 60000, past")):
+        assert cli.main(["generate", "--model", str(model), "--quantization", "none", "--decoder", "eagle", "--eagle",
+                         "suffix", "--datastore", str(path), "--cache-dir", str(tmp_path / "cache"), "hi"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"dualserve: {path}: ") and says in err[0], err
 
 
 def test_more_ranks_than_key_value_heads_are_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):

@@ -50,6 +50,17 @@ def test_a_lookup_finds_what_a_scan_of_every_answer_finds() -> None:
             assert m.length == best and set(m.starts) == starts
 
 
+def test_token_ids_of_any_integer_type_and_no_negative_ones() -> None:
+    import numpy as np
+
+    from dualserve.models.errors import InputError
+
+    store = Datastore([np.array([10, 11, 12], dtype=np.int64), [13, 14]])
+    assert store.match(list(np.array([10, 11], dtype=np.int32)), SuffixConfig()).length == 2
+    with pytest.raises(InputError, match="outside 0"):
+        Datastore([[5, -2, 7]])
+
+
 def test_a_continuation_stops_at_its_answers_end() -> None:
     store = Datastore([[1, 2, 3, 4], [9, 8], [7]])  # a one-token answer holds nothing to draft
     cfg = SuffixConfig()
