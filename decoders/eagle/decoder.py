@@ -442,9 +442,10 @@ class EagleDecoder:
             match = budget.matches[i] if i < len(budget.matches) else 0
             lookup = budget.lookups[i] if i < len(budget.lookups) else None
             self.budget.record(src.name, st.rates[src.name], outcome, match, lookup)
-            if outcome is not None:
-                counters.drafted[src.name] = counters.drafted.get(src.name, 0) + 1
-                counters.accepted[src.name] = counters.accepted.get(src.name, 0) + outcome[0]
+            if outcome is not None:  # a datastore's drafts are counted apart from suffix lookup's
+                name = lookup or src.name
+                counters.drafted[name] = counters.drafted.get(name, 0) + 1
+                counters.accepted[name] = counters.accepted.get(name, 0) + outcome[0]
 
     def _release(self, req: Request) -> None:
         """A finished request: every source lets it go (suffix lookup keeps its output)."""

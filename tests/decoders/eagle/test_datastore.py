@@ -141,3 +141,4 @@ def test_eagle_drafting_from_a_datastore_gives_ar_s_tokens() -> None:
         if accepted:
             assert "datastore" in decoder.budget.by_match
             assert max(o[-1].stats["mean_accept_length"] for o in outs) > 2
+            assert sum(o[-1].stats.get("datastore_steps", 0) for o in outs) > 0
