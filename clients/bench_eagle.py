@@ -148,6 +148,7 @@ def deploy(args: argparse.Namespace):
     from dualserve.models.formats import cached_measure
     from dualserve.models.hub import default_cache_dir, resolve_model
     from dualserve.models.loader import load_model
+    from dualserve.server.cli import bundled
     if args.threads:
         torch.set_num_threads(args.threads)
     cache = default_cache_dir(args.cache_dir)
@@ -158,8 +159,7 @@ def deploy(args: argparse.Namespace):
     table = (table or cached_measure(loaded.config, cache / "host")) if args.budget == "cost" else None
     compile_spec = CompileSpec(cache_dir=cache / "compile") if args.compile else None
     dflash = Path(args.dflash) if args.dflash else None
-    datastore = (None if args.datastore == "none" else default_datastore(name) if args.datastore == "auto"
-                 else Path(args.datastore))
+    datastore = bundled(args.datastore, name, default_datastore)
     dep = build_deployment([ServedSpec(name, loaded, eagle_head=head or "suffix", dflash=dflash, datastore=datastore)],
                            EngineConfig(enable_prefix_caching=False), PoolSpec(num_blocks=args.num_blocks),
                            compile=compile_spec, format_table=table)
@@ -312,8 +312,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write rows and summary here")
     args = p.parse_args(argv)
     if args.modes is None:
-        args.modes = ",".join(m for m in MODES if (m != "block" or args.dflash)
-                              and (m not in NO_DATASTORE or args.datastore != "none"))
+        args.modes = ",".join(m for m in MODES if m != "block" or args.dflash)
     if "block" in args.modes.split(",") and not args.dflash:
         p.error("mode block needs --dflash DIR")
     if unknown := [m for m in args.modes.split(",") if m and m not in MODES]:

@@ -27,13 +27,13 @@ from typing import Literal
 import torch
 
 from dualserve.models.families import family
+from dualserve.models.errors import InputError
 from dualserve.models.formats import FormatTable
 from dualserve.models.loader import LoadedModel
 
 from .ar import ARDecoder
 from .engine.compile_worker import CompileWorker
 from .engine.engine import Engine, EngineConfig
-from dualserve.models.errors import InputError
 from dualserve.models.heap import trim_heap
 from .engine.paged_attention import KVCache
 from .engine.parallel import ParallelGroup, TensorParallelRunner

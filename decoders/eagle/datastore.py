@@ -44,15 +44,13 @@ _BASE = np.uint64(_B)
 class Datastore:
     """Answers as one token array, indexed by the hashes of their short n-grams (module docstring)."""
 
-    def __init__(self, answers: Iterable[Sequence[int]]):
-        parts: list[np.ndarray] = []
-        for a in answers:
-            a = np.asarray(a, dtype=np.int64)
-            if len(a) and (a.min() < 0 or a.max() >= np.iinfo(np.int32).max):
-                raise InputError(f"a datastore answer holds a token id outside 0 .. 2**31 - 2: {a.min()} .. {a.max()}")
-            if len(a) >= 2:
-                parts += [a, np.array([SEPARATOR])]
-        self.tokens = np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
+    def __init__(self, tokens: np.ndarray):
+        """``tokens``: the answers, each followed by ``SEPARATOR`` (``from_answers`` builds it)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        ids = tokens[tokens != SEPARATOR]
+        if len(ids) and (ids.min() < 0 or ids.max() >= np.iinfo(np.int32).max):
+            raise InputError(f"a datastore holds a token id outside 0 .. 2**31 - 2: {ids.min()} .. {ids.max()}")
+        self.tokens = tokens.astype(np.int32)
         self.answers = int((self.tokens == SEPARATOR).sum())
         self._padded = np.concatenate([np.full(PAD, SEPARATOR, np.int32), self.tokens])
         self._keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -67,6 +65,15 @@ class Datastore:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @classmethod
+    def from_answers(cls, answers: Iterable[Sequence[int]]) -> "Datastore":
+        """Answers of fewer than two tokens hold nothing to draft and are left out."""
+        arrays = [np.asarray(a, dtype=np.int64) for a in answers if len(a) >= 2]
+        if arrays and min(a.min() for a in arrays) < 0:  # the separator among them too
+            raise InputError("a datastore answer holds a token id outside 0 .. 2**31 - 2 (a negative one)")
+        parts = [np.append(a, SEPARATOR) for a in arrays]
+        return cls(np.concatenate(parts) if parts else np.zeros(0, np.int64))
 
     @classmethod
     def load(cls, path: Path | str) -> "Datastore":
@@ -87,7 +94,7 @@ class Datastore:
                         raise InputError(f"{f}:{i}: not a distilled record with answer_ids ({e})") from None
             if not answers:
                 raise InputError(f"{path}: no answers (no *.jsonl records with answer_ids)")
-            return cls(answers)
+            return cls.from_answers(answers)
         try:
             with np.load(path) as f:
                 stored = f["tokens"]
@@ -95,10 +102,9 @@ class Datastore:
             raise InputError(f"{path}: not a datastore (an .npz of tokens, as Datastore.save writes): {e}") from None
         if stored.dtype.kind != "u":
             raise InputError(f"{path}: not a datastore (its tokens are {stored.dtype}, not unsigned integers)")
-        tokens = stored.astype(np.int32)
+        tokens = stored.astype(np.int64)
         tokens[stored == np.iinfo(stored.dtype).max] = SEPARATOR
-        cuts = np.flatnonzero(tokens == SEPARATOR)
-        return cls(a[:-1] for a in np.split(tokens, cuts + 1)[: len(cuts)])
+        return cls(tokens)
 
     def save(self, path: Path | str) -> None:
         """The answers, compressed, in the narrowest unsigned type that holds them and the separator

@@ -311,7 +311,8 @@ class SuffixSource:
         found = self._found(own, context)
         best = max(m.length for _, m, _ in found)
         lookup: Source | None = None
-        if self.datastore is not None:  # a phrase of other answers must match longer than a copy
+        if self.datastore is not None and best + DATASTORE_LEAD <= min(len(context), cfg.max_match):
+            # A phrase of other answers must match longer than a copy (here it still can).
             m = self.datastore.match(context, cfg)
             if m.length >= best + DATASTORE_LEAD:
                 found, best, lookup = [(self.datastore, m, None)], m.length, "datastore"

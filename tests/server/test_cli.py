@@ -122,7 +122,7 @@ def test_a_datastore_that_cannot_serve_is_one_line(tmp_path, capsys):
     bad = tmp_path / "answers.npz"
     bad.write_text("not numbers")
     other = tmp_path / "other.npz"
-    Datastore([[1, 2, 3], [60000, 5]]).save(other)
+    Datastore.from_answers([[1, 2, 3], [60000, 5]]).save(other)
     capsys.readouterr()
     for path, says in ((bad, "not a datastore"), (other, "holds token id 60000, past")):
         assert cli.main(["generate", "--model", str(model), "--quantization", "none", "--decoder", "eagle", "--eagle",

@@ -42,7 +42,7 @@ def test_a_lookup_finds_what_a_scan_of_every_answer_finds() -> None:
     rng = random.Random(0)
     for _ in range(10):
         answers = [[rng.randrange(5) for _ in range(rng.randrange(2, 30))] for _ in range(15)]
-        store = Datastore(answers)
+        store = Datastore.from_answers(answers)
         for _ in range(100):
             context = [rng.randrange(5) for _ in range(rng.randrange(1, 30))]
             m = store.match(context, cfg)
@@ -55,14 +55,14 @@ def test_token_ids_of_any_integer_type_and_no_negative_ones() -> None:
 
     from dualserve.models.errors import InputError
 
-    store = Datastore([np.array([10, 11, 12], dtype=np.int64), [13, 14]])
+    store = Datastore.from_answers([np.array([10, 11, 12], dtype=np.int64), [13, 14]])
     assert store.match(list(np.array([10, 11], dtype=np.int32)), SuffixConfig()).length == 2
     with pytest.raises(InputError, match="outside 0"):
-        Datastore([[5, -2, 7]])
+        Datastore.from_answers([[5, -2, 7]])
 
 
 def test_a_continuation_stops_at_its_answers_end() -> None:
-    store = Datastore([[1, 2, 3, 4], [9, 8], [7]])  # a one-token answer holds nothing to draft
+    store = Datastore.from_answers([[1, 2, 3, 4], [9, 8], [7]])  # a one-token answer holds nothing to draft
     cfg = SuffixConfig()
     m = store.match([5, 1, 2], cfg)
     assert m.length == 2 and [store.continuation(p, 8) for p in m.starts] == [[3, 4]]
@@ -72,7 +72,7 @@ def test_a_continuation_stops_at_its_answers_end() -> None:
 
 def test_many_candidates_are_read_evenly_over_the_corpus() -> None:
     """A key held 1,000 times: ``max_candidates`` of its places are read, first to last answer."""
-    store = Datastore([[1, 2, i % 7 + 10] for i in range(1000)])
+    store = Datastore.from_answers([[1, 2, i % 7 + 10] for i in range(1000)])
     m = store.match([1, 2], SuffixConfig(max_candidates=8))
     assert m.length == 2 and len(m.starts) == 8
     assert min(m.starts) < 0.01 * len(store) and max(m.starts) > 0.99 * len(store)
@@ -80,7 +80,7 @@ def test_many_candidates_are_read_evenly_over_the_corpus() -> None:
 
 def test_saved_and_distilled_forms_load_the_same_answers(tmp_path: Path) -> None:
     answers = [[1, 2, 3], [70000, 5, 6, 7], [8, 9]]  # an id past 16 bits is stored in 32
-    store = Datastore(answers)
+    store = Datastore.from_answers(answers)
     store.save(tmp_path / "a.npz")
     again = Datastore.load(tmp_path / "a.npz")
     assert again.tokens.tolist() == store.tokens.tolist()
@@ -88,7 +88,7 @@ def test_saved_and_distilled_forms_load_the_same_answers(tmp_path: Path) -> None
     shards.mkdir()
     (shards / "shard-00000.jsonl").write_text("".join(json.dumps({"answer_ids": a}) + "\n" for a in answers))
     assert Datastore.load(shards).tokens.tolist() == store.tokens.tolist()
-    small = Datastore([[1, 2, 3]])
+    small = Datastore.from_answers([[1, 2, 3]])
     small.save(tmp_path / "b.npz")
     assert Datastore.load(tmp_path / "b.npz").tokens.tolist() == small.tokens.tolist()
     (tmp_path / "empty").mkdir()
@@ -98,7 +98,7 @@ def test_saved_and_distilled_forms_load_the_same_answers(tmp_path: Path) -> None
 
 def test_suffix_lookup_drafts_from_the_datastore_only_where_it_matches_longer() -> None:
     cfg = SuffixConfig(spec_factor=4.0)
-    store = Datastore([[20, 21, 22, 23, 50, 51, 52]])
+    store = Datastore.from_answers([[20, 21, 22, 23, 50, 51, 52]])
     source = SuffixSource(cfg, store)
     shared = [20, 21, 22, 23]  # the datastore matches the context's last 4 tokens
     for own_match in range(1, 5):
@@ -133,7 +133,7 @@ def test_eagle_drafting_from_a_datastore_gives_ar_s_tokens() -> None:
     rng = random.Random(1)
     noise = [[rng.randrange(64) for _ in range(30)] for _ in range(20)]
     for answers, accepted in ((ar, True), (noise, False)):
-        engine = make_engine(target, None, datastore=Datastore(answers), enable_prefix_caching=False)
+        engine = make_engine(target, None, datastore=Datastore.from_answers(answers), enable_prefix_caching=False)
         outs = run(engine, [("eagle", p, params) for p in PROMPTS])
         assert [tokens(o) for o in outs] == ar
         assert engine.pool.num_used_blocks == 0
