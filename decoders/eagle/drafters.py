@@ -65,6 +65,7 @@ class ModelState:
     last_hidden: torch.Tensor | None = None  # head output at the newest pair: predicts the root's child
                                  # (a DFlash drafter: set once caught up; it drafts without it)
     last_logp: torch.Tensor | None = None    # the head's draft log-probabilities there (the root's children)
+    slots: torch.Tensor | None = None        # the draft KV's slots from kv_start, as far as ``context`` read them
 
 
 class ModelSource:
@@ -108,6 +109,7 @@ class ModelSource:
         if stale:
             st.kv_end += len(st.pending)
             st.kv_start, st.pending, st.last_hidden, st.last_logp = st.kv_end, st.pending[:0], None, None
+            st.slots = None
             return False
         return True
 
@@ -131,9 +133,16 @@ class ModelSource:
         return st.last_hidden is not None and st.kv_end == req.num_tokens - 1
 
     def context(self, req: Request, st: ModelState) -> torch.Tensor:
-        """Flat slots of the draft KV this request may read: positions kv_start .. kv_end - 1."""
-        return torch.tensor(self.pool.slot_mapping(req.table, st.kv_start, st.kv_end), dtype=torch.long,
-                            device=self.runner.device)
+        """Flat slots of the draft KV this request may read: positions kv_start .. kv_end - 1. Kept
+        and extended as the context grows (a committed position's slot never moves); restarted
+        where the context restarts (``due``)."""
+        if st.slots is None:
+            st.slots = torch.zeros(0, dtype=torch.long, device=self.runner.device)
+        have = st.kv_start + len(st.slots)
+        if have < st.kv_end:
+            more = torch.tensor(self.pool.slot_mapping(req.table, have, st.kv_end), dtype=torch.long)
+            st.slots = torch.cat([st.slots, more.to(self.runner.device)])
+        return st.slots[: st.kv_end - st.kv_start]
 
     @property
     def max_depth(self) -> int:

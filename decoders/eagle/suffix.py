@@ -36,7 +36,7 @@ acceptance rules in ``tree.py`` stay exact for it.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -219,7 +219,9 @@ def continuation_tree(root: int, continuations: list[list[int]], max_nodes: int,
     """
     tokens, parents, counts = [root], [-1], [len(continuations)]
     children: dict[tuple[int, int], int] = {}
-    for seq in continuations:
+    # Equal continuations (common where many places follow one phrase) go in once, with their count;
+    # in order of first appearance, so the nodes are numbered as one by one.
+    for seq, weight in Counter(map(tuple, continuations)).items():
         node = 0
         for t in seq:
             child = children.get((node, t))
@@ -228,7 +230,7 @@ def continuation_tree(root: int, continuations: list[list[int]], max_nodes: int,
                 tokens.append(t)
                 parents.append(node)
                 counts.append(0)
-            counts[child] += 1
+            counts[child] += weight
             node = child
     total = max(len(continuations), 1)
     ranked = sorted(range(1, len(tokens)), key=lambda i: -counts[i])  # stable: ties keep trie order

@@ -169,6 +169,9 @@ def grow_tree(expand: Expand, to_target: Callable[[torch.Tensor], torch.Tensor],
         return DraftTree([root], [-1])
     k = config.top_k
     scores, ids = root_logp.topk(k)  # level 1: (k,)
+    if depth == 1:  # the root's best children, best first: what selecting from the pool below picks
+        n = min(config.num_nodes, k)
+        return DraftTree([root] + to_target(ids[:n]).tolist(), [-1] + [0] * n)
     pool_scores, pool_ids, pool_parent = [scores], [ids], [torch.full((k,), -1)]  # parent = pool index
     frontier = torch.arange(k)          # pool indices of the frontier
     frontier_hidden = root_hidden[None].expand(k, -1).contiguous()

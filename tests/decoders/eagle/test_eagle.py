@@ -19,8 +19,8 @@ import torch
 
 from dualserve.decoders.ar import ARDecoder
 from dualserve.decoders.eagle.decoder import EagleDecoder
-from dualserve.decoders.eagle.tree import (DraftTree, TreeConfig, accept_greedy, accept_sampled, path_logits,
-                                           select_nodes)
+from dualserve.decoders.eagle.tree import (DraftTree, TreeConfig, accept_greedy, accept_sampled, grow_tree,
+                                           path_logits, select_nodes)
 from dualserve.decoders.engine.engine import Engine, EngineConfig
 from dualserve.decoders.engine.runner import ModelRunner
 from dualserve.decoders.engine.sampling import SamplingParams, truncated_probs
@@ -135,6 +135,17 @@ def test_select_nodes_keeps_parents_first() -> None:
     scores = torch.tensor([-0.1, -0.5, -0.1, -0.3, -0.6, -0.9])  # child 2 ties its parent
     assert select_nodes(scores, 3).tolist() == [0, 2, 3]
     assert select_nodes(scores, 1).tolist() == [0]
+
+
+def test_a_one_level_tree_is_the_roots_best_children() -> None:
+    """A tree one level deep is what the pool selection picks from the root's top-k, ties included."""
+    logp = torch.tensor([-3.0, -0.5, -0.5, -2.0, -0.1, -9.0])
+    never = lambda *args: pytest.fail("a one-level tree feeds nothing to the head")  # noqa: E731
+    for k, nodes in ((1, 1), (3, 2), (4, 4), (5, 3)):
+        tree = grow_tree(never, lambda ids: ids + 100, 7, logp, torch.zeros(2), TreeConfig(1, k, nodes), 5)
+        scores, ids = logp.topk(k)
+        chosen = select_nodes(scores, min(nodes, k))
+        assert tree.tokens == [7] + (ids[chosen] + 100).tolist() and tree.parents == [-1] + [0] * len(chosen)
 
 
 def test_tree_mask_and_children() -> None:
