@@ -307,7 +307,7 @@ def padded_rows(meta: AttentionMetadata, seq_ids: Sequence[int], sizes: tuple[in
             context[r, : len(slots)] = slots
             mask[r, :q, : len(slots)] = True
         if isinstance(s.mask, torch.Tensor):
-            mask[r, :q, W: W + q] = s.mask.to(torch.bool).numpy()[:, -q:]
+            mask[r, :q, W: W + q] = s.mask.to(device="cpu", dtype=torch.bool).numpy()[:, -q:]
         elif s.mask == "bidirectional" or q == 1:
             mask[r, :q, W: W + q] = True
         else:  # causal among the new tokens
