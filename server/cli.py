@@ -282,7 +282,8 @@ def cmd_serve(settings: Settings) -> int:
                               torch.get_num_threads(), cfg.shutdown_timeout, kernels_in_use()):
         print(f"dualserve: {line}", file=sys.stderr)
     # uvicorn's graceful timeout only bounds the last flush: the drain has already ended every stream.
-    config = uvicorn.Config(create_app(app_state), log_level=cfg.log_level, loop="auto", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(create_app(app_state), log_level=cfg.log_level, loop="auto", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=cfg.timeout_keep_alive)
     server = DrainingServer(config, app_state, cfg.shutdown_timeout)
     if group is not None:  # a failed rank: /health says so, in-flight requests fail, then the server exits 1
         app_state.on_shutdown.append(group.shutdown)
@@ -420,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="seconds a request may run; a stream that times out ends with an error event and [DONE]")
     serve.add_argument("--shutdown-timeout", type=non_negative, default=30.0,
                        help="on SIGTERM / Ctrl+C, seconds running requests get to finish before they are ended")
+    serve.add_argument("--timeout-keep-alive", type=positive, default=75.0,
+                       help="seconds an idle keep-alive connection stays open (above clients' pool expiry)")
     serve.add_argument("--log-level", default="warning")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
     serve.add_argument("--node-cost-per-hour", type=non_negative, default=0.0,

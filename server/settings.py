@@ -78,6 +78,10 @@ class ServerSettings:
     max_model_len: int = 8192
     request_timeout: float = 600.0
     shutdown_timeout: float = 30.0
+    # Idle keep-alive connections are closed after this many seconds: longer than clients keep them
+    # pooled (httpx, which the openai SDK uses, 5 s; aiohttp 15 s; proxies often 60 s), or a request
+    # sent on a connection as the server closes it fails (uvicorn's own default is 5 s).
+    timeout_keep_alive: float = 75.0
     log_level: str = "warning"
     api_key: str | None = None
     node_cost_per_hour: float = 0.0
@@ -140,7 +144,8 @@ class Settings:
         if hasattr(args, "host"):
             server = ServerSettings(
                 host=args.host, port=args.port, max_model_len=args.max_model_len, request_timeout=args.request_timeout,
-                shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, api_key=args.api_key,
+                shutdown_timeout=args.shutdown_timeout, timeout_keep_alive=args.timeout_keep_alive,
+                log_level=args.log_level, api_key=args.api_key,
                 node_cost_per_hour=args.node_cost_per_hour, max_body_mb=args.max_body_mb,
                 response_store_size=args.response_store_size, response_store_mb=args.response_store_mb,
                 router_policy=args.router_policy, calibrate_router=args.calibrate_router)

@@ -8,12 +8,15 @@ ends, and one bad request never hurts its neighbours (issue 15).
 * The Paris-facts schema at temperature 0 ends in valid JSON within max_tokens on ar and eagle.
 * Blast radius: on each decoder, one bad request beside three good streams; the good ones
   finish exactly as they do alone.
+* An idle keep-alive connection stays open longer than clients keep it pooled.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
+from http.client import HTTPConnection
 from typing import Any, Iterator
 
 import httpx
@@ -198,3 +201,20 @@ def test_infill_n_predict_follows_llama_cpp(http) -> None:
     assert r.status_code == 200 and r.json()["tokens_predicted"] <= 64
     r = http.post("/infill", json={**body, "n_predict": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_an_idle_connection_outlives_clients_connection_pools(server_url: str) -> None:
+    """A client pools a connection after a response and sends its next request on it: httpx (the
+    openai SDK's) for up to 5 s idle. A server that closed idle connections after 5 s, as uvicorn does
+    by default, raced it: a request sent as the server closed failed with a connection error
+    (`--timeout-keep-alive`, 75 s)."""
+    host, port = server_url.removeprefix("http://").rsplit(":", 1)
+    conn = HTTPConnection(host, int(port), timeout=30)
+    try:
+        for idle in (0.0, 6.0):
+            time.sleep(idle)
+            conn.request("GET", "/v1/models")
+            response = conn.getresponse()
+            assert response.status == 200 and json.loads(response.read())["data"]
+    finally:
+        conn.close()
