@@ -43,6 +43,7 @@ PAD = 64             # separators before the corpus: a match extends at most thi
 # through the cache (about 130 us a lookup against 31 us warm); a bucket, two or three.
 BUCKET_BITS = 16
 UNMATCHED = -2      # compared after a match's last possible token: no token and no separator equals it
+_BACK = np.arange(PAD + 1)  # offsets back from a candidate, the one past a match's longest included
 _B, _MASK = 0x9E3779B97F4A7C15, (1 << 64) - 1
 _BASE = np.uint64(_B)
 
@@ -59,7 +60,6 @@ class Datastore:
         self.tokens = tokens.astype(np.int32)
         self.answers = int((self.tokens == SEPARATOR).sum())
         self._padded = np.concatenate([np.full(PAD, SEPARATOR, np.int32), self.tokens])
-        self._back = np.arange(PAD + 1)
         self._keys: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         sep = np.concatenate([[0], np.cumsum(self.tokens == SEPARATOR)])
         for k in KEYS:
@@ -133,7 +133,8 @@ class Datastore:
                 continue
             hashes, follows, buckets = self._keys[k]
             key = _hash(context[-k:])
-            first, last = buckets[key >> (64 - BUCKET_BITS)], buckets[(key >> (64 - BUCKET_BITS)) + 1]
+            b = key >> (64 - BUCKET_BITS)
+            first, last = buckets[b], buckets[b + 1]
             if first == last:
                 continue
             bucket, key = hashes[first:last], np.uint64(key)
@@ -148,7 +149,7 @@ class Datastore:
             # so does a hash collision, at once): the first difference is the match's length.
             n = min(len(context), config.max_match, PAD)
             tail = np.asarray([*context[-1: -n - 1: -1], UNMATCHED], dtype=np.int32)
-            before = self._padded[(cand + (PAD - 1))[:, None] - self._back[: n + 1]]  # cand >= 1: in range
+            before = self._padded[(cand + (PAD - 1))[:, None] - _BACK[: n + 1]]  # cand >= 1: in range
             length = (before != tail).argmax(1)
             best = int(length.max())
             if best >= k:  # below k: a hash collision

@@ -157,10 +157,9 @@ class AttentionMetadata:
         if self._context_index[i] is None:
             if seq.context_slots is not None:
                 self._context_index[i] = seq.context_slots.to(device)
-            else:
-                pos = torch.arange(seq.context_len)
-                table = torch.tensor(seq.block_table, dtype=torch.long)
-                self._context_index[i] = slot_of(table, pos, self.block_size).to(device)
+            else:  # in numpy: a few small torch ops here cost tens of microseconds a step
+                slots = slot_of(np.asarray(seq.block_table, dtype=np.int64), np.arange(seq.context_len), self.block_size)
+                self._context_index[i] = torch.from_numpy(slots).to(device)
         return self._context_index[i]
 
 
@@ -301,11 +300,10 @@ def padded_rows(meta: AttentionMetadata, seq_ids: Sequence[int], sizes: tuple[in
         s = seqs[i]
         q = s.query_len
         rows[r, :q] = np.arange(starts[i], starts[i] + q)
-        if s.context_len:  # its cached slots (as ``AttentionMetadata.context_index``), all visible
-            slots = s.context_slots.cpu().numpy() if s.context_slots is not None else \
-                slot_of(np.asarray(s.block_table, dtype=np.int64), np.arange(s.context_len), meta.block_size)
-            context[r, : len(slots)] = slots
-            mask[r, :q, : len(slots)] = True
+        idx = meta.context_index(i, "cpu")
+        if idx is not None:  # its cached slots, all visible
+            context[r, : idx.numel()] = idx.numpy()
+            mask[r, :q, : idx.numel()] = True
         if isinstance(s.mask, torch.Tensor):
             mask[r, :q, W: W + q] = s.mask.to(device="cpu", dtype=torch.bool).numpy()[:, -q:]
         elif s.mask == "bidirectional" or q == 1:
