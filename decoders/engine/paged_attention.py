@@ -301,8 +301,8 @@ def padded_rows(meta: AttentionMetadata, seq_ids: Sequence[int], sizes: tuple[in
         q = s.query_len
         rows[r, :q] = np.arange(starts[i], starts[i] + q)
         idx = meta.context_index(i, "cpu")
-        if idx is not None:  # its cached slots, all visible
-            context[r, : idx.numel()] = idx.numpy()
+        if idx is not None:  # its cached slots, all visible (built on another device if a layer asked first)
+            context[r, : idx.numel()] = idx.cpu().numpy()
             mask[r, :q, : idx.numel()] = True
         if isinstance(s.mask, torch.Tensor):
             mask[r, :q, W: W + q] = s.mask.to(device="cpu", dtype=torch.bool).numpy()[:, -q:]
