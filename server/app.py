@@ -10,13 +10,11 @@ disconnects aborts its engine requests, which frees their blocks within a step.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
-import msgspec
 from litestar import Litestar, Request, Response, get, post, route
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
@@ -24,16 +22,14 @@ from litestar.response import Stream
 
 from .chat import ChatHandler
 from .completions import CompletionHandler
-from .errors import (APIError, ErrorKind, bad_request, error_response, handle_api_error, handle_http_exception,
-                     handle_unexpected)
-from .handler import HandlerType
+from . import anthropic, embeddings, fim_completions, models_api, rerank, tokenize
+from .errors import APIError, ErrorKind, error_response, handle_api_error, handle_http_exception, handle_unexpected
 from .infill import InfillHandler
 from .metrics import Metrics
-from .protocol import (DECODER_HEADER, ROUTE_REASON_HEADER, ModelCard, ModelList, chat_decoder, completion_decoder,
-                       encoder, infill_decoder, responses_decoder)
+from .endpoint import generate, json_response
+from .protocol import ModelCard, ModelList, chat_decoder, completion_decoder, infill_decoder, responses_decoder
 from .responses.handler import ResponsesHandler, delete_response, retrieve_response
 from .responses.store import ResponseStore
-from .router import Route
 from .service import Service
 from .status import render_page
 
@@ -48,59 +44,6 @@ class AppState:
     draining: bool = False           # set by the shutdown drain (lifecycle.Drain): new requests get 503
     failure: str | None = None       # set when a tensor-parallel rank fails (server/tensor_parallel.py)
     response_store: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses with store=true
-
-
-def decode(raw: bytes, decoder: msgspec.json.Decoder) -> Any:
-    if not raw:
-        raise bad_request("request body is empty; expected a JSON object")
-    try:
-        return decoder.decode(raw)
-    except msgspec.ValidationError as e:
-        msg = str(e)
-        param = msg.rsplit("at `$.", 1)[-1].rstrip("`").split("[")[0].split(".")[0] if "at `$." in msg else None
-        raise bad_request(msg, param, "array_above_max_length" if "of length <=" in msg else "invalid_type") from None
-    except msgspec.DecodeError as e:
-        raise bad_request(f"could not parse the JSON body: {e}", None, "invalid_json") from None
-    except RecursionError:
-        raise bad_request("the JSON body is nested too deeply", None, "invalid_json") from None
-
-
-def route_headers(route: Route) -> dict[str, str]:
-    return {DECODER_HEADER: route.decoder, ROUTE_REASON_HEADER: route.reason}
-
-
-async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Run ``work``; if the client goes away first, cancel it (which aborts its engine requests) and
-    return ``CLIENT_GONE``."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    if task not in done:
-        task.cancel()
-        return CLIENT_GONE
-    watcher.cancel()
-    return task.result()
-
-
-CLIENT_GONE = object()
-# nginx's "client closed request": never seen by the client, but not logged as a server error either.
-CLIENT_GONE_STATUS = 499
-
-
-def json_response(body: Any, headers: dict[str, str]) -> Response:
-    return Response(content=encoder.encode(body), media_type="application/json", headers=headers)
-
-
-def sse_response(gen, headers: dict[str, str]) -> Stream:
-    return Stream(gen, media_type="text/event-stream",
-                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
 
 # The page at / is open (it holds no data, and asks for the key when /status.json wants one).
@@ -146,24 +89,6 @@ def list_models(state: State) -> Response:
 def retrieve_model(state: State, model_id: str) -> Response:
     service: Service = state.app_state.service
     return json_response(model_card(service.served(model_id)), {})
-
-
-async def generate(request: Request, state: State, body_decoder: msgspec.json.Decoder,
-                   handler_type: HandlerType) -> Response | Stream:
-    """The path every generation endpoint takes: decode, plan, submit, then stream or collect."""
-    service: Service = state.app_state.service
-    body = decode(await request.body(), body_decoder)
-    handler = handler_type(service, body, request.headers.get(DECODER_HEADER))
-    # Tokenizing, templating and compiling a grammar take a thread; the event loop keeps answering.
-    plan = await asyncio.to_thread(lambda: service.prepare(handler.plan()))
-    job = service.start(plan)
-    headers = route_headers(job.route)
-    if body.stream:
-        return sse_response(handler.stream(job), headers)
-    results = await until_disconnect(request, service.collect(job))
-    if results is CLIENT_GONE:
-        return Response(content=b"", status_code=CLIENT_GONE_STATUS)
-    return json_response(handler.respond(job, results), headers)
 
 
 @post("/v1/completions", status_code=200)
@@ -217,7 +142,9 @@ def create_app(app_state: AppState) -> Litestar:
 
     return Litestar(
         route_handlers=[health, list_models, retrieve_model, completions, chat_completions, responses, retrieve_response,
-                        delete_response, infill, metrics, status_page, status_json],
+                        delete_response, infill, metrics, status_page, status_json,
+                        *anthropic.ROUTES, *embeddings.ROUTES, *fim_completions.ROUTES, *models_api.ROUTES,
+                        *rerank.ROUTES, *tokenize.ROUTES],
         before_request=check_request,
         state=State({"app_state": app_state}),
         exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception,

@@ -21,6 +21,25 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+def torch_config() -> dict[str, dict]:
+    import torch._dynamo  # noqa: F401  (its config module)
+    import torch._inductor.config
+
+    return {"dynamo": torch._dynamo.config.get_config_copy(), "inductor": torch._inductor.config.get_config_copy()}
+
+
+@pytest.fixture(autouse=True)
+def torch_config_unchanged() -> Iterator[None]:
+    """No test leaves torch's global compiler config changed: a later compile anywhere in the run
+    would see it (the suite must pass in any order). Patch it as a context instead."""
+    before = torch_config()
+    yield
+    after = torch_config()
+    changed = [f"{part}.{key}" for part in before for key in before[part]
+               if after[part].get(key, "<missing>") != before[part][key]]
+    assert not changed, f"the test changed torch's compiler config: {', '.join(changed)}"
+
+
 @pytest.fixture(scope="session")
 def cache_dir() -> Path:
     return default_cache_dir()

@@ -94,7 +94,7 @@ def test_compiled_engine_decodes_the_eager_tokens_in_any_batch(quantization: str
     assert counters["stats"]["unique_graphs"] == graphs, "a step recompiled on the engine thread"
 
 
-def test_runners_past_dynamos_graph_cap_still_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_runners_past_dynamos_graph_cap_still_compile() -> None:
     """Every runner traces one code object; dynamo caps its graphs (8 by default, per thread), and a
     deployment (AR, twin, EAGLE variants) has more. Past the cap a shape would silently stay eager.
     Here the cap is 1, so the second model's graph is already past it."""
@@ -107,14 +107,16 @@ def test_runners_past_dynamos_graph_cap_still_compile(monkeypatch: pytest.Monkey
     # attention's broadcast over a size-one dimension fails to compile; packages export with
     # size-oblivious checks and are not affected.)
     kernels.available()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     before = counters["stats"]["unique_graphs"]
-    for layers in (3, 5):  # two depths no other test compiles: two new graphs of one code object
-        model = Transformer(replace(CFG, num_layers=layers)).eval().requires_grad_(False)
-        step = ModelRunner(model, 16, BLOCK, use_flash=False).compile()
-        step.packaged = False  # the torch.compile path (devices other than the CPU)
-        step.warm([(StepShape(False), ())])
-        assert not step.failed and step.ready
+    # A patch as a context: dynamo's config is global, and a value left behind (or an attribute
+    # deleted by an undo that does not know the config module) breaks every later compile in the run.
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for layers in (3, 5):  # two depths no other test compiles: two new graphs of one code object
+            model = Transformer(replace(CFG, num_layers=layers)).eval().requires_grad_(False)
+            step = ModelRunner(model, 16, BLOCK, use_flash=False).compile()
+            step.packaged = False  # the torch.compile path (devices other than the CPU)
+            step.warm([(StepShape(False), ())])
+            assert not step.failed and step.ready
     assert counters["stats"]["unique_graphs"] - before >= 2, "the second runner's graph stayed eager"
 
 
