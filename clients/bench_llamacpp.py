@@ -1,25 +1,44 @@
-"""dualserve against llama.cpp's server on the same GGUF file, same threads, in one run.
+"""dualserve against llama.cpp's C++ ``llama-server`` on the same GGUF file, same threads, in one run.
 
 Run as::
 
     python -m dualserve.clients.bench_llamacpp --threads 2 --requests 12
 
-One command starts both servers (each on a free local port, logs in a temporary directory),
-or targets running ones with ``--dualserve-url`` / ``--llamacpp-url``, and prints ours /
-llama.cpp ratios:
+One command starts the servers (each on a free local port, logs in a temporary directory), or
+targets running ones with ``--dualserve-url`` / ``--llamacpp-url``, and prints ours / baseline
+ratios:
 
 - single stream, for each dualserve decoder (``ar``, ``eagle``, ``diffusion``, selected per
-  request with ``extra_body={"decoder": ...}``) against the same llama.cpp baseline. The two
-  servers alternate prompt by prompt (who goes first alternates too), so noise from other work
-  on a shared machine hits both alike; llama.cpp is measured again beside every decoder. Each
+  request with ``extra_body={"decoder": ...}``) against the same baseline. The two servers
+  alternate prompt by prompt (who goes first alternates too), so noise from other work on a
+  shared machine hits both alike; the baseline is measured again beside every decoder. Each
   measured request starts ``--settle`` seconds (default 1) after the previous one ended, so that
   neither server starts on cores the other has just been using: dualserve's OpenMP governor
   (``decoders/engine/openmp.py``) averages its neighbours' load over about half a second and
   keeps its threads from spinning for about a second after a neighbour's burst, and a 64-token
-  request sent straight after llama.cpp's turn ran that whole second throttled (``--settle 0``
-  measures it that way);
+  request sent straight after the baseline's turn ran that whole second throttled
+  (``--settle 0`` measures it that way);
+- ``--settle-compare``: ``ar`` is measured both ways in one run. Each prompt goes to dualserve
+  twice, each time right after a baseline request: once ``--settle`` seconds after it, once
+  straight after it (which of the two comes first alternates by prompt). The report adds the
+  ``ar (no settle)`` row and dualserve's no-settle / settle decode ratio (the target is 0.9 or
+  more: the governor should cost a request sent into a neighbour's wake little);
 - aggregate throughput at concurrency 16 (``--concurrency``) for each server, and for each server
   its c16 / c1 gain (c1: completion tokens / summed request time of its single-stream ``ar`` run).
+
+The baseline (``--baseline``) is ``cpp``, llama.cpp's own C++ ``llama-server`` (found or built by
+``clients/llamacpp_build.py``: ``--llama-server PATH``, else ``llama-server`` on ``PATH``, else a
+build into the cache), started as ``llama-server -m GGUF -t T -tb T -np 1 -c CTX`` for the single
+stream and again with ``-np C -c C*CTX`` for concurrency C (llama-server splits its context over
+its slots; continuous batching is its default); ``python`` is llama-cpp-python's Python server,
+``python -m llama_cpp.server --model GGUF --n_threads T --n_threads_batch T --interrupt_requests
+False`` (by default it aborts a running stream when the next request arrives, which would break
+the concurrency level), a weaker second row: ``--baseline cpp,python`` measures both. Every table
+header and JSON record names the server its figures came from.
+
+``--quantize Q4_0,Q4_K_M`` makes those files from the GGUF with ``llama-quantize
+--allow-requantize`` (into ``<cache>/llama.cpp/quantized/``, reused on later runs) and runs the
+whole comparison on each of them in turn, both servers on the same file, one report per file.
 
 Requests are chat requests (one user message each) from ``prompts/bench.jsonl``, greedy, 64 max
 tokens (``--max-tokens``), streamed through the OpenAI SDK by the load client in
@@ -29,26 +48,19 @@ from the first to the last text chunk; token counts come from the servers' ``usa
 Servers this command started are stopped when it exits, also on Ctrl-C or SIGTERM. Options:
 
 - ``--dualserve-args "--quantization int4"``: extra arguments for ``dualserve serve``;
-- ``--llamacpp-args "..."``: extra arguments for ``python -m llama_cpp.server``;
+- ``--llamacpp-args "..."``: extra arguments for the baseline server(s);
 - ``--gguf PATH``: the GGUF file both servers serve (default: the default model's file in the
   model cache), any Llama / Qwen GGUF such as one from ``clients/write_gguf.py``; a ``--model`` in
   ``--dualserve-args`` overrides dualserve's;
-- ``--json out.json``: every request, summary and ratio.
+- ``--json out.json``: every request, summary and ratio, per file and baseline.
 
-llama.cpp is not a dependency of the project. Its server comes from ``llama-cpp-python``; the
-default build can crash (SIGILL / segfault in its AMX kernels) on the Q4_1 file on CPUs that
-expose AMX, so build it without AMX (several minutes; ``nice`` keeps a shared machine usable)::
+llama.cpp is not a dependency of the project. For ``--baseline python``, build llama-cpp-python
+without AMX (its AMX kernels can crash on the Q4_1 file on CPUs that expose AMX)::
 
     CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \\
     CXXFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \\
     CMAKE_BUILD_PARALLEL_LEVEL=1 nice -n 19 \\
     python -m pip install "llama-cpp-python[server]==0.3.36"
-
-(if the ``[server]`` extra's dependencies are missing: ``pip install uvicorn fastapi
-sse-starlette starlette-context pydantic-settings``). The llama.cpp server is started as
-``python -m llama_cpp.server --model GGUF --n_threads T --n_threads_batch T
---interrupt_requests False``: by default it aborts a running stream when the next request
-arrives, which would break the concurrency level.
 """
 
 from __future__ import annotations
@@ -56,6 +68,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import shlex
@@ -69,7 +82,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Literal, Sequence
 
 from dualserve.clients.bench import (
     DEFAULT_PROMPTS,
@@ -88,32 +101,46 @@ from dualserve.clients.bench import (
     stream_one,
     summarize_level,
 )
+from dualserve.clients.llamacpp_build import Binaries, find_binaries
 
 DECODERS = ("ar", "eagle", "diffusion")
+BaselineKind = Literal["cpp", "python"]
+BASELINE_SERVERS: dict[BaselineKind, str] = {"cpp": "llama-server", "python": "llama-cpp-python"}
 
 
 # ---------------------------------------------------------------------------------------------
 # Arguments
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dualserve.clients.bench_llamacpp",
-                                description=__doc__.split("\n")[0])
+def _comma_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="CPU threads for both servers (default: all cores)")
     p.add_argument("--gguf", type=Path, default=None,
                    help="GGUF file for both servers (default: the default model's file in the cache)")
-    p.add_argument("--cache-dir", default=None, help="dualserve model cache (to find the default GGUF)")
+    p.add_argument("--cache-dir", default=None,
+                   help="dualserve cache (the default GGUF; llama.cpp's build and quantized files)")
+    p.add_argument("--baseline", default="cpp",
+                   help="comma-separated: cpp (llama.cpp's llama-server, default), python (llama-cpp-python)")
+    p.add_argument("--llama-server", type=Path, default=None, help="llama-server binary (default: PATH, else build)")
+    p.add_argument("--build-jobs", type=int, default=os.cpu_count() or 1, help="compile jobs if llama.cpp is built")
+    p.add_argument("--ctx", type=int, default=1024, help="llama-server context tokens per slot")
+    p.add_argument("--quantize", default="", help="comma-separated llama-quantize types, e.g. Q4_0,Q4_K_M")
     p.add_argument("--dualserve-url", help="target a running dualserve (…/v1) instead of starting one")
-    p.add_argument("--llamacpp-url", help="target a running llama.cpp server (…/v1) instead of starting one")
+    p.add_argument("--llamacpp-url", help="target a running baseline server (…/v1) instead of starting one")
     p.add_argument("--dualserve-args", default="", help="extra arguments for 'dualserve serve', one string")
-    p.add_argument("--llamacpp-args", default="", help="extra arguments for 'python -m llama_cpp.server'")
+    p.add_argument("--llamacpp-args", default="", help="extra arguments for the baseline server, one string")
     p.add_argument("--decoders", default=",".join(DECODERS),
                    help="comma-separated dualserve decoders for the single-stream rows")
     p.add_argument("--requests", type=int, default=12, help="single-stream requests per decoder (and server)")
     p.add_argument("--concurrency", type=int, default=16, help="level for the aggregate row; 0 skips it")
     p.add_argument("--settle", type=float, default=1.0,
                    help="seconds between one request's end and the next one's start (see the module docstring)")
+    p.add_argument("--settle-compare", action="store_true",
+                   help="measure single-stream ar both with --settle and with no pause, interleaved")
     p.add_argument("--concurrent-requests", type=int, default=None,
                    help="requests at that level (default: 2 x concurrency)")
     p.add_argument("--concurrent-decoder", default="ar", help="dualserve decoder for the aggregate row")
@@ -124,17 +151,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900.0, help="per-request timeout, seconds")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for a server to start")
     p.add_argument("--json", type=Path, dest="json_out", help="write every request and summary here")
-    args = p.parse_args(argv)
-    args.decoder_list = [d.strip() for d in args.decoders.split(",") if d.strip()]
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     unknown = [d for d in args.decoder_list if d not in DECODERS]
     if unknown or not args.decoder_list:
         p.error(f"--decoders: expected a comma-separated subset of {','.join(DECODERS)}, got {args.decoders!r}")
-    if args.threads < 1:
-        p.error("--threads must be at least 1")
-    if args.requests < 1:
-        p.error("--requests must be at least 1")
+    if not args.baseline_list or any(b not in BASELINE_SERVERS for b in args.baseline_list):
+        p.error(f"--baseline: expected a comma-separated subset of cpp,python, got {args.baseline!r}")
+    if args.llamacpp_url and len(args.baseline_list) > 1:
+        p.error("--llamacpp-url names one running server: give one --baseline with it")
+    if args.quantize_list and (args.dualserve_url or args.llamacpp_url):
+        p.error("--quantize starts both servers on each file it makes: drop --dualserve-url / --llamacpp-url")
+    if args.settle_compare and "ar" not in args.decoder_list:
+        p.error("--settle-compare measures the ar decoder: include ar in --decoders")
+    for name in ("threads", "requests", "ctx", "build_jobs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.concurrency < 0:
         p.error("--concurrency must be 0 (skip) or positive")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dualserve.clients.bench_llamacpp",
+                                description=__doc__.split("\n")[0])
+    _add_options(p)
+    args = p.parse_args(argv)
+    args.decoder_list = _comma_list(args.decoders)
+    args.baseline_list = _comma_list(args.baseline)
+    args.quantize_list = _comma_list(args.quantize)
+    _check(p, args)
     if args.concurrent_requests is None:
         args.concurrent_requests = 2 * args.concurrency
     try:
@@ -142,13 +188,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.llamacpp_argv = shlex.split(args.llamacpp_args)
     except ValueError as exc:
         p.error(f"could not split extra server arguments: {exc}")
-    if args.gguf and not any(a.split("=")[0] in ("--model", "--ar") for a in args.dualserve_argv):
+    if args.quantize_list and names_model(args.dualserve_argv):
+        p.error("--quantize serves each made file: drop --model / --ar from --dualserve-args")
+    if args.gguf and not args.quantize_list and not names_model(args.dualserve_argv):
         args.dualserve_argv = ["--model", str(args.gguf), *args.dualserve_argv]
     return args
 
 
+def names_model(argv: Sequence[str]) -> bool:
+    return any(a.split("=")[0] in ("--model", "--ar") for a in argv)
+
+
 # ---------------------------------------------------------------------------------------------
-# Servers
+# Server commands
 
 
 def free_port() -> int:
@@ -162,10 +214,28 @@ def dualserve_command(threads: int, port: int, extra: Sequence[str]) -> list[str
             "--host", "127.0.0.1", "--port", str(port), *extra]
 
 
-def llamacpp_command(gguf: Path, threads: int, port: int, extra: Sequence[str]) -> list[str]:
+def dualserve_extra(args: argparse.Namespace, gguf: Path | None) -> list[str]:
+    """``--dualserve-args``, with ``--model GGUF`` first when a file is named and they name none."""
+    if gguf is None or names_model(args.dualserve_argv):
+        return list(args.dualserve_argv)
+    return ["--model", str(gguf), *args.dualserve_argv]
+
+
+def llama_server_command(server: Path, gguf: Path, threads: int, port: int, slots: int, ctx: int,
+                         extra: Sequence[str] = ()) -> list[str]:
+    """llama-server with ``slots`` parallel sequences; it splits ``-c`` over them, so ``ctx`` a slot."""
+    return [str(server), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+            "--port", str(port), "--host", "127.0.0.1", "-c", str(ctx * slots), *extra]
+
+
+def llama_cpp_python_command(gguf: Path, threads: int, port: int, extra: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf),
             "--n_threads", str(threads), "--n_threads_batch", str(threads),
             "--host", "127.0.0.1", "--port", str(port), "--interrupt_requests", "False", *extra]
+
+
+# ---------------------------------------------------------------------------------------------
+# Server processes
 
 
 @dataclass
@@ -176,6 +246,7 @@ class Server:
     url: str
     proc: subprocess.Popen
     log_path: Path
+    ready_url: str = ""  # answers 200 once the model is loaded; the url's /models when empty
 
     def stop(self) -> None:
         if self.proc.poll() is not None:
@@ -196,30 +267,103 @@ class Server:
             return ""
 
 
-def start_server(name: str, cmd: Sequence[str], port: int, log_dir: Path) -> Server:
+def start_server(name: str, cmd: Sequence[str], port: int, log_dir: Path, ready_path: str = "/v1/models") -> Server:
     log_path = log_dir / f"{name}.log"
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab") as log:
         proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
-    return Server(name, f"http://127.0.0.1:{port}/v1", proc, log_path)
+    root = f"http://127.0.0.1:{port}"
+    return Server(name, f"{root}/v1", proc, log_path, root + ready_path)
 
 
 def wait_ready(server: Server, timeout: float) -> None:
-    """Poll GET /v1/models until it answers 200; fail early if the process exits."""
+    """Poll the server's ready URL until it answers 200; fail early if the process exits."""
+    ready = server.ready_url or server.url + "/models"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
             raise RuntimeError(f"{server.name} exited with code {server.proc.returncode} while starting; "
                                f"log {server.log_path}:\n{server.log_tail()}")
         try:
-            with urllib.request.urlopen(server.url + "/models", timeout=5) as r:
+            with urllib.request.urlopen(ready, timeout=5) as r:
                 if r.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            pass
+            pass  # not listening yet, or llama-server's 503 while it loads the model
         time.sleep(0.5)
-    raise RuntimeError(f"{server.name} did not answer {server.url}/models within {timeout:.0f}s; "
+    raise RuntimeError(f"{server.name} did not answer {ready} within {timeout:.0f}s; "
                        f"log {server.log_path}:\n{server.log_tail()}")
+
+
+@contextlib.contextmanager
+def running(name: str, cmd: Sequence[str], port: int, log_dir: Path, timeout: float,
+            ready_path: str = "/v1/models") -> Iterator[str]:
+    """Start a server, wait until it is ready, yield its …/v1 URL; stop it on exit."""
+    server = start_server(name, cmd, port, log_dir, ready_path)
+    try:
+        print(f"starting {name}: {shlex.join(cmd)}  (log {server.log_path})", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        wait_ready(server, timeout)
+        print(f"{name} ready in {time.monotonic() - t0:.1f}s at {server.url}", file=sys.stderr, flush=True)
+        yield server.url
+    finally:
+        server.stop()
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One baseline server to compare against: a running one (``url``) or one this command starts."""
+
+    kind: BaselineKind
+    gguf: Path | None
+    binaries: Binaries | None = None  # for kind "cpp", set by main from clients/llamacpp_build.py
+    url: str | None = None
+
+    @property
+    def server(self) -> str:
+        return BASELINE_SERVERS[self.kind]
+
+    def command(self, args: argparse.Namespace, port: int, slots: int) -> list[str]:
+        assert self.gguf is not None
+        if self.kind == "cpp":
+            assert self.binaries is not None
+            return llama_server_command(self.binaries.server, self.gguf, args.threads, port, slots, args.ctx,
+                                        args.llamacpp_argv)
+        return llama_cpp_python_command(self.gguf, args.threads, port, args.llamacpp_argv)
+
+
+@contextlib.contextmanager
+def baseline_server(b: Baseline, args: argparse.Namespace, slots: int, log_dir: Path,
+                    commands: list[list[str]] | None = None) -> Iterator[str]:
+    """The baseline's …/v1 URL, started for ``slots`` parallel requests unless it is already running
+    (the command it was started with is appended to ``commands``)."""
+    if b.url:
+        yield b.url
+        return
+    if b.kind == "python":
+        try:
+            import llama_cpp  # noqa: F401  (only to fail early with a useful message)
+        except ImportError:
+            raise SystemExit("llama-cpp-python is not installed; see this module's docstring for how "
+                             "to build it, or pass --llamacpp-url") from None
+    port = free_port()
+    ready = "/health" if b.kind == "cpp" else "/v1/models"
+    cmd = b.command(args, port, slots)
+    if commands is not None:
+        commands.append(cmd)
+    with running(b.server, cmd, port, log_dir, args.startup_timeout, ready) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def dualserve_server(args: argparse.Namespace, gguf: Path | None, log_dir: Path) -> Iterator[str]:
+    if args.dualserve_url:
+        yield args.dualserve_url
+        return
+    port = free_port()
+    cmd = dualserve_command(args.threads, port, dualserve_extra(args, gguf))
+    with running("dualserve", cmd, port, log_dir, args.startup_timeout) as url:
+        yield url
 
 
 def default_gguf(cache_dir: str | None) -> Path:
@@ -232,44 +376,42 @@ def _raise_keyboard_interrupt(signum, frame):  # SIGTERM: unwind like Ctrl-C so 
     raise KeyboardInterrupt
 
 
-@contextlib.contextmanager
-def servers(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
-    """Yield (dualserve url, llama.cpp url), starting whichever was not given; stop them on exit."""
-    started: list[Server] = []
-    old_term = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    log_dir = Path(tempfile.mkdtemp(prefix="bench_llamacpp_"))
-    try:
-        llama_url = args.llamacpp_url
-        if not llama_url:
-            gguf = args.gguf or default_gguf(args.cache_dir)
-            if not gguf.exists():
-                raise SystemExit(f"GGUF file {gguf} not found; pass --gguf (or run 'dualserve pull')")
-            try:
-                import llama_cpp  # noqa: F401  (only to fail early with a useful message)
-            except ImportError:
-                raise SystemExit("llama-cpp-python is not installed; see this module's docstring for how "
-                                 "to build it, or pass --llamacpp-url") from None
-            port = free_port()
-            started.append(start_server("llama.cpp", llamacpp_command(gguf, args.threads, port, args.llamacpp_argv),
-                                        port, log_dir))
-            llama_url = started[-1].url
-        ours_url = args.dualserve_url
-        if not ours_url:
-            port = free_port()
-            started.append(start_server("dualserve", dualserve_command(args.threads, port, args.dualserve_argv),
-                                        port, log_dir))
-            ours_url = started[-1].url
-        for s in started:
-            print(f"starting {s.name}: {shlex.join(s.proc.args)}  (log {s.log_path})", file=sys.stderr, flush=True)
-        for s in started:
-            t0 = time.monotonic()
-            wait_ready(s, args.startup_timeout)
-            print(f"{s.name} ready in {time.monotonic() - t0:.1f}s at {s.url}", file=sys.stderr, flush=True)
-        yield ours_url, llama_url
-    finally:
-        for s in reversed(started):
-            s.stop()
-        signal.signal(signal.SIGTERM, old_term)
+# ---------------------------------------------------------------------------------------------
+# Quantized variants
+
+
+def quantized_path(cache_dir: Path, gguf: Path, qtype: str) -> Path:
+    """Where ``gguf`` quantized to ``qtype`` is kept; the name carries the source file's identity
+    (path, size, mtime), so a changed or different source of the same name is quantized anew."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:8]
+    return cache_dir / "llama.cpp" / "quantized" / f"{gguf.stem}-{key}.{qtype}.gguf"
+
+
+def quantize_command(quantize: Path, src: Path, dst: Path, qtype: str, threads: int) -> list[str]:
+    return [str(quantize), "--allow-requantize", str(src), str(dst), qtype, str(threads)]
+
+
+def quantized_file(quantize: Path, cache_dir: Path, gguf: Path, qtype: str, threads: int, log_dir: Path) -> Path:
+    """``gguf`` quantized to ``qtype``, made unless the cache has it."""
+    dst = quantized_path(cache_dir, gguf, qtype)
+    if dst.is_file():
+        print(f"quantized {qtype}: reusing {dst}", file=sys.stderr, flush=True)
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    # Written under another name and renamed when done: a file under the final name is a whole one.
+    partial = dst.with_name(dst.name + ".partial")
+    cmd = quantize_command(quantize, gguf, partial, qtype, threads)
+    log = log_dir / f"quantize-{qtype}.log"
+    print(f"quantizing {gguf.name} to {qtype}: {shlex.join(cmd)}  (log {log})", file=sys.stderr, flush=True)
+    with open(log, "wb") as f:
+        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    if code:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama-quantize {qtype} failed with code {code}; log {log}:\n{tail}")
+    partial.replace(dst)
+    return dst
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +420,7 @@ def servers(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
 
 @dataclass
 class SideBySide:
-    """One single-stream comparison: dualserve with `decoder` against llama.cpp, alternating."""
+    """One single-stream comparison: dualserve with `decoder` against a baseline, alternating."""
 
     decoder: str
     ours: LevelSummary
@@ -300,19 +442,41 @@ class Aggregate:
     base_requests: list[RequestResult] = field(default_factory=list)
 
 
+@dataclass
+class BaselineRun:
+    """Everything measured against one baseline server on one file."""
+
+    server: str  # "llama-server" or "llama-cpp-python"
+    model: str
+    single: list[SideBySide]
+    aggregate: Aggregate | None
+    settle_ratio: float | None = None  # dualserve ar no-settle / settle decode tok/s (--settle-compare)
+    url: str = ""
+    commands: list[list[str]] = field(default_factory=list)  # the baseline's, where this command started it
+
+
 async def timed(client, spec: BenchSpec, prompt: Prompt) -> tuple[RequestResult, float]:
     t0 = time.perf_counter()
     res = await stream_one(client, spec, prompt)
     return res, time.perf_counter() - t0
 
 
-async def side_by_side(ours, ours_spec: BenchSpec, base, base_spec: BenchSpec,
-                       prompts: Sequence[Prompt], n: int, warmup: int, settle: float = 0.0) -> SideBySide:
-    """n prompts, each sent to both servers one after the other, ``settle`` seconds apart; who goes
-    first alternates."""
+async def _warm(ours, ours_spec: BenchSpec, base, base_spec: BenchSpec, warmup: int) -> None:
     for _ in range(warmup):
         await stream_one(ours, ours_spec, WARMUP_PROMPT)
         await stream_one(base, base_spec, WARMUP_PROMPT)
+
+
+def _progress(label: str, prompt: Prompt, o: RequestResult, b: RequestResult, base_name: str) -> None:
+    print(f"  {label:<9} {prompt.id:<18} ours {_tps(o):>6} tok/s ({o.tokens:>3} tok)  "
+          f"{base_name} {_tps(b):>6} tok/s ({b.tokens:>3} tok)", file=sys.stderr, flush=True)
+
+
+async def side_by_side(ours, ours_spec: BenchSpec, base, base_spec: BenchSpec, prompts: Sequence[Prompt],
+                       n: int, warmup: int, settle: float = 0.0, base_name: str = "llama.cpp") -> SideBySide:
+    """n prompts, each sent to both servers one after the other, ``settle`` seconds apart; who goes
+    first alternates."""
+    await _warm(ours, ours_spec, base, base_spec, warmup)
     runs: dict[str, list[RequestResult]] = {"ours": [], "base": []}
     wall = {"ours": 0.0, "base": 0.0}
     sides = {"ours": (ours, ours_spec), "base": (base, base_spec)}
@@ -323,11 +487,44 @@ async def side_by_side(ours, ours_spec: BenchSpec, base, base_spec: BenchSpec,
             res, seconds = await timed(*sides[side], prompt)
             runs[side].append(res)
             wall[side] += seconds
-        o, b = runs["ours"][-1], runs["base"][-1]
-        print(f"  {ours_spec.decoder:<9} {prompt.id:<18} ours {_tps(o):>6} tok/s ({o.tokens:>3} tok)  "
-              f"llama.cpp {_tps(b):>6} tok/s ({b.tokens:>3} tok)", file=sys.stderr, flush=True)
+        _progress(ours_spec.decoder or "default", prompt, runs["ours"][-1], runs["base"][-1], base_name)
     return SideBySide(ours_spec.decoder or "default", summarize_level(1, runs["ours"], wall["ours"]),
                       summarize_level(1, runs["base"], wall["base"]), runs["ours"], runs["base"])
+
+
+async def settle_compare(ours, ours_spec: BenchSpec, base, base_spec: BenchSpec, prompts: Sequence[Prompt],
+                         n: int, warmup: int, settle: float, base_name: str = "llama.cpp"
+                         ) -> tuple[SideBySide, SideBySide]:
+    """n prompts, each sent to dualserve twice, each time right after the baseline answered it:
+    once ``settle`` seconds after, once with no pause (which first alternates by prompt). Returns
+    the settled and the unsettled rows; both hold all 2n baseline requests."""
+    await _warm(ours, ours_spec, base, base_spec, warmup)
+    runs: dict[float, list[RequestResult]] = {settle: [], 0.0: []}
+    wall = {settle: 0.0, 0.0: 0.0}
+    base_runs: list[RequestResult] = []
+    base_wall = 0.0
+    for i in range(n):
+        prompt = prompts[i % len(prompts)]
+        for pause in ((settle, 0.0) if i % 2 == 0 else (0.0, settle)):
+            await asyncio.sleep(settle)  # the baseline always starts on settled cores
+            res, seconds = await timed(base, base_spec, prompt)
+            base_runs.append(res)
+            base_wall += seconds
+            await asyncio.sleep(pause)
+            res, seconds = await timed(ours, ours_spec, prompt)
+            runs[pause].append(res)
+            wall[pause] += seconds
+            _progress(f"{ours_spec.decoder}+{pause:g}s", prompt, res, base_runs[-1], base_name)
+    base_sum = summarize_level(1, base_runs, base_wall)
+    d = ours_spec.decoder or "default"
+    return (SideBySide(d, summarize_level(1, runs[settle], wall[settle]), base_sum, runs[settle], base_runs),
+            SideBySide(f"{d} (no settle)", summarize_level(1, runs[0.0], wall[0.0]), base_sum, runs[0.0], base_runs))
+
+
+def settle_ratio(settled: SideBySide, unsettled: SideBySide) -> float | None:
+    """dualserve's no-settle / settle mean decode tok/s."""
+    a, b = _dec(unsettled.ours), _dec(settled.ours)
+    return a / b if a is not None and b else None
 
 
 def _tps(r: RequestResult) -> str:
@@ -371,10 +568,12 @@ def fixed_width(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([fmt(table[0]), "  ".join("-" * w for w in widths), *map(fmt, table[1:])])
 
 
-SINGLE_HEADER = ("decoder", "ok", "ours tok/s", "llama.cpp tok/s", "ratio",
-                 "ours TTFT ms", "llama.cpp TTFT ms", "TTFT ratio")
-AGG_HEADER = ("concurrency", "ok", "ours agg tok/s", "llama.cpp agg tok/s", "ratio",
-              "ours c/c1", "llama.cpp c/c1")
+def single_header(base: str) -> tuple[str, ...]:
+    return ("decoder", "ok", "ours tok/s", f"{base} tok/s", "ratio", "ours TTFT ms", f"{base} TTFT ms", "TTFT ratio")
+
+
+def aggregate_header(base: str) -> tuple[str, ...]:
+    return ("concurrency", "ok", "ours agg tok/s", f"{base} agg tok/s", "ratio", "ours c/c1", f"{base} c/c1")
 
 
 def single_rows(rows: Sequence[SideBySide]) -> list[list[str]]:
@@ -397,102 +596,205 @@ def aggregate_row(agg: Aggregate, ours_c1: float | None, base_c1: float | None) 
             _f(o), _f(b), _x(div(o, b)), _x(div(o, ours_c1)), _x(div(b, base_c1))]
 
 
-def format_report(title: str, single: Sequence[SideBySide], agg: Aggregate | None,
-                  ours_c1: float | None = None, base_c1: float | None = None) -> str:
-    """The printed report: single-stream table (decode tok/s, TTFT) and the aggregate table."""
-    parts = [title, "", "single stream (decode tok/s mean; ratio = ours / llama.cpp; ok = ours | llama.cpp):",
-             fixed_width(SINGLE_HEADER, single_rows(single))]
-    if agg is not None:
-        parts += ["", f"aggregate at concurrency {agg.concurrency} (completion tokens / wall time; "
-                      "c/c1 = aggregate / single-stream ar throughput, TTFT included):",
-                  fixed_width(AGG_HEADER, [aggregate_row(agg, ours_c1, base_c1)])]
+def _problems(single: Sequence[SideBySide], agg: Aggregate | None, base: str) -> list[str]:
+    levels = [*((f"ours {s.decoder}", s.ours) for s in single), *((f"{base} beside {s.decoder}", s.base)
+                                                                 for s in single)]
+    if agg:
+        levels += [(f"ours c{agg.concurrency}", agg.ours), (f"{base} c{agg.concurrency}", agg.base)]
     problems = []
-    for label, lv in [*((f"ours {s.decoder}", s.ours) for s in single), *((f"llama.cpp beside {s.decoder}", s.base)
-                                                                           for s in single),
-                      *(((f"ours c{agg.concurrency}", agg.ours), (f"llama.cpp c{agg.concurrency}", agg.base))
-                        if agg else ())]:
+    for label, lv in levels:
         if lv.errors:
             problems.append(f"{label}: {len(lv.errors)} failed, first: {lv.errors[0]}")
         if lv.usage_missing:
             problems.append(f"{label}: {lv.usage_missing} requests without usage (tokens counted as chunks)")
-    if problems:
+    return problems
+
+
+def format_report(title: str, single: Sequence[SideBySide], agg: Aggregate | None,
+                  ours_c1: float | None = None, base_c1: float | None = None, base: str = "llama.cpp",
+                  settle_ratio: float | None = None) -> str:
+    """The printed report: single-stream table (decode tok/s, TTFT) and the aggregate table."""
+    parts = [title, "", f"single stream (decode tok/s mean; ratio = ours / {base}; ok = ours | {base}):",
+             fixed_width(single_header(base), single_rows(single))]
+    if settle_ratio is not None:
+        parts.append(f"dualserve ar no-settle / settle decode tok/s: {settle_ratio:.2f}x (target >= 0.90x)")
+    if agg is not None:
+        parts += ["", f"aggregate at concurrency {agg.concurrency} (completion tokens / wall time; "
+                      "c/c1 = aggregate / single-stream ar throughput, TTFT included):",
+                  fixed_width(aggregate_header(base), [aggregate_row(agg, ours_c1, base_c1)])]
+    if problems := _problems(single, agg, base):
         parts += ["", *problems]
     return "\n".join(parts)
+
+
+def baseline_record(run: BaselineRun) -> dict:
+    """JSON for one baseline: which server, and every single-stream and aggregate figure against it."""
+    record: dict = {
+        "server": run.server, "url": run.url, "model": run.model,
+        "commands": run.commands,
+        "single_stream": [
+            {"decoder": s.decoder, "ratios": s.ratios,
+             "ours": level_record(s.ours, s.ours_requests), "baseline": level_record(s.base, s.base_requests)}
+            for s in run.single],
+    }
+    if run.settle_ratio is not None:
+        record["settle_ratio"] = run.settle_ratio
+    agg = run.aggregate
+    if agg is not None:
+        ar_row = next((s for s in run.single if s.decoder == "ar"), None)
+        ours_c1, base_c1 = c1_throughput(ar_row, "ours"), c1_throughput(ar_row, "base")
+        record["aggregate"] = {
+            "concurrency": agg.concurrency,
+            "ours": level_record(agg.ours, agg.ours_requests), "baseline": level_record(agg.base, agg.base_requests),
+            "ratio": agg.ours.aggregate_tps / agg.base.aggregate_tps if agg.base.aggregate_tps else None,
+            "ours_over_c1": agg.ours.aggregate_tps / ours_c1 if ours_c1 else None,
+            "baseline_over_c1": agg.base.aggregate_tps / base_c1 if base_c1 else None,
+        }
+    return record
 
 
 # ---------------------------------------------------------------------------------------------
 # Main
 
 
-async def run_bench(args: argparse.Namespace, ours_url: str, llama_url: str) -> dict:
+def _spec(args: argparse.Namespace, model: str, decoder: str | None) -> BenchSpec:
+    return BenchSpec(model=model, endpoint="chat", max_tokens=args.max_tokens, temperature=args.temperature,
+                     decoder=decoder)
+
+
+async def measure_single(args: argparse.Namespace, ours, ours_model: str, base, base_spec: BenchSpec,
+                         server: str) -> tuple[list[SideBySide], float | None]:
+    """The single-stream rows against one baseline, and the settle ratio where asked for."""
+    prompts = interleave_kinds(load_prompts(args.prompts))
+    single: list[SideBySide] = []
+    ratio = None
+    for d in args.decoder_list:
+        print(f"single stream: dualserve decoder={d} vs {server}, {args.requests} prompts", file=sys.stderr)
+        if d == "ar" and args.settle_compare:
+            settled, unsettled = await settle_compare(ours, _spec(args, ours_model, d), base, base_spec, prompts,
+                                                      args.requests, args.warmup, args.settle, server)
+            single += [settled, unsettled]
+            ratio = settle_ratio(settled, unsettled)
+        else:
+            single.append(await side_by_side(ours, _spec(args, ours_model, d), base, base_spec, prompts,
+                                             args.requests, args.warmup, args.settle, server))
+    return single, ratio
+
+
+async def measure_aggregate(args: argparse.Namespace, ours, ours_model: str, base, base_spec: BenchSpec
+                            ) -> Aggregate:
+    prompts = interleave_kinds(load_prompts(args.prompts))
+    c, n = args.concurrency, args.concurrent_requests
+    print(f"aggregate: concurrency {c}, {n} requests per server", file=sys.stderr, flush=True)
+    b_sum, b_res = await run_level(base, base_spec, prompts, c, n)
+    await asyncio.sleep(args.settle)
+    o_sum, o_res = await run_level(ours, _spec(args, ours_model, args.concurrent_decoder), prompts, c, n)
+    return Aggregate(c, o_sum, b_sum, o_res, b_res)
+
+
+async def against_baseline(args: argparse.Namespace, ours, ours_model: str, b: Baseline,
+                           log_dir: Path) -> BaselineRun:
+    """Single stream against the baseline started for one slot, then the aggregate against it
+    restarted for ``--concurrency`` slots."""
     from openai import AsyncOpenAI
 
-    prompts = interleave_kinds(load_prompts(args.prompts))
+    def client(url: str) -> AsyncOpenAI:
+        return AsyncOpenAI(base_url=url, api_key="EMPTY", timeout=args.timeout, max_retries=0)
+
+    commands: list[list[str]] = []
+    with baseline_server(b, args, 1, log_dir, commands) as url:
+        async with client(url) as base:
+            base_model = await resolve_model(base, None)
+            single, ratio = await measure_single(args, ours, ours_model, base, _spec(args, base_model, None),
+                                                 b.server)
+    agg = None
+    if args.concurrency:
+        with baseline_server(b, args, args.concurrency, log_dir, commands) as agg_url:
+            async with client(agg_url) as base:
+                agg = await measure_aggregate(args, ours, ours_model, base, _spec(args, base_model, None))
+    return BaselineRun(b.server, base_model, single, agg, ratio, url, commands)
+
+
+def _title(args: argparse.Namespace, ours_model: str, run: BaselineRun, gguf: Path | None) -> str:
+    return (f"dualserve ({ours_model}) vs {run.server} ({Path(run.model).name}) · "
+            f"file {gguf.name if gguf else '-'} · threads={args.threads} · chat · max_tokens={args.max_tokens} · "
+            f"temperature={args.temperature} · settle={args.settle:g} s"
+            + (f" · dualserve args: {args.dualserve_args}" if args.dualserve_args else ""))
+
+
+async def run_bench(args: argparse.Namespace, ours_url: str, baselines: Sequence[Baseline],
+                    log_dir: Path | None = None, gguf: Path | None = None) -> dict:
+    """Every comparison on one file: print one report per baseline; return the file's JSON record."""
+    from openai import AsyncOpenAI
+
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="bench_llamacpp_"))
     ours = AsyncOpenAI(base_url=ours_url, api_key="EMPTY", timeout=args.timeout, max_retries=0)
-    base = AsyncOpenAI(base_url=llama_url, api_key="EMPTY", timeout=args.timeout, max_retries=0)
-    async with ours, base:
-        ours_model, base_model = await resolve_model(ours, None), await resolve_model(base, None)
+    records = []
+    async with ours:
+        ours_model = await resolve_model(ours, None)
+        for b in baselines:
+            run = await against_baseline(args, ours, ours_model, b, log_dir)
+            ar_row = next((s for s in run.single if s.decoder == args.concurrent_decoder), None)
+            print(format_report(_title(args, ours_model, run, gguf), run.single, run.aggregate,
+                                c1_throughput(ar_row, "ours"), c1_throughput(ar_row, "base"), run.server,
+                                run.settle_ratio) + "\n", flush=True)
+            records.append(baseline_record(run))
+    return {"gguf": str(gguf) if gguf else None,
+            "dualserve": {"url": ours_url, "model": ours_model, "args": args.dualserve_args},
+            "baselines": records}
 
-        def spec(model: str, decoder: str | None) -> BenchSpec:
-            return BenchSpec(model=model, endpoint="chat", max_tokens=args.max_tokens,
-                             temperature=args.temperature, decoder=decoder)
 
-        base_spec = spec(base_model, None)  # llama.cpp is not told about decoders
-        single: list[SideBySide] = []
-        for d in args.decoder_list:
-            print(f"single stream: dualserve decoder={d} vs llama.cpp, {args.requests} prompts", file=sys.stderr)
-            single.append(await side_by_side(ours, spec(ours_model, d), base, base_spec, prompts,
-                                             args.requests, args.warmup, args.settle))
-        agg = None
-        if args.concurrency:
-            c, n = args.concurrency, args.concurrent_requests
-            print(f"aggregate: concurrency {c}, {n} requests per server", file=sys.stderr, flush=True)
-            b_sum, b_res = await run_level(base, base_spec, prompts, c, n)
-            await asyncio.sleep(args.settle)
-            o_sum, o_res = await run_level(ours, spec(ours_model, args.concurrent_decoder), prompts, c, n)
-            agg = Aggregate(c, o_sum, b_sum, o_res, b_res)
-    ar_row = next((s for s in single if s.decoder == args.concurrent_decoder), None)
-    ours_c1, base_c1 = c1_throughput(ar_row, "ours"), c1_throughput(ar_row, "base")
-    title = (f"dualserve ({ours_model}) vs llama.cpp ({Path(base_model).name}) · threads={args.threads} · "
-             f"chat · max_tokens={args.max_tokens} · temperature={args.temperature} · settle={args.settle:g} s"
-             + (f" · dualserve args: {args.dualserve_args}" if args.dualserve_args else ""))
-    print(format_report(title, single, agg, ours_c1, base_c1))
-    report = {
-        "threads": args.threads, "max_tokens": args.max_tokens, "temperature": args.temperature,
-        "prompts": str(args.prompts), "dualserve": {"url": ours_url, "model": ours_model, "args": args.dualserve_args},
-        "llamacpp": {"url": llama_url, "model": base_model, "args": args.llamacpp_args},
-        "single_stream": [
-            {"decoder": s.decoder, "ratios": s.ratios,
-             "ours": level_record(s.ours, s.ours_requests), "llamacpp": level_record(s.base, s.base_requests)}
-            for s in single],
-    }
-    if agg is not None:
-        report["aggregate"] = {
-            "concurrency": agg.concurrency,
-            "ours": level_record(agg.ours, agg.ours_requests), "llamacpp": level_record(agg.base, agg.base_requests),
-            "ratio": agg.ours.aggregate_tps / agg.base.aggregate_tps if agg.base.aggregate_tps else None,
-            "ours_over_c1": agg.ours.aggregate_tps / ours_c1 if ours_c1 else None,
-            "llamacpp_over_c1": agg.base.aggregate_tps / base_c1 if base_c1 else None,
-        }
-    if args.json_out:
-        args.json_out.write_text(json.dumps(report, indent=2), encoding="utf-8")
-    return report
+def _files(args: argparse.Namespace, cache_dir: Path, binaries: Binaries | None, log_dir: Path
+           ) -> list[Path | None]:
+    """The files to compare on: the made quantized ones, else the GGUF (None: both servers given)."""
+    if not args.quantize_list and args.dualserve_url and args.llamacpp_url:
+        return [args.gguf]
+    gguf = args.gguf or default_gguf(args.cache_dir)
+    if not gguf.exists():
+        raise SystemExit(f"GGUF file {gguf} not found; pass --gguf (or run 'dualserve pull')")
+    if not args.quantize_list:
+        return [gguf]
+    if binaries is None or binaries.quantize is None:
+        raise SystemExit("--quantize needs llama-quantize beside llama-server")
+    return [quantized_file(binaries.quantize, cache_dir, gguf, q, args.threads, log_dir) for q in args.quantize_list]
+
+
+def bench(args: argparse.Namespace, log_dir: Path) -> dict:
+    from dualserve.models.hub import default_cache_dir
+
+    cache_dir = default_cache_dir(args.cache_dir)
+    needs_cpp = args.quantize_list or ("cpp" in args.baseline_list and not args.llamacpp_url)
+    binaries = find_binaries(args.llama_server, cache_dir, args.build_jobs) if needs_cpp else None
+    if binaries is not None:
+        print(f"llama.cpp: {binaries.server}", file=sys.stderr, flush=True)
+    files = []
+    for gguf in _files(args, cache_dir, binaries, log_dir):
+        baselines = [Baseline(kind, gguf, binaries, args.llamacpp_url) for kind in args.baseline_list]
+        # a made file is named here; --gguf is in dualserve_argv already (parse_args)
+        with dualserve_server(args, gguf if args.quantize_list else None, log_dir) as ours_url:
+            if args.dualserve_url and (seen := answered_before(ours_url)):
+                print(f"note: this dualserve has answered {seen} requests; eagle's suffix lookup copies answers it "
+                      "has given, so start a new server for a new server's figures", file=sys.stderr, flush=True)
+            files.append(asyncio.run(run_bench(args, ours_url, baselines, log_dir, gguf)))
+    return {"threads": args.threads, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "settle": args.settle, "prompts": str(args.prompts), "files": files}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    old_term = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        with servers(args) as (ours_url, llama_url):
-            if args.dualserve_url and (seen := answered_before(ours_url)):
-                print(f"note: this dualserve has answered {seen} requests; eagle's suffix lookup copies answers it "
-                      "has given, so start a new server for a new server's figures", file=sys.stderr, flush=True)
-            asyncio.run(run_bench(args, ours_url, llama_url))
+        report = bench(args, Path(tempfile.mkdtemp(prefix="bench_llamacpp_")))
     except KeyboardInterrupt:
         print("interrupted; servers started by this command were stopped", file=sys.stderr)
         return 130
     except RuntimeError as exc:
         print(f"bench_llamacpp: {exc}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(report, indent=2), encoding="utf-8")
     return 0
 
 

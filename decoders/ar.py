@@ -6,8 +6,9 @@ single forward; requests whose span reaches their last known token sample the
 next one. This is continuous batching (Orca, Yu et al., OSDI 2022): requests join
 and leave between steps, and the batch shape never changes a request's tokens.
 
-Sampling stays per request where it must (bias, penalties, grammar masks and a
-seeded generator of its own) and batched where it can: plain greedy rows share
+Sampling stays per request where it must (bias, penalties, grammar masks, and a
+uniform keyed by the request's seed and the output position, so a seeded sample
+does not depend on the batch) and batched where it can: plain greedy rows share
 one argmax. A request that wants prompt logprobs (echo with logprobs) gets
 logits over its prompt positions during prefill; it skips the prefix cache
 until they are all computed, since cached positions would have none.
@@ -24,7 +25,7 @@ from .engine.blocks import BlockPool
 from .engine.isolation import guard
 from .engine.request import Request
 from .engine.runner import ForwardItem, ModelRunner
-from .engine.sampling import argmax, process_logits, sample_token, token_logprobs
+from .engine.sampling import argmax, keyed_uniform, process_logits, sample_token, token_logprobs
 from .engine.scheduler import Scheduled
 
 # Logit rows computed at a time for prompt logprobs: bounds the (rows, vocab) fp32 buffer.
@@ -53,7 +54,7 @@ def sample_one(row: torch.Tensor, req: Request) -> int:
     processed = process_logits(row, req.prompt_ids, req.output_ids, req.params, penalties)
     if req.constraint is not None:
         processed = req.constraint.mask_logits(processed)
-    tok = sample_token(processed, req.params, req.generator)
+    tok = sample_token(processed, req.params, keyed_uniform(req.seed, len(req.output_ids)))
     if req.constraint is not None:
         req.constraint.consume(tok)
     return tok

@@ -13,6 +13,14 @@ registered under which served name:
 
 Every model's KV tensors are indexed by the same block ids, so there is no
 static split of memory between decoders or models.
+
+Several deployments share one engine (a server holding a completion model and a chat
+model): the first one built sizes the pool, once, from the block count or the memory
+budget over the models that may be loaded together (``PoolSpec.bytes_per_block``, which
+the server computes from every configured model's shape); a deployment built later with
+``engine=`` joins that engine, its runners sized for the same block ids, and
+``unload_deployment`` takes it out again (decoders, prefix-cache entries, then its KV
+tensors and weights once nothing holds them).
 """
 
 from __future__ import annotations
@@ -30,9 +38,12 @@ from dualserve.models.families import family
 from dualserve.models.errors import InputError
 from dualserve.models.formats import FormatTable
 from dualserve.models.loader import LoadedModel
+from dualserve.models.pooling import Pooling
 
 from .ar import ARDecoder
+from .pooling import register_pooling
 from .engine.compile_worker import CompileWorker
+from .engine import kv_budget
 from .engine.engine import Engine, EngineConfig
 from dualserve.models.heap import trim_heap
 from .engine.paged_attention import KVCache
@@ -69,7 +80,13 @@ class CompileSpec:
 class PoolSpec:
     block_size: int = 16
     num_blocks: int | None = None      # explicit count wins
-    memory_gb: float = 1.0             # else: this much memory for KV, split over all loaded models
+    # else: this much memory for KV, split over all loaded models; None: the device's rule
+    # (``engine/kv_budget.py``: a share of host memory on a CPU, of free device memory on CUDA)
+    memory_gb: float | None = None
+    # The KV bytes of one block over every model that may share the pool at once, when models
+    # beyond the first deployment's will join it (a server with several models); None: the first
+    # deployment's own models.
+    bytes_per_block: int | None = None
 
 
 @dataclass
@@ -85,6 +102,7 @@ class ServedSpec:
     twin: LoadedModel | None = None    # diffusion twin of an AR base, served as its "diffusion" decoder
     # Answers for ``eagle``'s suffix drafts (``eagle.datastore``): a file or a directory of distilled shards
     datastore: Path | None = None
+    pooling: Pooling | None = None     # how embeddings pool, overriding what the checkpoint declares
 
 
 @dataclass
@@ -95,6 +113,9 @@ class Deployment:
     format_table: FormatTable | None = None  # measured at start-up by --quantization auto, if it ran
     parallel: ParallelGroup | None = None    # the tensor-parallel group, when there is one
     compile: CompileSpec | None = None       # how its runners compile, when they do
+    # The engine's model keys its registration added (its served names, and any other key a
+    # decoder registers under, such as pooling's): what ``unload_deployment`` takes out again.
+    engine_models: list[str] = field(default_factory=list)
 
     def decoders(self, name: str) -> list[str]:
         return self.engine.decoders_for(name)
@@ -115,11 +136,14 @@ def kv_dtype_of(model: LoadedModel) -> torch.dtype:
     return torch.bfloat16 if model.quantization != "none" else next(model.model.parameters()).dtype
 
 
-def blocks_for(models: list[LoadedModel], spec: PoolSpec, kv_dtype: torch.dtype) -> int:
+def blocks_for(models: list[LoadedModel], spec: PoolSpec, kv_dtype: torch.dtype, device: str) -> int:
+    """The pool's blocks: as given, else its memory (``kv_budget``: on CUDA measured now, after the
+    weights are on the device) over the KV bytes of one block of every model that shares it."""
     if spec.num_blocks:
         return spec.num_blocks
-    per_block = sum(KVCache.bytes_per_block_of_layers(m.config.kv_shapes, spec.block_size, kv_dtype) for m in models)
-    return max(16, int(spec.memory_gb * 2**30 // max(per_block, 1)))
+    per_block = spec.bytes_per_block or sum(
+        KVCache.bytes_per_block_of_layers(m.config.kv_shapes, spec.block_size, kv_dtype) for m in models)
+    return kv_budget.pool_blocks(kv_budget.pool_bytes(device, spec.memory_gb), per_block)
 
 
 def runner_for(model: LoadedModel, num_blocks: int, block_size: int, device: str,
@@ -153,6 +177,7 @@ def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int,
         register_diffusion(engine, spec.name, runner, base)
         return
     engine.add_decoder(spec.name, ARDecoder(runner, engine.pool), base.tokenizer, base.config.vocab_size)
+    register_pooling(engine, spec.name, runner, base, spec.pooling)  # embeddings and rerank, never routed for generation
     if spec.eagle_head is not None or spec.dflash is not None:
         register_eagle(engine, spec, runner, device, compile, parallel, format_table)
     if compile is not None:
@@ -231,28 +256,89 @@ def verify_cost(model: LoadedModel, device: str, table: FormatTable | None) -> "
 def build_deployment(models: list[LoadedModel] | list[ServedSpec], engine_config: EngineConfig | None = None,
                      pool: PoolSpec = PoolSpec(), device: str = "cpu",
                      compile: CompileSpec | None = None, parallel: ParallelGroup | None = None,
-                     format_table: FormatTable | None = None) -> Deployment:
+                     format_table: FormatTable | None = None, engine: Engine | None = None) -> Deployment:
     """One pool for all models; each served name gets the decoders its parts allow. With ``parallel``,
     every rank builds the same deployment over its shard of the weights; rank 0's sizes win.
-    ``format_table``: the start-up format measurement, if it ran."""
+    ``format_table``: the start-up format measurement, if it ran. ``engine``: join a running
+    engine and its pool (a model loaded on first use) instead of building them."""
     specs = [m if isinstance(m, ServedSpec) else ServedSpec(m.name, m) for m in models]
+    if engine is not None:
+        if parallel is not None:
+            raise ValueError("a tensor-parallel deployment cannot join another one's engine")
+        return join_deployment(engine, specs, device, compile, format_table)
     loaded = kv_models(specs)
     kv_dtype = kv_dtype_of(loaded[0])
-    num_blocks = blocks_for(loaded, pool, kv_dtype)
     if parallel is not None:
         compile = None  # collectives are not traced into compiled graphs: tensor-parallel steps run eagerly
         parallel.shard_models([m.model for m in loaded],
                               keep_head_for=[s.base.model for s in specs
                                              if isinstance(s.eagle_head, Path) or s.dflash is not None])
+    num_blocks = blocks_for(loaded, pool, kv_dtype, device)  # after sharding: a rank measures its own shard
+    if parallel is not None:
         num_blocks = parallel.agree(num_blocks)
     cfg = engine_config or EngineConfig()
     cfg = dataclasses.replace(cfg, num_blocks=num_blocks, block_size=pool.block_size)
     engine = Engine(cfg)
     dep = Deployment(engine=engine, models={s.name: s.base for s in specs}, format_table=format_table,
                      parallel=parallel, compile=compile)
+    before = set(engine.decoders)
     for spec in specs:
         register(engine, spec, num_blocks, pool.block_size, device, dep.runners, compile, parallel, format_table)
+    dep.engine_models = added_models(engine, before)
     if parallel is not None and parallel.shard.rank == 0:
         parallel.start()
     trim_heap()  # loading's temporaries: about 180 MB on the default model
     return dep
+
+
+def join_deployment(engine: Engine, specs: list[ServedSpec], device: str, compile: CompileSpec | None,
+                    format_table: FormatTable | None) -> Deployment:
+    """Register ``specs`` on a running engine: their runners hold KV tensors for the pool's block
+    ids (the pool's size was decided once, by the first deployment), and their decoders join
+    through ``Engine.add_decoder``, which is safe beside the engine thread."""
+    taken = [s.name for s in specs if engine.decoders_for(s.name)]
+    if taken:
+        raise ValueError(f"the engine already serves {', '.join(taken)}")
+    dep = Deployment(engine=engine, models={s.name: s.base for s in specs}, format_table=format_table,
+                     compile=compile)
+    before = set(engine.decoders)
+    for spec in specs:
+        register(engine, spec, engine.pool.num_blocks, engine.pool.block_size, device, dep.runners, compile,
+                 None, format_table)
+    dep.engine_models = added_models(engine, before)
+    trim_heap()
+    return dep
+
+
+def added_models(engine: Engine, before: set[tuple[str, str]]) -> list[str]:
+    """The engine's model keys of the decoders registered since ``before``."""
+    return list(dict.fromkeys(key[0] for key in engine.decoders if key not in before))
+
+
+def deployment_bytes(dep: Deployment) -> int:
+    """The memory a deployment holds: its weights (a tensor shared by two models, such as a twin's
+    base weights, counted once) and its runners' KV tensors."""
+    seen: dict[tuple[int, str], int] = {}
+    tensors = [t for m in dep.models.values() for t in (*m.model.parameters(), *m.model.buffers())]
+    for runner in dep.runners.values():
+        tensors += [*runner.kv.k, *runner.kv.v]
+    for t in tensors:
+        seen[(t.data_ptr(), str(t.device))] = max(seen.get((t.data_ptr(), str(t.device)), 0),
+                                                  t.numel() * t.element_size())
+    return sum(seen.values())
+
+
+def unload_deployment(dep: Deployment) -> None:
+    """Take a joined deployment's models out of its engine (their requests have ended: the caller
+    unloads only idle models), then let its weights and KV tensors go: the engine drops its
+    decoders and prefix-cache entries, and this drops the deployment's own references."""
+    import gc
+
+    for name in dep.engine_models or list(dep.models):
+        dep.engine.remove_model(name)
+    dep.models.clear()
+    dep.runners.clear()
+    gc.collect()  # decoders and runners refer to each other: free the cycle now, not at some later collection
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    trim_heap()

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .errors import InputError
 from .host import NeighbourLoad
 from .quant import DOT8_DIGITS, Quantization, float_to_linear, head_linear
 
@@ -97,6 +98,24 @@ def runnable() -> tuple[Candidate, ...]:
 def candidates() -> tuple[Candidate, ...]:
     """The formats ``auto`` may pick here: runnable and at least as faithful as llama.cpp's."""
     return tuple(c for c in runnable() if c in FAITHFUL)
+
+
+def check_device(quantization: str, device: str) -> None:
+    """Raise ``InputError`` (one line at the command line, ``errors.one_line``) where ``quantization``
+    has no kernel on ``device``: the dot8 formats (w4a8, w4a16) are the project's CPU kernel
+    (``models.kernels``), so off the CPU a model in them would load and then fail its first forward."""
+    if quantization in DOT8_DIGITS and torch.device(device).type != "cpu":
+        raise InputError(f"--quantization {quantization} runs on the CPU only (the project's dot8 kernel); "
+                         f"on {device} use int4, int8, none or auto")
+
+
+def off_cpu_choice(stored: Quantization, device: str) -> Quantization:
+    """``auto``'s format on ``device`` where nothing is timed (off the CPU): the checkpoint's own where
+    the device runs it, else int4. An int4 layer whose shape CUDA's kernel does not pack stays in the
+    model's float dtype (``quant.float_to_linear``). Nothing here builds the CPU kernels."""
+    if stored in DOT8_DIGITS and torch.device(device).type != "cpu":
+        return "int4"
+    return stored
 
 
 def host_key() -> str:

@@ -7,10 +7,13 @@ decoding streams 4 to 8 times fewer bytes than fp32:
   * ``Int4Linear``: asymmetric groups of ``group_size`` input columns,
     ``w = q * scale + zero`` with q in 0..15. Runs ``aten._weight_int4pack_mm_for_cpu``
     (``aten._weight_int4pack_mm`` on CUDA), whose packed layout and
-    ``(q - 8) * scale + mid`` convention are its own; ``mid = zero + 8 * scale``.
+    ``(q - 8) * scale + mid`` convention are its own; ``mid = zero + 8 * scale``. CUDA's
+    packing takes only some shapes (``cuda_int4_inner_k_tiles``); a layer it does not take is
+    kept in the model's float dtype there (``layer_format``), and the output head too.
   * ``Int8Linear``: symmetric per output channel, ``w = q * scale``, ``aten._weight_int8pack_mm``.
   * ``W8A8Linear``: int8 per output channel times int8 activations quantized per
-    token at run time (``torch._int_mm``, int32 accumulation). Integer sums are exact,
+    token at run time (``torch._int_mm``, int32 accumulation; padded on CUDA to the shapes cuBLAS
+    takes, ``padded_int_mm``). Integer sums are exact,
     so a row's result is the same bits for any row count, blocking or thread count,
     on any CPU; float GEMMs are not (MKL picks kernels by row count and splits long
     reductions across threads). The twin's adapter uses it for that reason.
@@ -67,8 +70,82 @@ GROUP = 32  # GGUF's block size, and the int4 group size
 INT8_K = 16  # aten._weight_int8pack_mm on CPU needs an input width that is a multiple of this (else it crashes)
 
 
+# torch._int_mm on CUDA (cuBLAS) takes more than 16 rows, and K and N multiples of 8 ("self.size(0)
+# needs to be greater than 16", aten/src/ATen/native/cuda/Blas.cpp, _int_mm_out_cuda); the CPU's takes any.
+INT_MM_MIN_ROWS = 17
+INT_MM_MULTIPLE = 8
+
+
+def padded_int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch._int_mm(a, b)`` (int8 (m, k) @ int8 (k, n) -> int32 (m, n)) computed in a shape CUDA
+    takes: zero rows up to ``INT_MM_MIN_ROWS``, zero columns of ``a`` and rows of ``b`` up to a
+    multiple of 8 in k, zero columns of ``b`` up to one in n; the result is sliced back. Integer
+    sums are exact, so the padding changes no bit of the result on any device."""
+    m, k = a.shape
+    n = b.shape[1]
+    rows, k8, n8 = max(m, INT_MM_MIN_ROWS), -(-k // INT_MM_MULTIPLE) * INT_MM_MULTIPLE, \
+        -(-n // INT_MM_MULTIPLE) * INT_MM_MULTIPLE
+    if (rows, k8) != (m, k):
+        a = torch.nn.functional.pad(a, (0, k8 - k, 0, rows - m))
+    if (k8, n8) != (k, n):
+        b = torch.nn.functional.pad(b, (0, n8 - n, 0, k8 - k))
+    return torch._int_mm(a, b)[:m, :n]
+
+
+def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch._int_mm``, padded on CUDA to the shapes its kernel takes (``padded_int_mm``)."""
+    return padded_int_mm(a, b) if a.device.type == "cuda" else torch._int_mm(a, b)
+
+
 def _act(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+
+
+# Where an int4 layer runs: PyTorch's CPU kernel (any shape this module makes) or its CUDA kernel
+# (tinygemm, only the shapes ``cuda_int4_inner_k_tiles`` accepts).
+Int4Kernel = Literal["cpu", "cuda"]
+CUDA_INNER_K_TILES = (8, 4, 2)  # the packings CUDA's int4 kernel has, widest (16-byte loads) first
+CUDA_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def cuda_int4_inner_k_tiles(out_features: int, in_features: int, group_size: int = GROUP) -> int | None:
+    """The inner k-tiles CUDA's int4 kernel packs an (out, in) weight with, or None where it takes
+    none of its packings (such a layer is kept in the model's float dtype on CUDA: ``int4_runs``).
+
+    The checks are PyTorch's (aten/src/ATen/native/cuda/int4mm.cu):
+    ``_convert_weight_to_int4pack_cuda`` takes 2, 4 or 8 inner k-tiles of 16 and needs K to be an
+    even multiple of ``innerKTiles * 16``; ``_weight_int4pack_mm_cuda`` reads N back as the packed
+    weight's n-tiles times 8 and checks the scales' N against it (so N is a multiple of 8), and takes
+    groups of 32, 64, 128 or 256 that divide K.
+    """
+    if out_features % 8 or group_size not in CUDA_GROUP_SIZES or in_features % group_size:
+        return None
+    return next((t for t in CUDA_INNER_K_TILES if in_features % (16 * t) == 0), None)
+
+
+def int4_runs(out_features: int, in_features: int, device: torch.device | str, group_size: int = GROUP) -> bool:
+    """Whether ``Int4Linear`` takes an (out, in) weight on ``device``: on the CPU any width of whole
+    groups; on CUDA the shapes its kernel packs (``cuda_int4_inner_k_tiles``)."""
+    if in_features % group_size:
+        return False
+    if torch.device(device).type == "cuda":
+        return cuda_int4_inner_k_tiles(out_features, in_features, group_size) is not None
+    return True
+
+
+def pack_int4(q: torch.Tensor, kernel: Int4Kernel, group_size: int = GROUP) -> torch.Tensor:
+    """q (out, in) integers 0..15 in the packed layout of ``kernel``'s int4 matmul: CUDA's takes two
+    values a byte, high nibble first, tiled by ``cuda_int4_inner_k_tiles``; the CPU's takes int32."""
+    q32 = q.to(torch.int32)
+    if kernel == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32, 1)
+    out_features, in_features = q.shape
+    tiles = cuda_int4_inner_k_tiles(out_features, in_features, group_size)
+    if tiles is None:
+        raise ValueError(f"CUDA's int4 kernel takes no ({out_features}, {in_features}) weight in groups of "
+                         f"{group_size} (quant.cuda_int4_inner_k_tiles); keep this layer in float")
+    nibbles = (q32[:, ::2] << 4 | q32[:, 1::2]).to(torch.uint8).contiguous()  # (out, in // 2)
+    return torch.ops.aten._convert_weight_to_int4pack(nibbles, tiles)
 
 
 class Int4Linear(nn.Module):
@@ -80,12 +157,8 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group_size = group_size
-        self.cuda = q.device.type == "cuda"
-        q32 = q.to(torch.int32)
-        if self.cuda:
-            packed = torch.ops.aten._convert_weight_to_int4pack((q32[:, ::2] << 4 | q32[:, 1::2]).to(torch.uint8), 8)
-        else:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32, 1)
+        self.kernel: Int4Kernel = "cuda" if q.device.type == "cuda" else "cpu"
+        packed = pack_int4(q, self.kernel, group_size)
         mid = zeros.float() + 8 * scales.float()
         # (in // group, out, 2): the kernel's scale-and-zero layout.
         sz = torch.stack([scales.float().t(), mid.t()], dim=-1).contiguous().to(torch.bfloat16)
@@ -102,13 +175,26 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = _act(x).reshape(-1, self.in_features)
-        if self.cuda:
-            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+        if self.kernel == "cuda":  # int4mm.cu checks A.is_contiguous()
+            y = torch.ops.aten._weight_int4pack_mm(x2.contiguous(), self.packed, self.group_size,
+                                                   self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    def values(self) -> torch.Tensor:
+        """The (out, in) integers 0..15, exactly: the layer's own kernel with scale 1 and ``mid`` 8
+        returns them for an identity input (small integers are exact in bf16)."""
+        unit = torch.zeros_like(self.scales_and_zeros)
+        unit[..., 0], unit[..., 1] = 1.0, 8.0
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
+        if self.kernel == "cuda":
+            y = torch.ops.aten._weight_int4pack_mm(eye, self.packed, self.group_size, unit)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, unit)
+        return y.t().round().to(torch.uint8)
 
     def dequantize(self) -> torch.Tensor:
         """The float weight (out, in) this layer multiplies by (for tests and references)."""
@@ -188,7 +274,7 @@ class W8A8Linear(nn.Module):
             digits.append(d)
             steps.append(step)
             rest, step = rest - d * step, step / 254  # the remainder is within half a step
-        acc = torch._int_mm(torch.cat(digits).to(torch.int8), self.qweight.t()).float()
+        acc = int_mm(torch.cat(digits).to(torch.int8), self.qweight.t()).float()
         acc = acc.view(self.digits, -1, self.out_features)
         y = acc[0] * steps[0]
         for i in range(1, self.digits):
@@ -372,7 +458,7 @@ def to_linear(parts: dict[str, torch.Tensor], fmt: Quantization, bias: torch.Ten
     digits = DOT8_DIGITS.get(fmt)
     if digits and parts["qweight"].shape[1] % GROUP == 0:
         return Dot8Linear.from_portable(parts, bias, digits)
-    if fmt == "int4" and portable_kind(parts) == "int4":
+    if fmt == "int4" and portable_kind(parts) == "int4" and int4_runs(*parts["qweight"].shape, device):
         scales, zeros = int4_group_scales(parts)
         if scales is not None:
             return Int4Linear(parts["qweight"], scales, zeros, bias)
@@ -395,27 +481,50 @@ def head_linear(weight: dict[str, torch.Tensor] | torch.Tensor, fmt: Quantizatio
                 device: torch.device | str) -> nn.Module:
     """The output head of a quantized model, in the layers' kernel family: under the dot8 formats a
     file's head as its blocks are (a Q8_0 or Q6_K head exactly) and a float head as int8 groups of 32;
-    else int8 per channel (checkpoint.HEAD_QUANTIZATION: 8 bits whatever the layers use)."""
+    int4 on CUDA: float in ``dtype``; else int8 per channel (checkpoint.HEAD_QUANTIZATION: 8 bits
+    whatever the layers use)."""
     width = weight["qweight"].shape[1] if isinstance(weight, dict) else weight.shape[1]
     if fmt in DOT8_DIGITS and width % GROUP == 0:
         digits = DOT8_DIGITS[fmt]
         if isinstance(weight, dict):
             return Dot8Linear.from_portable({k: v.to(device) for k, v in weight.items()}, digits=digits)
         return Dot8Linear.from_float(weight.to(device), bits=8, digits=digits)
+    if fmt == "int4" and torch.device(device).type == "cuda":
+        # aten._weight_int8pack_mm's CUDA kernel is missing from older builds this project accepts
+        # (torch>=2.4) and naive where present (one thread per output, aten/src/ATen/native/cuda/
+        # int8mm.cu): the head stays in the model's float dtype there.
+        w = dequantize_portable(weight) if isinstance(weight, dict) else weight
+        return float_to_linear(w.to(device), None, "none", dtype)
     if isinstance(weight, dict):
         return to_linear(weight, "int8", None, dtype, device)
     return Int8Linear.from_float(weight.to(device))
+
+
+def layer_format(fmt: Quantization, out_features: int, in_features: int,
+                 device: torch.device | str) -> Quantization:
+    """The format a float (out, in) weight is built in under ``fmt`` outside the dot8 kernel: int4
+    where ``Int4Linear`` takes the shape on ``device``, else int8 where its kernel takes the width,
+    else float ("none"). On CUDA an int4 layer its kernel does not pack stays float (the model's
+    bf16), never int8 (see ``head_linear``)."""
+    if fmt in DOT8_DIGITS:
+        fmt = "int8"
+    if fmt == "int4" and int4_runs(out_features, in_features, device):
+        return "int4"
+    if fmt == "int4" and torch.device(device).type == "cuda":
+        return "none"
+    if fmt in ("int4", "int8") and in_features % INT8_K == 0:
+        return "int8"
+    return "none"
 
 
 def float_to_linear(w: torch.Tensor, bias: torch.Tensor | None, fmt: Quantization,
                     dtype: torch.dtype) -> nn.Module:
     if fmt in DOT8_DIGITS and w.shape[1] % GROUP == 0:
         return Dot8Linear.from_float(w, bias, digits=DOT8_DIGITS[fmt])
-    if fmt in DOT8_DIGITS:
-        fmt = "int8"
-    if fmt == "int4" and w.shape[1] % GROUP == 0:
+    fmt = layer_format(fmt, *w.shape, w.device)
+    if fmt == "int4":
         return Int4Linear.from_float(w, bias)
-    if fmt in ("int4", "int8") and w.shape[1] % INT8_K == 0:
+    if fmt == "int8":
         return Int8Linear.from_float(w, bias)
     layer = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
     layer.weight = nn.Parameter(w.to(dtype), requires_grad=False)

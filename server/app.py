@@ -1,11 +1,15 @@
 """The HTTP surface: litestar routes over ``Service``, with authentication and errors.
 
-The generation endpoints share one path (``generate``): decode the body
-into a msgspec Struct, let the endpoint's handler (``completions``, ``chat``,
-``responses.handler``, ``infill``) build a plan, submit it, and encode the result (JSON, or SSE from an
-async generator). Every generation response names the decoder that served it
-and why in ``x-dualserve-decoder`` / ``x-dualserve-route-reason``. A client that
-disconnects aborts its engine requests, which frees their blocks within a step.
+Each API is a thin shape over one path. The OpenAI generation endpoints (``completions``, ``chat``,
+``responses``, ``fim_completions``) and Anthropic's Messages API (``anthropic``, translated into a
+chat request) go through ``endpoint.generate``: decode the body into a msgspec Struct, let the
+endpoint's handler build a plan, submit it, and encode the result (JSON, or SSE from an async
+generator). llama.cpp's native endpoints (``infill``, ``llamacpp_completion``) plan the same way and
+answer in llama.cpp's shape; ``embeddings`` and ``rerank`` submit to the model's pooling decoders;
+``tokenize`` and ``models_api`` answer without the engine. Every generation response names the
+decoder that served it and why in ``x-dualserve-decoder`` / ``x-dualserve-route-reason``. A client
+that disconnects aborts its engine requests, which frees their blocks within a step. Errors answer in
+the shape of the API the path belongs to (``errors``).
 """
 
 from __future__ import annotations
@@ -22,12 +26,11 @@ from litestar.response import Stream
 
 from .chat import ChatHandler
 from .completions import CompletionHandler
-from . import anthropic, embeddings, fim_completions, models_api, rerank, tokenize
-from .errors import APIError, ErrorKind, error_response, handle_api_error, handle_http_exception, handle_unexpected
-from .infill import InfillHandler
+from . import anthropic, embeddings, fim_completions, infill, llamacpp_completion, models_api, rerank, tokenize
+from .errors import APIError, ErrorKind, handle_api_error, handle_http_exception, handle_unexpected
 from .metrics import Metrics
 from .endpoint import generate, json_response
-from .protocol import ModelCard, ModelList, chat_decoder, completion_decoder, infill_decoder, responses_decoder
+from .protocol import ModelCard, ModelList, chat_decoder, completion_decoder, responses_decoder
 from .responses.handler import ResponsesHandler, delete_response, retrieve_response
 from .responses.store import ResponseStore
 from .service import Service
@@ -52,18 +55,23 @@ OPEN_PATHS = ("/health", "/")
 
 def check_request(request: Request) -> Response | None:
     """Refuse new work while draining (503, Retry-After; reads such as /metrics stay open), then
-    Bearer authentication for everything but OPEN_PATHS: exactly "Bearer KEY", in constant time."""
+    authentication for everything but OPEN_PATHS: exactly "Bearer KEY", or the key alone in
+    ``x-api-key`` (Anthropic's clients), compared in constant time."""
     app: AppState = request.app.state.app_state
     if app.draining and request.method == "POST":
-        return error_response(APIError(ErrorKind.NO_CAPACITY, "The server is shutting down; retry shortly.", None,
-                                       "server_shutting_down", headers={"Retry-After": "5"}))
+        return handle_api_error(request, APIError(ErrorKind.NO_CAPACITY, "The server is shutting down; retry "
+                                                  "shortly.", None, "server_shutting_down", headers={"Retry-After": "5"}))
     if not app.api_key or request.url.path in OPEN_PATHS:
         return None
-    header = request.headers.get("authorization", "").encode()
-    if hmac.compare_digest(header, b"Bearer " + app.api_key.encode()):
+    key = app.api_key.encode()
+    bearer = request.headers.get("authorization", "").encode()
+    api_key = request.headers.get("x-api-key", "").encode()
+    if hmac.compare_digest(bearer, b"Bearer " + key) or hmac.compare_digest(api_key, key):
         return None
-    return error_response(APIError(ErrorKind.UNAUTHENTICATED, "Incorrect or missing API key. Send it as "
-                                   "'Authorization: Bearer KEY'.", None, "invalid_api_key"))
+    # The error in the shape of the API the path belongs to (Anthropic's on /v1/messages).
+    return handle_api_error(request, APIError(ErrorKind.UNAUTHENTICATED, "Incorrect or missing API key. Send it as "
+                                              "'Authorization: Bearer KEY' or 'x-api-key: KEY'.", None,
+                                              "invalid_api_key"))
 
 
 @route("/health", http_method=["GET", "HEAD"], sync_to_thread=False)
@@ -76,19 +84,23 @@ def health(state: State) -> Response:
 
 
 def model_card(model) -> ModelCard:
-    return ModelCard(id=model.name, created=model.created, decoders=model.decoders, max_model_len=model.max_model_len)
+    """A loaded model's card (``models_api.card``: with its state, as llama.cpp's router reports it)."""
+    return models_api.card(model)
 
 
 @get("/v1/models", sync_to_thread=False)
 def list_models(state: State) -> Response:
-    service: Service = state.app_state.service
-    return json_response(ModelList(data=[model_card(m) for m in service.models.values()]), {})
+    """Every model a request may name, loaded or not, with its ``status``."""
+    return json_response(ModelList(data=models_api.model_cards(state.app_state.service)), {})
 
 
 @get("/v1/models/{model_id:str}", sync_to_thread=False)
 def retrieve_model(state: State, model_id: str) -> Response:
     service: Service = state.app_state.service
-    return json_response(model_card(service.served(model_id)), {})
+    found = next((c for c in models_api.model_cards(service) if c.id == model_id), None)
+    if found is None:
+        raise service.not_found(model_id)
+    return json_response(found, {})
 
 
 @post("/v1/completions", status_code=200)
@@ -106,12 +118,6 @@ async def responses(request: Request, state: State) -> Response | Stream:
     """OpenAI's Responses API, served through the chat path (see ``responses.handler``)."""
     handler = partial(ResponsesHandler, store=state.app_state.response_store)
     return await generate(request, state, responses_decoder, handler)
-
-
-@post("/infill", status_code=200)
-async def infill(request: Request, state: State) -> Response | Stream:
-    """llama.cpp-compatible infill (llama.vscode and similar plugins)."""
-    return await generate(request, state, infill_decoder, InfillHandler)
 
 
 @get("/metrics", sync_to_thread=False)
@@ -142,9 +148,9 @@ def create_app(app_state: AppState) -> Litestar:
 
     return Litestar(
         route_handlers=[health, list_models, retrieve_model, completions, chat_completions, responses, retrieve_response,
-                        delete_response, infill, metrics, status_page, status_json,
-                        *anthropic.ROUTES, *embeddings.ROUTES, *fim_completions.ROUTES, *models_api.ROUTES,
-                        *rerank.ROUTES, *tokenize.ROUTES],
+                        delete_response, metrics, status_page, status_json,
+                        *anthropic.ROUTES, *embeddings.ROUTES, *fim_completions.ROUTES, *infill.ROUTES,
+                        *llamacpp_completion.ROUTES, *models_api.ROUTES, *rerank.ROUTES, *tokenize.ROUTES],
         before_request=check_request,
         state=State({"app_state": app_state}),
         exception_handlers={APIError: handle_api_error, HTTPException: handle_http_exception,

@@ -1,4 +1,4 @@
-"""Engine results -> response bodies and stream chunks of /v1/completions, /v1/chat/completions, /infill.
+"""Engine results -> response bodies and stream chunks of /v1/completions and /v1/chat/completions.
 
 One place knows OpenAI's logprob formats, usage accounting and the rule that
 ``finish_reason`` rides on the last content chunk, before an optional usage
@@ -167,17 +167,3 @@ async def chat_stream(service: Service, job: Job, want_logprobs: bool, include_u
     if include_usage:
         yield chunk([], usage_for(job, used, stats))
     yield b"data: [DONE]\n\n"
-
-
-def infill_body(job: Job, result: ChoiceResult) -> dict[str, Any]:
-    """llama.cpp's /infill response shape."""
-    return {"content": result.text, "stop": True, "model": job.model.name,
-            "tokens_predicted": len(result.token_ids), "tokens_evaluated": sum(len(p) for p in job.prompts),
-            "stop_type": "eos" if result.finish_reason == "stop" else "limit"}
-
-
-async def infill_stream(service: Service, job: Job) -> AsyncIterator[bytes]:
-    async for _, delta in service.deltas(job):
-        done = delta.finish_reason is not None
-        if delta.text or done:
-            yield sse({"content": delta.text, "stop": done})

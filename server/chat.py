@@ -99,7 +99,9 @@ class ChatHandler:
         self.use_tools, self.forced = forced_tool(body)
         self.family = family_for(self.model.tokenizer.chat_template)
 
-    def prompt_ids(self) -> list[int]:
+    def prompt_text(self) -> str:
+        """The conversation rendered by the model's chat template, with the generation prompt: the
+        text the chat path tokenizes (also llama.cpp's ``/apply-template`` answer)."""
         from dualserve.models.chat_template import ChatTemplateError
 
         tok = self.model.tokenizer
@@ -113,13 +115,21 @@ class ChatHandler:
         except ChatTemplateError as e:
             raise bad_request(f"could not apply the chat template: {e}", "messages", "invalid_messages") from None
         self.service.check_length(self.model, [text], "messages")
-        return tok.encode(text, add_special_tokens=False)
+        return text
+
+    def prompt_ids(self) -> list[int]:
+        return self.model.tokenizer.encode(self.prompt_text(), add_special_tokens=False)
 
     def plan(self) -> Plan:
         body = self.body
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-        ids = self.prompt_ids()
+        return self.plan_for(self.prompt_ids())
+
+    def plan_for(self, ids: list[int]) -> Plan:
+        """The plan over ``ids``, this request's prompt as ``prompt_ids`` made it: for a caller that
+        reads the prompt first (``anthropic.handler`` fits max_tokens to the context left)."""
+        body = self.body
         grammar = response_grammar(body)
         if self.use_tools and (self.forced or body.tool_choice == "required"):
             max_calls = 1 if body.parallel_tool_calls is False else None

@@ -28,8 +28,10 @@ from .settings import ModelSpec, Settings, count, count_or_zero, non_negative, p
 
 if TYPE_CHECKING:
     from dualserve.decoders.engine.decoder import Decoder
+    from dualserve.decoders.engine.engine import Engine
     from dualserve.decoders.engine.parallel import ParallelGroup
 
+    from .model_manager import ModelManager
     from .router import DecoderTraits, RoutingPolicy
     from .service import ServedModel
 
@@ -44,9 +46,10 @@ def pick_dtype(name: str, device: str) -> torch.dtype:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "--ar", dest="model", default=None,
+    p.add_argument("--model", "--ar", dest="model", default=None, action="append",
                    help="the AR model: HF directory, .gguf file, or a known name (default: the embedded "
-                   "SmolLM2-135M-Instruct)")
+                   "SmolLM2-135M-Instruct); serve takes it more than once, each as [NAME=]PATH, served under "
+                   "NAME or the file's or directory's name (see README: Several models)")
     p.add_argument("--eagle", default="auto", help="EAGLE draft head directory for the AR model; 'auto' uses "
                    "the bundled head for the default model; 'suffix' serves eagle from suffix drafts alone "
                    "(no head); 'none' disables. A DFlash drafter directory is accepted too")
@@ -67,6 +70,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="auto", choices=["auto", *QUANTIZATIONS],
                    help="weight format: int8 (per channel) or int4 (groups of 32) weight-only, or none (--dtype); "
                    "auto keeps what the checkpoint holds (int4 for a Q4_0/Q4_1 GGUF such as the default model)")
+    p.add_argument("--pooling", default=None, choices=["mean", "cls", "last"],
+                   help="how /v1/embeddings pools token states, over what the checkpoint declares (its "
+                   "sentence-transformers Pooling module or GGUF pooling_type; else mean)")
     p.add_argument("--no-compile", action="store_true",
                    help="stay in eager mode (default: steps run through compiled graphs, AOTInductor packages on "
                    "the CPU: built once in the background, cached under the model cache, loaded in seconds later)")
@@ -125,10 +131,12 @@ def bundled(choice: str, model_name: str, finder) -> Path | None:
     return path
 
 
-def load_deployment(settings: Settings, parallel: ParallelGroup | None = None):
+def load_deployment(settings: Settings, parallel: ParallelGroup | None = None, engine: Engine | None = None):
     """Load the models ``settings.model`` names and build their deployment. Under tensor parallelism
-    each rank loads onto its group's device (``tensor_parallel.init``: its own GPU)."""
-    from dualserve.decoders.deployment import ServedSpec, build_deployment
+    each rank loads onto its group's device (``tensor_parallel.init``: its own GPU). ``engine``: join
+    that running engine and its block pool (a model loaded on first use)."""
+    from dualserve.decoders.deployment import ServedSpec, build_deployment, kv_dtype_of, kv_models
+    from dualserve.decoders.engine.paged_attention import KVCache
     from dualserve.models.assets import default_datastore, default_eagle_head, default_twin
     from dualserve.models.loader import load_model, load_twin
 
@@ -143,11 +151,12 @@ def load_deployment(settings: Settings, parallel: ParallelGroup | None = None):
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(settings.compile.cache_dir))
     dtype = pick_dtype(spec.dtype, spec.device)
     name, path = resolve_model(spec.model, cache)
+    name = spec.served_name if spec.name else name
     quantization, dtype, table = pick_format(spec, Path(path), cache, dtype)
     loaded = load_model(path, name=name, dtype=dtype, device=spec.device, cache_dir=cache,
                         quantization=quantization)
     log.info("loaded %s in %.2fs (weights: %s)", name, loaded.load_seconds, loaded.quantization)
-    specs = [ServedSpec(name, loaded)]
+    specs = [ServedSpec(name, loaded, pooling=spec.pooling)]
     if not loaded.config.is_diffusion:
         specs[0].eagle_head = "suffix" if spec.eagle == "suffix" else bundled(spec.eagle, name, default_eagle_head)
         if specs[0].eagle_head is not None:
@@ -168,9 +177,12 @@ def load_deployment(settings: Settings, parallel: ParallelGroup | None = None):
         specs.append(ServedSpec(dname, diff))
     pool = settings.pool
     dep = build_deployment(specs, settings.engine, pool, device=spec.device, compile=settings.compile,
-                           parallel=parallel, format_table=table)
-    log.info("KV pool: %d blocks of %d tokens (%.2f GB)", dep.engine.config.num_blocks, pool.block_size,
-             pool.memory_gb)
+                           parallel=parallel, format_table=table, engine=engine)
+    if engine is None:
+        blocks, loaded = dep.engine.config.num_blocks, kv_models(specs)
+        per_block = pool.bytes_per_block or sum(KVCache.bytes_per_block_of_layers(
+            m.config.kv_shapes, pool.block_size, kv_dtype_of(loaded[0])) for m in loaded)
+        log.info("KV pool: %d blocks of %d tokens (%.2f GB)", blocks, pool.block_size, blocks * per_block / 2**30)
     return dep
 
 
@@ -181,7 +193,7 @@ def pick_format(model: ModelSpec, path: Path, cache: Path, dtype: torch.dtype):
 
     from dualserve.models.config import ModelConfig
     from dualserve.models.families import of_hf
-    from dualserve.models.formats import cached_measure, choose
+    from dualserve.models.formats import cached_measure, choose, off_cpu_choice
     from dualserve.models.loader import is_twin_dir, prepare_source, stored_quantization
 
     if model.quantization != "auto" or is_twin_dir(path):
@@ -191,7 +203,9 @@ def pick_format(model: ModelSpec, path: Path, cache: Path, dtype: torch.dtype):
     if of_hf(raw).network != "core":  # a network with its own layers: float weights only
         return "none", dtype, None
     stored = stored_quantization(source)
-    if not model.device.startswith("cpu") or model.dtype != "auto":
+    if not model.device.startswith("cpu"):  # nothing timed off the CPU: a format the device runs
+        return off_cpu_choice(stored, model.device), dtype, None
+    if model.dtype != "auto":
         return stored, dtype, None
     table = cached_measure(ModelConfig.from_hf(raw), cache / "host")
     quantization, candidate = choose(table, stored)
@@ -270,17 +284,28 @@ def cmd_serve(settings: Settings) -> int:
     settings = settle_format(settings)
     group = start_group(settings)
     # Torch work before serving runs on a thread that exits, so the engine's thread owns the one
-    # long-lived OpenMP pool and its teams spin (decoders/engine/openmp.py).
-    dep = run_on_own_thread(load_deployment, settings, *([group] if group is not None else []))
-    app_state = serving_state(settings, dep, policy)
+    # long-lived OpenMP pool and its teams spin (decoders/engine/openmp.py). The first preloaded
+    # model builds the engine and sizes its block pool; the others join it.
+    catalog = settings.catalog
+    settings = run_on_own_thread(shared_pool, settings)
+    first = settings if catalog is None else for_model(settings, catalog.preload[0])
+    dep = run_on_own_thread(load_deployment, first, *([group] if group is not None else []))
+    app_state = serving_state(first, dep, policy)
     dep.engine.start()
+    manager = app_state.service.manager
+    if manager is not None:
+        for name in catalog.preload[1:]:
+            manager.load(name)
     device = str(group.device) if group is not None else settings.model.device
     if device == "cpu":
         SpinGovernor().start()
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     for line in startup_lines(dep, app_state.service.models, f"http://{host}:{sock.getsockname()[1]}", device,
-                              torch.get_num_threads(), cfg.shutdown_timeout, kernels_in_use()):
+                              torch.get_num_threads(), cfg.shutdown_timeout,
+                              kernels_in_use() if device == "cpu" else None):  # CUDA uses none of them
         print(f"dualserve: {line}", file=sys.stderr)
+    if manager is not None:
+        print(f"dualserve: {catalog_line(catalog, list(manager.loaded))}", file=sys.stderr)
     # uvicorn's graceful timeout only bounds the last flush: the drain has already ended every stream.
     config = uvicorn.Config(create_app(app_state), log_level=cfg.log_level, loop="auto", timeout_graceful_shutdown=5,
                             timeout_keep_alive=cfg.timeout_keep_alive)
@@ -295,10 +320,94 @@ def cmd_serve(settings: Settings) -> int:
     return 0
 
 
+def shared_pool(settings: Settings) -> Settings:
+    """``settings`` with the KV pool sized, once, for several models: ``--kv-memory-gb`` over the
+    block bytes of the models that may be loaded together (the ``--max-loaded-models`` largest,
+    else all), so that the pool stays within its budget whichever of them are loaded. A model
+    whose shape cannot be read here counts as none (its load reports why)."""
+    catalog, pool = settings.catalog, settings.pool
+    if catalog is None or len(catalog.specs) == 1 or pool.num_blocks:
+        return settings
+    log = logging.getLogger("dualserve")
+    costs = []
+    for spec in catalog.specs:
+        try:
+            costs.append(block_bytes(spec, pool.block_size))
+        except Exception as e:  # noqa: BLE001 - a broken model fails its own load, not the start
+            log.warning("%s: cannot read its shape to size the KV pool (%s)", spec.served_name, one_line_text(e))
+    together = sorted(costs, reverse=True)[:catalog.max_loaded or len(costs)]
+    return dataclasses.replace(settings, pool=dataclasses.replace(pool, bytes_per_block=sum(together) or None))
+
+
+def block_bytes(spec: ModelSpec, block_size: int) -> int:
+    """One KV block's bytes for ``spec``'s model, from its config alone (a GGUF's metadata, read
+    without converting it), at the KV dtype it may take (the compute dtype: never less)."""
+    import json
+
+    from dualserve.decoders.engine.paged_attention import KVCache
+    from dualserve.models.config import ModelConfig
+
+    _, path = resolve_model(spec.model, spec.cache_dir)
+    if Path(path).suffix == ".gguf":
+        import gguf
+
+        from dualserve.models.loader import gguf_metadata
+
+        config = ModelConfig.from_gguf(gguf_metadata(gguf.GGUFReader(str(path))))
+    else:
+        config = ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
+    return KVCache.bytes_per_block_of_layers(config.kv_shapes, block_size, pick_dtype(spec.dtype, spec.device))
+
+
+def one_line_text(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def for_model(settings: Settings, name: str) -> Settings:
+    """``settings`` for loading the catalog's model ``name`` (``settings.model`` is the one loaded)."""
+    return dataclasses.replace(settings, model=settings.catalog.spec(name))
+
+
+def catalog_line(catalog, loaded: list[str]) -> str:
+    """The start-up line of a server with several models: which are loaded, and the budget."""
+    names = [f"{n} ({'loaded' if n in loaded else 'on first use'})" for n in catalog.names]
+    bounds = [f"at most {catalog.max_loaded} loaded"] if catalog.max_loaded else []
+    bounds += [f"{catalog.memory_gb:g} GB of weights and KV"] if catalog.memory_gb else []
+    return f"models: {', '.join(names)}" + (f"; {', '.join(bounds)}" if bounds else "")
+
+
+def model_manager(settings: Settings, dep) -> ModelManager:
+    """The loaded-models manager of a server with several models: ``dep`` (the first preloaded
+    model) is in memory; the others load into its engine and block pool on first use."""
+    from dualserve.decoders.deployment import deployment_bytes, unload_deployment
+
+    from .model_manager import Loaded, ModelManager
+    from .model_pool import ModelPool
+
+    catalog, cfg = settings.catalog, settings.server
+
+    def served_of(d) -> dict[str, ServedModel]:
+        served = served_models(d, cfg.max_model_len)
+        for m in served.values():
+            _ = m.max_prompt_chars  # reads the whole vocabulary: once, while loading
+        return served
+
+    def load(name: str) -> Loaded:
+        joined = run_on_own_thread(load_deployment, for_model(settings, name), engine=dep.engine)
+        return Loaded(joined, served_of(joined), deployment_bytes(joined))
+
+    memory = int(catalog.memory_gb * 2**30) if catalog.memory_gb else None
+    manager = ModelManager(ModelPool(catalog.names, catalog.max_loaded, memory), load, unload_deployment,
+                           paths={s.served_name: s.model or s.served_name for s in catalog.specs},
+                           wait_seconds=settings.engine.max_queue_wait or 30.0)
+    manager.add(settings.model.served_name, Loaded(dep, served_of(dep), deployment_bytes(dep)))
+    return manager
+
+
 def serving_state(settings: Settings, dep, policy: RoutingPolicy):
-    """The app's state over a loaded deployment: its models as the API shows them, metrics, the
-    router (``policy``, the file's or the defaults, fitted to this host's measured costs unless a
-    file gave it), the service."""
+    """The app's state over a loaded deployment: its models as the API shows them (with several
+    models, through the loaded-models manager), metrics, the router (``policy``, the file's or the
+    defaults, fitted to this host's measured costs unless a file gave it), the service."""
     from .app import AppState
     from .metrics import Metrics
     from .responses.store import ResponseStore
@@ -306,7 +415,9 @@ def serving_state(settings: Settings, dep, policy: RoutingPolicy):
     from .service import Service, ServiceLimits
 
     cfg = settings.server
-    served = served_models(dep, cfg.max_model_len)
+    several = settings.catalog is not None and len(settings.catalog.specs) > 1
+    manager = model_manager(settings, dep) if several else None
+    served = manager.loaded if manager is not None else served_models(dep, cfg.max_model_len)
     metrics = Metrics(node_cost_per_hour=cfg.node_cost_per_hour)
     metrics.record_formats(dep.format_table, {n: m.quantization for n, m in dep.models.items()})
     name = next(iter(dep.models))
@@ -320,7 +431,8 @@ def serving_state(settings: Settings, dep, policy: RoutingPolicy):
         from .calibrate import calibrate
 
         policy, _ = run_on_own_thread(calibrate, dep.engine, name, dep.models[name].tokenizer, policy)
-    service = Service(dep.engine, served, Router(policy), ServiceLimits(request_timeout=cfg.request_timeout), metrics)
+    service = Service(dep.engine, served, Router(policy), ServiceLimits(request_timeout=cfg.request_timeout), metrics,
+                      manager=manager)
     return AppState(service=service, metrics=metrics, api_key=cfg.api_key, on_shutdown=[dep.engine.shutdown],
                     body_limit=int(cfg.max_body_mb * 2**20),
                     response_store=ResponseStore.sized(cfg.response_store_size, cfg.response_store_mb))
@@ -417,6 +529,16 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=port_number, default=8000,
                        help="TCP port (0: one the system picks, named in the start-up lines)")
     serve.add_argument("--max-model-len", type=count, default=8192)
+    serve.add_argument("--models-dir", default=None, help="serve every .gguf file and Hugging Face model directory "
+                       "in this folder too, each under its file's or directory's name")
+    serve.add_argument("--models-preset", default=None, help="a JSON or TOML file listing models to serve too: "
+                       "{name, model, and per-model options: quantization, dtype, eagle, twin, ..., preload}")
+    serve.add_argument("--max-loaded-models", type=count, default=None, help="with several models: at most this "
+                       "many in memory; loading another unloads the least recently used idle one (default: no bound)")
+    serve.add_argument("--models-memory", type=positive, default=None, help="with several models: GB of weights "
+                       "and KV tensors they may hold together; the least recently used idle ones unload to fit")
+    serve.add_argument("--preload", action="append", default=None, metavar="NAME",
+                       help="a model to load at start (repeatable; default: the first one given)")
     serve.add_argument("--request-timeout", type=positive, default=600.0,
                        help="seconds a request may run; a stream that times out ends with an error event and [DONE]")
     serve.add_argument("--shutdown-timeout", type=non_negative, default=30.0,

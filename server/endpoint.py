@@ -80,6 +80,7 @@ async def generate(request: Request, state: State, body_decoder: msgspec.json.De
     """The path every generation endpoint takes: decode, plan, submit, then stream or collect."""
     service: Service = state.app_state.service
     body = decode(await request.body(), body_decoder)
+    await service.ready(getattr(body, "model", None))  # a model not in memory loads off the event loop
     handler = handler_type(service, body, request.headers.get(DECODER_HEADER))
     # Tokenizing, templating and compiling a grammar take a thread; the event loop keeps answering.
     plan = await asyncio.to_thread(lambda: service.prepare(handler.plan()))

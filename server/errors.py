@@ -1,9 +1,13 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+"""API errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the right status.
 
 Handlers raise ``APIError``, whose ``ErrorKind`` fixes the HTTP status and OpenAI's error type;
 the app's exception handlers turn it (and any validation or unexpected error) into that shape.
 A request the engine fails carries a ``FailureKind``, mapped to an ``ErrorKind`` here.
 No traceback reaches a client.
+
+Anthropic's Messages API (``/v1/messages...``) answers in Anthropic's shape instead,
+``{"type": "error", "error": {"type", "message"}}``, its type chosen by the status as Anthropic
+chooses it (https://docs.anthropic.com/en/api/errors); the handlers pick the shape by path.
 """
 
 from __future__ import annotations
@@ -94,7 +98,31 @@ def _response(status: int, type: str, message: str, param: str | None = None, co
                     headers=headers or {})
 
 
-def handle_api_error(_: Request, exc: APIError) -> Response:
+# Anthropic's error type by HTTP status; any other 4xx is an invalid request, any other 5xx an api_error.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                   503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def speaks_anthropic(request: Request) -> bool:
+    path = request.url.path
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, object]:
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def anthropic_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(content=encoder.encode(anthropic_error_body(status, message)), status_code=status,
+                    media_type="application/json", headers=headers or {})
+
+
+def handle_api_error(request: Request, exc: APIError) -> Response:
+    if speaks_anthropic(request):
+        return anthropic_response(exc.status, exc.message, exc.headers)
     return error_response(exc)
 
 
@@ -109,9 +137,11 @@ def handle_http_exception(request: Request, exc: HTTPException) -> Response:
     message = str(exc.detail)
     if status in (404, 405) and message in ("Not Found", "Method Not Allowed"):
         message, kind = f"Invalid URL ({request.method} {request.url.path})", "invalid_request_error"
+    if speaks_anthropic(request):
+        return anthropic_response(status, message, dict(exc.headers or {}))
     return _response(status, kind, message, headers=dict(exc.headers or {}))
 
 
-def handle_unexpected(_: Request, exc: Exception) -> Response:
+def handle_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error")
-    return error_response(APIError(ErrorKind.INTERNAL, "internal server error"))
+    return handle_api_error(request, APIError(ErrorKind.INTERNAL, "internal server error"))

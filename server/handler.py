@@ -1,9 +1,11 @@
 """The one shape of a generation endpoint: body -> ``Plan`` -> the service runs it -> body or SSE.
 
-Each endpoint (``completions``, ``chat``, ``infill``) has a handler class built per request from
-the service, the decoded body and the decoder the client asked for in the
-``x-dualserve-decoder`` header. The app then does the same for all three: submit the plan,
-and either stream the handler's SSE or collect the results and encode the handler's body.
+Each OpenAI-shaped generation endpoint (``completions``, ``chat``, ``responses``, ``fim_completions``)
+has a handler class built per request from the service, the decoded body and the decoder the client
+asked for in the ``x-dualserve-decoder`` header. ``endpoint.generate`` then does the same for all:
+submit the plan, and either stream the handler's SSE or collect the results and encode the
+handler's body. llama.cpp's native endpoints (``/infill``, ``/completion``) plan the same way and
+answer through ``llamacpp.serve``, which also times each phase.
 """
 
 from __future__ import annotations

@@ -1,38 +1,35 @@
 """llama.cpp's ``POST /infill`` (llama.vscode and similar plugins): prefix, suffix, extra files -> a plan.
 
-The llama.cpp fields map onto OpenAI-style sampling fields; the routed decoder decides how the
-suffix is placed (``Route.infill``, prompts built in ``fim``), and the response keeps
-llama.cpp's shape.
+The llama.cpp fields map onto OpenAI-style sampling fields, with llama.cpp's defaults for what a
+request leaves out; the routed decoder decides how the suffix is placed (``Route.infill``, prompts
+built in ``fim``), and the answer keeps llama.cpp's shape (``llamacpp``). ``n_predict: 0`` prefills
+the prompt into the prefix cache and answers an empty completion, as llama.cpp does: llama.vscode
+sends it with the extra context (``input_extra``) to warm the cache before the user's next request.
 """
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from litestar import Request, Response, post
+from litestar.datastructures import State
+from litestar.response import Stream
 
 from .errors import bad_request
 from .fim import InfillPrompt
-from .protocol import InfillRequest, SamplingFields
-from .bodies import infill_body, infill_stream
-from .service import ChoiceResult, Job, Plan, Service
-from .streaming import ended_cleanly
-
-# llama.cpp's stream has no [DONE]: it ends with a chunk whose "stop" is true.
-STREAM_END = b'data: {"content":"","stop":true}\n\n'
+from .llamacpp import (DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, llama_seed, prefill_params,
+                       prefill_route, requested_tokens, serve)
+from .protocol import InfillRequest, SamplingFields, infill_decoder
+from .service import Plan, Service
 
 DEFAULT_MAX_TOKENS = 64
 
 
-def infill_max_tokens(body: InfillRequest) -> int:
-    """llama.cpp's ``n_predict`` (or ``max_tokens``): unset or negative (llama.cpp's "no limit") is this
-    endpoint's default; 0 is refused like any ``max_tokens`` below 1 (it used to mean 64 silently)."""
-    n = body.n_predict if body.n_predict is not None else body.max_tokens
-    return DEFAULT_MAX_TOKENS if n is None or n < 0 else n
-
-
 def sampling_fields(body: InfillRequest) -> SamplingFields:
-    """llama.cpp's /infill fields as OpenAI-style sampling fields."""
-    return SamplingFields(model=body.model, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                          stop=body.stop, seed=body.seed, decoder=body.decoder)
+    """llama.cpp's /infill fields as OpenAI-style sampling fields, with llama.cpp's defaults."""
+    return SamplingFields(model=body.model,
+                          temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+                          top_k=DEFAULT_TOP_K if body.top_k is None else body.top_k,
+                          top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p, min_p=DEFAULT_MIN_P,
+                          stop=body.stop, seed=llama_seed(body.seed), decoder=body.decoder)
 
 
 class InfillHandler:
@@ -40,6 +37,9 @@ class InfillHandler:
         self.service = service
         self.body = body
         self.header_decoder = header_decoder
+        self.stream = body.stream
+        self.return_tokens = False
+        self.several = False
 
     def plan(self) -> Plan:
         service, body = self.service, self.body
@@ -48,7 +48,10 @@ class InfillHandler:
             raise bad_request("nothing to infill: input_prefix, prompt, input_suffix and input_extra are all "
                               "empty", "input_prefix", "missing_required_parameter")
         fields = sampling_fields(body)
-        route = service.route(model, fields, fields.decoder or self.header_decoder, infill=True)
+        max_tokens = requested_tokens(body.n_predict, body.max_tokens, None)
+        hint = fields.decoder or self.header_decoder
+        route = (prefill_route(service, model, fields, infill=True) if max_tokens == 0
+                 else service.route(model, fields, hint, infill=True))
         service.check_length(model, [body.input_prefix + body.prompt + body.input_suffix + "".join(
             str(e.get("filename", "")) + str(e.get("text", "")) for e in body.input_extra)], "input_prefix")
         prompt = route.infill(model.tokenizer, body.input_prefix + body.prompt, body.input_suffix,
@@ -57,13 +60,18 @@ class InfillHandler:
             # Filling at the very start of a file, with no fill-in-the-middle tokens to carry the
             # suffix: generation starts from the start of text, as for an empty completion prompt.
             prompt = InfillPrompt(service.start_of_text(model), prompt.suffix_ids)
-        params = service.sampling_params(fields, infill_max_tokens(body), None,
-                                         len(prompt.prefix_ids) + len(prompt.suffix_ids), model,
+        prompt_len = len(prompt.prefix_ids) + len(prompt.suffix_ids)
+        params = service.sampling_params(fields, 1 if max_tokens == 0 else max_tokens, None, prompt_len, model,
                                          default_max=route.default_max_tokens(DEFAULT_MAX_TOKENS))
+        if max_tokens == 0:
+            params = prefill_params(params)
         return Plan(model, route, [prompt.prefix_ids], params, 1, prompt.suffix_ids)
 
-    def respond(self, job: Job, results: list[ChoiceResult]) -> dict[str, Any]:
-        return infill_body(job, results[0])
 
-    def stream(self, job: Job) -> AsyncIterator[bytes]:
-        return ended_cleanly(infill_stream(self.service, job), STREAM_END)
+@post("/infill", status_code=200)
+async def infill(request: Request, state: State) -> Response | Stream:
+    """llama.cpp-compatible infill (llama.vscode and similar plugins)."""
+    return await serve(request, state, infill_decoder, InfillHandler)
+
+
+ROUTES = [infill]

@@ -372,3 +372,239 @@ completion_decoder = msgspec.json.Decoder(CompletionRequest)
 chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 infill_decoder = msgspec.json.Decoder(InfillRequest)
 responses_decoder = msgspec.json.Decoder(ResponsesRequest)
+
+
+# ---- llama.cpp's native endpoints and the Mistral / DeepSeek FIM endpoint -------------------------
+# Shapes from llama.cpp's tools/server/README.md and server-task.cpp (``to_json_non_oaicompat``,
+# ``result_timings::to_json``); the FIM body from Mistral's /v1/fim/completions reference. Served by
+# server/tokenize.py, server/llamacpp.py, server/llamacpp_completion.py and server/fim_completions.py.
+
+# llama.cpp's seed for "pick one at random" (LLAMA_DEFAULT_SEED); -1 says the same.
+LLAMA_RANDOM_SEED = 0xFFFFFFFF
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    content: str
+    add_special: bool = False    # BOS (and EOS) as the model's metadata asks
+    parse_special: bool = True   # false: special-token text is tokenized as plain text
+    with_pieces: bool = False
+    model: str | None = None
+
+
+class TokenPiece(Struct, kw_only=True):
+    id: int
+    piece: str | list[int]       # the token's bytes, as a list where they are not valid UTF-8 alone
+
+
+class TokenizeResponse(Struct, kw_only=True):
+    tokens: list[int] | list[TokenPiece]
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    tokens: list[int] = field(default_factory=list)
+    model: str | None = None
+
+
+class DetokenizeResponse(Struct, kw_only=True):
+    content: str
+
+
+class ApplyTemplateResponse(Struct, kw_only=True):
+    prompt: str
+
+
+class InputTokensResponse(Struct, kw_only=True):
+    input_tokens: int
+
+
+class LlamaCompletionRequest(Struct, kw_only=True):
+    """llama.cpp's POST /completion. ``prompt``: a string, token ids, token ids mixed with strings, or a
+    list of those (several prompts), checked in ``server.llamacpp_completion``. ``cache_prompt`` and
+    ``id_slot`` are accepted: every prompt is prefix-cached, and there are no slots."""
+
+    prompt: str | list[Any] | None = None
+    n_predict: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    stream: bool = False
+    cache_prompt: bool = True
+    id_slot: int = -1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float | None = None
+    ignore_eos: bool = False
+    return_tokens: bool = False
+    model: str | None = None
+    decoder: str | None = None
+
+
+class LlamaTimings(Struct, kw_only=True):
+    cache_n: int                 # prompt tokens reused from the prefix cache
+    prompt_n: int                # prompt tokens computed
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+
+
+class LlamaPartial(Struct, kw_only=True):
+    """One streamed chunk of /completion or /infill while generating."""
+
+    index: int
+    content: str
+    tokens: list[int]
+    stop: bool
+    tokens_predicted: int
+    tokens_evaluated: int
+
+
+class LlamaResult(Struct, kw_only=True):
+    """The answer of /completion or /infill, and the last chunk of their stream (``content`` empty there)."""
+
+    index: int
+    content: str
+    tokens: list[int]
+    stop: bool
+    model: str
+    tokens_predicted: int
+    tokens_evaluated: int
+    generation_settings: dict[str, Any]
+    prompt: str
+    has_new_line: bool
+    truncated: bool
+    stop_type: Literal["none", "eos", "limit", "word"]
+    stopping_word: str
+    tokens_cached: int
+    timings: LlamaTimings
+
+
+class FimCompletionRequest(Struct, kw_only=True):
+    """POST /v1/fim/completions, as Mistral (Codestral) and DeepSeek serve it and Continue sends it."""
+
+    model: str | None = None
+    prompt: str | None = None
+    suffix: str | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    random_seed: Seed | None = None  # Mistral's name
+    seed: Seed | None = None         # DeepSeek's and OpenAI's
+    decoder: str | None = None
+
+
+tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
+detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
+llama_completion_decoder = msgspec.json.Decoder(LlamaCompletionRequest)
+fim_completion_decoder = msgspec.json.Decoder(FimCompletionRequest)
+
+
+# ---- Embeddings and rerank (server/embeddings.py, server/rerank.py) -----------------------------
+
+
+class EmbeddingRequest(Struct, kw_only=True):
+    """POST /v1/embeddings (OpenAI). ``input``: a string, a list of strings, a token-id list or a
+    list of token-id lists; its shape is checked by the handler, to answer in OpenAI's words."""
+
+    input: Any = None
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class EmbeddingUsage(Struct, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingData(Struct, kw_only=True):
+    index: int
+    embedding: list[float] | str  # base64: the little-endian float32 bytes, as OpenAI's SDK decodes them
+    object: str = "embedding"
+
+
+class EmbeddingResponse(Struct, kw_only=True):
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+    object: str = "list"
+
+
+class RerankDocument(Struct, kw_only=True):
+    text: str
+
+
+class RerankRequest(Struct, kw_only=True):
+    """POST /v1/rerank (also /rerank, /v1/reranking): llama.cpp's, Jina's and Cohere's body.
+    ``instruction``: the ``<Instruct>`` line of Qwen3-Reranker's prompt (its default when unset)."""
+
+    query: str | None = None
+    documents: list[str | RerankDocument] | None = None
+    model: str | None = None
+    top_n: int | None = None
+    return_documents: bool = False
+    instruction: str | None = None
+
+
+class RerankResult(Struct, kw_only=True, omit_defaults=True):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankResponse(Struct, kw_only=True):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: EmbeddingUsage
+    object: str = "list"
+
+
+embedding_decoder = msgspec.json.Decoder(EmbeddingRequest)
+rerank_decoder = msgspec.json.Decoder(RerankRequest)
+
+
+# ---- Several models in one server: /v1/models states, /models, /models/load, /models/unload ----
+# llama.cpp's router shapes (tools/server/README.md, "Using multiple models"): a model's
+# ``status`` is an object whose ``value`` is loaded / loading / unloaded.
+
+
+class ModelStatus(Struct, kw_only=True, omit_defaults=True):
+    value: Literal["loaded", "loading", "unloaded"]
+    failed: bool = False                # its last load failed (``error`` says why)
+    error: str | None = None
+
+
+class ServedModelCard(ModelCard, kw_only=True):
+    """A ``/v1/models`` (and ``/models``) entry: OpenAI's card, with where the model loads from
+    and its state. ``decoders`` and ``max_model_len`` are those of its last load (None before)."""
+
+    path: str | None = None
+    status: ModelStatus | None = None
+
+
+class ModelAction(Struct, kw_only=True):
+    """POST /models/load and /models/unload."""
+
+    model: str
+
+
+class ModelActionResult(Struct, kw_only=True):
+    success: bool = True
+
+
+model_action_decoder = msgspec.json.Decoder(ModelAction)

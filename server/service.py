@@ -5,6 +5,10 @@ the OpenAI semantics that do not belong to any decoder: defaults, limits,
 prompt forms, chat templates, choice indexing for n and multiple prompts,
 usage accounting and the logprob formats. It talks to the engine through
 ``submit``/``abort`` only and never imports model internals.
+
+With several models served, ``model(name)`` asks the ``ModelManager`` (``model_manager.py``),
+which loads a model on first use; the service tells it when each request starts and ends, so
+that a model with requests in flight is never unloaded.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from dualserve.decoders.engine.engine import Engine
 from dualserve.decoders.engine.grammar import Constraint, GrammarError
@@ -27,6 +31,9 @@ from dualserve.decoders.engine.scheduler import QueueFull
 from .errors import APIError, ErrorKind, bad_request, engine_error, overloaded
 from .protocol import SamplingFields
 from .router import DecoderTraits, Route, Router
+
+if TYPE_CHECKING:
+    from .model_manager import ModelManager
 
 
 # repetition_penalty divides positive logits and multiplies negative ones (CTRL): far outside
@@ -128,31 +135,71 @@ OVERFLOW = (-2, None)  # the reader is too slow; its engine requests were aborte
 
 class Service:
     def __init__(self, engine: Engine, models: dict[str, ServedModel], router: Router,
-                 limits: ServiceLimits = ServiceLimits(), metrics=None):
+                 limits: ServiceLimits = ServiceLimits(), metrics=None, manager: ModelManager | None = None):
         self.metrics = metrics  # server.metrics.Metrics, or None
         self.engine = engine
-        self.models = models
+        self.manager = manager  # several models: loads on first use; None: ``models`` is all there is
+        self._models = models
         self.router = router
         self.limits = limits
-        self.default_model = next(iter(models))
+        self.default_model = next(iter(manager.pool.entries)) if manager is not None else next(iter(models))
         self.live: set[Job] = set()  # started and not yet ended; the shutdown drain waits on them
         for model in models.values():
             _ = model.max_prompt_chars  # reads the whole vocabulary (GIL held): at start-up, not on a request
 
+    @property
+    def models(self) -> dict[str, ServedModel]:
+        """The models in memory now, by served name."""
+        return self.manager.loaded if self.manager is not None else self._models
+
+    def names(self) -> list[str]:
+        """Every model a request may name: the configured ones, loaded or not."""
+        if self.manager is None:
+            return list(self._models)
+        return list(dict.fromkeys([*self.manager.pool.entries, *self.manager.loaded]))
+
     # ---- validation ----------------------------------------------------------
 
     def model(self, name: str | None) -> ServedModel:
-        if name is None or name == "" or (name not in self.models and len(self.models) == 1
+        """The model a request names (none: the default one); with several models, loaded first if
+        it is not in memory (this blocks its thread: ``ready`` loads it off the event loop first)
+        and leased to the request until it starts (``start``)."""
+        name = self.requested(name)
+        if self.manager is None:
+            return self.served(name)
+        try:
+            return self.manager.acquire(name)
+        except KeyError:
+            raise self.not_found(name) from None
+
+    def requested(self, name: str | None) -> str:
+        """The served name a request's ``model`` field means: none is the default model, and with
+        one model served, so are "default" and "dualserve"."""
+        if name is None or name == "" or (name not in self.names() and len(self.names()) == 1
                                            and name in ("default", "dualserve")):
-            return self.models[self.default_model]
-        return self.served(name)
+            return self.default_model
+        return name
+
+    async def ready(self, name: str | None) -> None:
+        """Load the model a request names, if it is not in memory, off the event loop: a handler
+        that then resolves it with ``model`` on the loop finds it loaded. An unknown name is left
+        to ``model``'s 404."""
+        if self.manager is None:
+            return
+        name = self.requested(name)
+        owner = self.manager.owner(name)
+        if owner is not None and name not in self.manager.loaded:
+            await asyncio.to_thread(self.manager.load, owner)
 
     def served(self, name: str) -> ServedModel:
-        """The model served under exactly ``name``, or a 404 naming the served ones."""
+        """The model in memory under exactly ``name``, or a 404 naming the served ones."""
         if name not in self.models:
-            raise APIError(ErrorKind.NOT_FOUND, f"The model '{name}' does not exist. Available: "
-                           f"{', '.join(self.models)}", "model", "model_not_found")
+            raise self.not_found(name)
         return self.models[name]
+
+    def not_found(self, name: str) -> APIError:
+        return APIError(ErrorKind.NOT_FOUND, f"The model '{name}' does not exist. Available: "
+                        f"{', '.join(self.names())}", "model", "model_not_found")
 
     def prompt_ids(self, model: ServedModel, prompt: Any) -> list[list[int]]:
         """Accept a string, a list of strings, a token-id list or a list of token-id lists."""
@@ -283,7 +330,7 @@ class Service:
             if item[1].finish_reason is not None:
                 job.unfinished -= 1
                 if not job.unfinished:
-                    self.live.discard(job)
+                    self.retire(job)
             if job.overflowed:
                 return
             if job.queue.qsize() >= limit:  # a slow reader: stop buffering for it
@@ -311,7 +358,16 @@ class Service:
                 self.cancel(job)
                 raise
         self.live.add(job)
+        if self.manager is not None:
+            self.manager.begin(model.name)
         return job
+
+    def retire(self, job: Job) -> None:
+        """The job has ended (every choice finished, or its reader left): it no longer holds its model."""
+        if job in self.live:
+            self.live.discard(job)
+            if self.manager is not None:
+                self.manager.end(job.model.name)
 
     def admit(self, choices: int) -> None:
         """Admission, fair between requests: one request may ask for at most half the waiting queue,
@@ -401,7 +457,7 @@ class Service:
                     self._observe(job, index, delta, first.get(index), produced[index], started)
                 yield index, delta
         finally:
-            self.live.discard(job)
+            self.retire(job)
             if remaining:
                 self.cancel(job)
                 if self.metrics is not None:

@@ -3,7 +3,9 @@
 ``cli`` parses the flags; ``Settings.from_args`` turns them into one frozen object per component,
 here and nowhere else, and everything below receives its own object:
 
-  model     ModelSpec          which models to load and how (--model, --eagle, --twin, --dtype, ...)
+  model     ModelSpec          which models to load and how (--model, --eagle, --twin, --dtype, ...): the first one
+  catalog   Catalog            every model served (each --model, --models-dir, --models-preset), and the
+                               loaded-models budget (``server/model_manager.py``)
   engine    EngineConfig       the scheduler's bounds (``decoders/engine/engine.py``)
   pool      PoolSpec           the KV block pool's size (``decoders/deployment.py``)
   compile   CompileSpec        compiled steps (``decoders/deployment.py``); None with --no-compile
@@ -31,15 +33,18 @@ from typing import Literal, Mapping
 
 from dualserve.decoders.deployment import CompileSpec, PoolSpec
 from dualserve.decoders.engine.engine import EngineConfig
-from dualserve.models.hub import default_cache_dir
+from dualserve.models.formats import check_device
+from dualserve.models.errors import InputError
+from dualserve.models.hub import ALIASES, DEFAULT_MODEL_NAME, default_cache_dir
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Which models one process loads, and how (the flags of ``cli.add_model_args``)."""
+    """Which models one served model loads, and how (the flags of ``cli.add_model_args``)."""
 
     cache_dir: Path                    # the model cache: --cache-dir, else $DUALSERVE_CACHE, else ~/.cache/dualserve
     model: str | None = None           # the AR model (None: the embedded default)
+    name: str | None = None            # the name it is served under (None: the file's or directory's, ``served_name``)
     eagle: str = "auto"                # a draft head directory, "auto" (bundled), "suffix" or "none"
     dflash: str = "none"               # a DFlash drafter directory, or "none"
     twin: str = "auto"                 # a diffusion twin directory, "auto" (bundled) or "none"
@@ -48,6 +53,31 @@ class ModelSpec:
     dtype: str = "auto"                # a name of ``cli.DTYPES``, or "auto" (by device)
     device: str = "cpu"                # a rank's own device is its group's (``cli.load_deployment``)
     quantization: str = "auto"         # a weight format of ``models.quant.QUANTIZATIONS``, or "auto"
+    pooling: str | None = None         # --pooling: how embeddings pool (None: as the checkpoint declares)
+
+
+    @property
+    def served_name(self) -> str:
+        return self.name or served_name(self.model)
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """Every model one server serves, by name, and how many may be in memory at once: a model not
+    loaded loads on first use, and the least recently used idle one unloads to stay within
+    ``max_loaded`` models and ``memory_gb`` of weights and KV tensors (``server/model_manager.py``)."""
+
+    specs: tuple[ModelSpec, ...]       # the first one is the default model, named by requests without one
+    preload: tuple[str, ...] = ()      # loaded at start (the first preloaded one sizes the KV pool)
+    max_loaded: int | None = None      # --max-loaded-models (None: no bound)
+    memory_gb: float | None = None     # --models-memory (None: no bound)
+
+    @property
+    def names(self) -> list[str]:
+        return [s.served_name for s in self.specs]
+
+    def spec(self, name: str) -> ModelSpec:
+        return next(s for s in self.specs if s.served_name == name)
 
 
 @dataclass(frozen=True)
@@ -109,7 +139,7 @@ class Settings:
     """Everything one ``serve`` or ``generate`` process is configured with (the module docstring)."""
 
     command: Literal["serve", "generate"]
-    model: ModelSpec
+    model: ModelSpec                   # the first model of ``catalog``: the one ``generate`` and most tools load
     engine: EngineConfig
     pool: PoolSpec
     compile: CompileSpec | None
@@ -117,6 +147,7 @@ class Settings:
     threads: int | None = None         # torch's CPU threads (None: all cores, shared out between ranks)
     server: ServerSettings | None = None
     generate: GenerateSettings | None = None
+    catalog: Catalog | None = None     # every served model; None: ``model`` alone
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, env: Mapping[str, str] | None = None) -> "Settings":
@@ -124,17 +155,17 @@ class Settings:
         environment unless given (tests)."""
         env = os.environ if env is None else env
         cache = default_cache_dir(args.cache_dir)
-        model = ModelSpec(cache_dir=cache, model=args.model, eagle=args.eagle, dflash=args.dflash, twin=args.twin,
-                          datastore=args.datastore,
-                          diffusion=args.diffusion, dtype=args.dtype, device=args.device,
-                          quantization=args.quantization)
+        catalog = catalog_of(args, cache)
+        for spec in catalog.specs:  # a format with no kernel on the device: one line now, not a failed first forward
+            check_device(spec.quantization, spec.device)
+        model = catalog.specs[0]
         engine = EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                               max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
                               max_queue_wait=args.max_queue_wait or None, max_run_time=args.max_run_time or None,
                               min_token_rate=args.min_token_rate)
         # flash-attn's paged kernel needs blocks of 256 tokens; small blocks share more prefix on a CPU
         block_size = args.block_size or (256 if args.device.startswith("cuda") else 16)
-        pool = PoolSpec(block_size=block_size, num_blocks=args.num_blocks, memory_gb=kv_memory_gb(args.kv_memory_gb))
+        pool = PoolSpec(block_size=block_size, num_blocks=args.num_blocks, memory_gb=args.kv_memory_gb)
         compile_spec = None if args.no_compile else CompileSpec(
             cache_dir=cache / "compile", background=args.command == "serve",
             attend_kernel=env.get("DUALSERVE_ATTEND_KERNEL", "1") != "0")
@@ -152,20 +183,107 @@ class Settings:
         elif hasattr(args, "prompt"):
             generate = GenerateSettings(prompt=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                         seed=args.seed, decoder=args.decoder, chat=args.chat)
+        if len(catalog.specs) > 1 and (generate is not None or parallel.size > 1 or parallel.launched is not None):
+            raise InputError("several models are served by 'dualserve serve' on one rank only: give one --model "
+                             f"to {'generate' if generate is not None else 'a tensor-parallel server'}")
         return cls(command=args.command, model=model, engine=engine, pool=pool, compile=compile_spec,
-                   parallel=parallel, threads=args.threads, server=server, generate=generate)
+                   parallel=parallel, threads=args.threads, server=server, generate=generate, catalog=catalog)
 
 
-def kv_memory_gb(choice: float | None) -> float:
-    """The KV pool's memory: as given, else 1/64 of this machine's memory, between 0.25 and 1 GB
-    (0.25 GB where the machine's memory cannot be asked: no ``os.sysconf`` on Windows)."""
-    if choice is not None:
-        return choice
+# ---- the served models ---------------------------------------------------------------------
+
+# What a presets entry may set besides ``name`` and ``model``: the per-model flags.
+PRESET_OPTIONS = ("eagle", "dflash", "twin", "datastore", "diffusion", "dtype", "quantization", "preload")
+
+
+def served_name(model: str | None) -> str:
+    """The name a model is served under: the known name, or the .gguf file's stem, or the directory's name."""
+    if model is None or model in ALIASES:
+        return DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def catalog_of(args: argparse.Namespace, cache: Path) -> Catalog:
+    """Every model the command line names: each ``--model [NAME=]PATH`` in order, then the presets
+    file's entries, then the models folder's; the embedded default when none is named. The flags
+    --dtype, --quantization and --device apply to every model; --eagle, --dflash, --twin,
+    --datastore and --diffusion to the first ``--model`` only (a head or twin fits one model)."""
+    common = dict(cache_dir=cache, dtype=args.dtype, device=args.device, quantization=args.quantization,
+                  pooling=getattr(args, "pooling", None))
+    own = dict(eagle=args.eagle, dflash=args.dflash, twin=args.twin, datastore=args.datastore,
+               diffusion=args.diffusion)
+    given = args.model if isinstance(args.model, list) else [args.model] if args.model is not None else []
+    specs, preload = [], list(getattr(args, "preload", None) or [])
+    for i, text in enumerate(given):
+        name, model = named_model(text)
+        specs.append(ModelSpec(model=model, name=name, **common, **(own if i == 0 else {})))
+    if getattr(args, "models_preset", None):
+        for entry in read_presets(Path(args.models_preset).expanduser()):
+            if entry.pop("preload", False) and entry["name"] not in preload:
+                preload.append(entry["name"])
+            specs.append(ModelSpec(**{**common, **entry}))
+    if getattr(args, "models_dir", None):
+        specs += [ModelSpec(model=str(p), **common) for p in models_in(Path(args.models_dir).expanduser())]
+    if not specs:
+        specs = [ModelSpec(**common, **own)]
+    names = [s.served_name for s in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise InputError(f"two models are served as {twice[0]!r}: name each one, e.g. --model NAME=PATH")
+    unknown = [n for n in preload if n not in names]
+    if unknown:
+        raise InputError(f"--preload {unknown[0]!r}: no such model (served: {', '.join(names)})")
+    return Catalog(specs=tuple(specs), preload=tuple(preload or names[:1]),
+                   max_loaded=getattr(args, "max_loaded_models", None),
+                   memory_gb=getattr(args, "models_memory", None))
+
+
+def named_model(text: str) -> tuple[str | None, str]:
+    """``--model NAME=PATH`` -> (NAME, PATH); a plain path or known name -> (None, it)."""
+    name, sep, model = text.partition("=")
+    if not sep or not name or not model or Path(text).expanduser().exists() or "/" in name:
+        return None, text
+    return name, model
+
+
+def models_in(folder: Path) -> list[Path]:
+    """A models folder's models, by name: every .gguf file and every directory holding a config.json
+    (as llama.cpp's --models-dir)."""
+    if not folder.is_dir():
+        raise InputError(f"--models-dir {folder}: not a directory")
+    found = sorted(p for p in folder.iterdir()
+                   if (p.is_file() and p.suffix == ".gguf") or (p.is_dir() and (p / "config.json").exists()))
+    if not found:
+        raise InputError(f"--models-dir {folder}: holds no .gguf file and no model directory (with a config.json)")
+    return found
+
+
+def read_presets(path: Path) -> list[dict]:
+    """A presets file: JSON (a list, or ``{"models": [...]}``) or TOML (``[[models]]`` tables), each
+    entry ``{name, model, ...}`` with the per-model options of ``PRESET_OPTIONS``."""
+    import json
+    import tomllib
+
     try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (AttributeError, ValueError, OSError):
-        total = 0.0
-    return min(1.0, max(0.25, total / 64))
+        text = path.read_text()
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (OSError, ValueError) as e:  # tomllib's and json's errors are ValueErrors
+        raise InputError(f"--models-preset {path}: {e}") from None
+    entries = data.get("models") if isinstance(data, dict) else data
+    if not isinstance(entries, list) or not entries:
+        raise InputError(f"--models-preset {path}: expected a list of models ({{name, model, ...}})")
+    out = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not isinstance(
+                entry.get("model"), str):
+            raise InputError(f"--models-preset {path}: entry {i + 1} needs a 'name' and a 'model' (strings)")
+        extra = sorted(set(entry) - {"name", "model", *PRESET_OPTIONS})
+        if extra:
+            raise InputError(f"--models-preset {path}: entry {entry['name']!r} sets {extra[0]!r}; an entry may set "
+                             f"name, model, {', '.join(PRESET_OPTIONS)}")
+        out.append(dict(entry))
+    return out
 
 
 # ---- flag values ----------------------------------------------------------------------------

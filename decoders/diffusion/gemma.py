@@ -67,7 +67,7 @@ from ..engine.blocks import BlockPool
 from ..engine.windowed import window_pattern
 from ..engine.request import DecoderState, Request
 from ..engine.runner import ForwardItem, ModelRunner
-from ..engine.sampling import SamplingParams, make_generator, request_seed, token_logprobs, truncated_probs
+from ..engine.sampling import SamplingParams, make_generator, token_logprobs, truncated_probs
 from ..engine.scheduler import Scheduled
 from .decoder import DiffusionCounters
 
@@ -130,7 +130,9 @@ def draw(scaled: torch.Tensor, params: SamplingParams, generator: torch.Generato
         probs = truncated_probs(scaled, dataclasses.replace(params, temperature=1.0))
     else:
         probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
-    return torch.multinomial(probs.view(-1, probs.shape[-1]), 1, generator=generator).view(scaled.shape[:2])
+    # Drawn on the generator's device (a CPU generator cannot draw for CUDA probabilities).
+    rows = probs.view(-1, probs.shape[-1]).to(generator.device)  # (C, V)
+    return torch.multinomial(rows, 1, generator=generator).view(scaled.shape[:2]).to(scaled.device)
 
 
 def denoise_update(canvas: Canvas, logits: torch.Tensor, cfg: DenoisingConfig, params: SamplingParams,
@@ -313,13 +315,10 @@ class DiffusionGemmaDecoder:
         req.decoder_state = new_canvas(self.config, self.denoising.max_denoising_steps, self._generator(req))
 
     def _generator(self, req: Request) -> torch.Generator:
-        """The request's generator, moved to the model's device once (seeded the same way: the
-        request's seed, or the fixed one at temperature 0, ``request_seed``)."""
+        """The request's generator, remade once on the model's device from the request's seed
+        (``Request.seed``): every draw is made on the device of the logits it samples from."""
         if req.generator.device != self.device:
-            seed = request_seed(req.params, req.index)
-            if seed is None:
-                seed = int(torch.randint(2**62, (1,), generator=req.generator))
-            req.generator = make_generator(seed, self.device)
+            req.generator = make_generator(req.seed, self.device)
         return req.generator
 
     @torch.inference_mode()

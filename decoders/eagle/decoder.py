@@ -13,8 +13,9 @@ A step of an EAGLE request (Li et al., EAGLE-1/2/3; the tree rules live in ``tre
   3. **verify**: ONE target forward over root + tree with a tree attention mask on top of
      the paged KV, writing into the request's lookahead slots (the scheduler reserved them
      from ``plan``), capturing the features the draft models read;
-  4. **accept**: greedy longest match or lossless rejection sampling, plus the target's
-     bonus token; the accepted nodes' KV moves into place (``ModelRunner.move_slots``),
+  4. **accept**: the longest path of drafts equal to the target's own token at each position
+     (its argmax, or its sample under the request's keyed noise), plus that token where the
+     path stops (the bonus); the accepted nodes' KV moves into place (``ModelRunner.move_slots``),
      rejected slots go back to the pool (``BlockPool.truncate``), tokens go out through
      ``Request.commit``, which alone applies EOS, stop strings and max_tokens; the sources
      observe the committed positions and the budget records what each earned.
@@ -22,8 +23,8 @@ A step of an EAGLE request (Li et al., EAGLE-1/2/3; the tree rules live in ``tre
 Prefill is plain chunked target computation, as ``ar`` runs it; the last row of the last
 chunk is the first root's verify step (a tree of the root alone), so the first token comes
 out of the same forward as ``ar``'s, and every emitted token comes out of a verify step:
-the output equals plain AR decoding token for token at temperature 0, and in distribution
-otherwise.
+the output equals plain AR decoding token for token, at temperature 0 and, for the same
+seed, above it (a verify row computes the same bits as a decode row: docs/numerics.md).
 
 Sources per request: ``SamplingParams.draft`` ("auto" or "both": the preferred model and
 suffix lookup; "head" or "block": that model alone; "suffix"). A request under a grammar
@@ -47,7 +48,7 @@ from ..engine.blocks import BlockPool, slot_of
 from ..engine.isolation import guard
 from ..engine.request import DecoderCounters, DecoderState, Request
 from ..engine.runner import ForwardItem, ModelRunner
-from ..engine.sampling import DRAFT_CHOICES, process_logits, token_logprobs, truncated_probs
+from ..engine.sampling import DRAFT_CHOICES, keyed_uniform, process_logits, token_logprobs, truncated_probs
 from ..engine.scheduler import Scheduled
 from .budget import NO_DRAFT, Budget, CostCurve, DraftBudget, Source, SourceRate
 from .datastore import Datastore
@@ -404,15 +405,17 @@ class EagleDecoder:
             return logits if req.constraint is None else req.constraint.mask_logits(logits)
 
         # Every source's draft is deterministic (the head's top-k, a block's argmax, a suffix
-        # lookup): point masses, which is what accept_sampled's rule assumes, so the merged
-        # tree stays exact.
+        # lookup), so the merged tree is a set of candidate tokens per position; acceptance keeps
+        # those equal to the target's own token there (its argmax, or its sample under the uniform
+        # keyed by the request's seed and the output position: exactly what ``ar`` samples).
         if params.greedy:
             # The raw logits' argmaxes stand for the processed ones' where nothing processes them.
             plain = not params.needs_processing and req.constraint is None
             path, bonus = accept_greedy(tree, processed, argmaxes if plain else None)
         else:
-            path, bonus = accept_sampled(tree, lambda n, acc: truncated_probs(processed(n, acc), params),
-                                         req.generator)
+            at = len(req.output_ids)  # the root's output position
+            uniforms = [keyed_uniform(req.seed, at + d) for d in range(max(tree.depths) + 1)]
+            path, bonus = accept_sampled(tree, lambda n, acc: truncated_probs(processed(n, acc), params), uniforms)
         tokens = [tree.tokens[n] for n in path] + [bonus]
         if req.constraint is not None:  # root-only tree: exactly one token
             req.constraint.consume(bonus)

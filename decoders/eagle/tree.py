@@ -15,14 +15,18 @@ stable sort by score keeps parents before children: the selection is a tree.
 
 Verifying it (``accept_greedy`` / ``accept_sampled``): one target forward over
 root + nodes gives the target's distribution at every node; walk down from the
-root accepting children the target agrees with, then add one token of the
-target's own (the "bonus"). At temperature 0 that is the longest path whose
-every token is the target's argmax. At temperature > 0 each node's children are
-tried in turn: child x is accepted with probability p(x); if rejected, p(x) is
-zeroed and p renormalised, and if no child is accepted the bonus is drawn from
-what is left. That is the sequential decomposition of drawing from p itself, so
-the output distribution is exactly the target's (upstream ``evaluate_posterior``;
-SpecInfer's multi-candidate rule with point-mass drafts).
+root while a child holds the token the target itself picks at that node, then
+add the target's token where the walk stops (the "bonus"). At temperature 0 the
+target picks its argmax: the longest path whose every token is the argmax. At
+temperature > 0 it picks its sample at that output position, drawn by inverse
+CDF with the one uniform keyed by (request seed, position)
+(``sampling.keyed_uniform``): a draft is accepted iff it equals that sample.
+The emitted tokens are then exactly the tokens plain AR samples with the same
+seed, whatever the tree's shape or the batch (lossless in the strong sense, not
+only in distribution). Against EAGLE's and SpecInfer's rejection sampling with
+point-mass drafts (accept child x with probability p(x), else zero it and
+renormalise), the chance that some child is accepted is the same, sum p(x) over
+the children, so the budget's acceptance estimates are unchanged.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..engine.sampling import argmax
+from ..engine.sampling import argmax, inverse_cdf
 
 
 @dataclass(frozen=True)
@@ -318,48 +322,40 @@ def likely_chain(children: list[list[int]], heights: list[int], node: int, ahead
 # ---- acceptance ------------------------------------------------------------------
 
 Dist = Callable[[int, list[int]], torch.Tensor]  # (node, tokens accepted so far) -> (vocab,) logits or probs
+Pick = Callable[[int, list[int]], int]  # (node, tokens accepted so far) -> the target's token after that node
+
+
+def accept_walk(tree: DraftTree, pick: Pick) -> tuple[list[int], int]:
+    """Walk down from the root while a child holds the target's token (``pick``); returns
+    (accepted node indices, bonus token: the target's token where the walk stopped)."""
+    children = tree.children()
+    node, path, tokens = 0, [], []
+    while True:
+        token = pick(node, tokens)
+        nxt = next((c for c in children[node] if tree.tokens[c] == token), None)
+        if nxt is None:
+            return path, token
+        node = nxt
+        path.append(node)
+        tokens.append(token)
 
 
 def accept_greedy(tree: DraftTree, logits_at: Dist, known: dict[int, int] | None = None) -> tuple[list[int], int]:
     """Longest path of target-argmax tokens; returns (accepted node indices, bonus token).
     ``known``: argmaxes of ``logits_at`` already taken, by node (``path_logits``)."""
-    children = tree.children()
-    node, path, tokens = 0, [], []
-    while True:
-        best = known[node] if known and node in known else int(argmax(logits_at(node, tokens)))
-        nxt = next((c for c in children[node] if tree.tokens[c] == best), None)
-        if nxt is None:
-            return path, best
-        node = nxt
-        path.append(node)
-        tokens.append(best)
+    def best(node: int, tokens: list[int]) -> int:
+        return known[node] if known and node in known else int(argmax(logits_at(node, tokens)))
+    return accept_walk(tree, best)
 
 
-def accept_sampled(tree: DraftTree, probs_at: Dist, generator: torch.Generator) -> tuple[list[int], int]:
-    """Lossless multi-candidate rejection sampling with point-mass drafts (see module docstring)."""
-    children = tree.children()
-    node, path, tokens = 0, [], []
-    while True:
-        p = probs_at(node, tokens).clone()
-        accepted = None
-        tried: set[int] = set()
-        for c in children[node]:
-            x = tree.tokens[c]
-            if x in tried:
-                continue
-            tried.add(x)
-            if float(torch.rand((), generator=generator)) < float(p[x]):
-                accepted = c
-                break
-            p[x] = 0.0
-            total = p.sum()
-            if total <= 0:
-                # All the mass was on x (rejected only by rounding): drawing from p gives x.
-                accepted = c
-                break
-            p = p / total
-        if accepted is None:
-            return path, int(torch.multinomial(p, 1, generator=generator))
-        node = accepted
-        path.append(node)
-        tokens.append(tree.tokens[node])
+def accept_sampled(tree: DraftTree, probs_at: Dist, uniforms: Sequence[float]) -> tuple[list[int], int]:
+    """Keyed acceptance: returns (accepted node indices, bonus token).
+
+    The target's token after a node at depth d is ``inverse_cdf(probs_at(node, accepted), uniforms[d])``,
+    where ``uniforms[d]`` is the keyed uniform of the output position d steps past the root
+    (``sampling.keyed_uniform(seed, t0 + d)``; at least ``max(tree.depths) + 1`` of them). A drafted
+    child is accepted iff its token equals that sample; the first position whose sample no child
+    holds emits the sample as the bonus. Every position's sample is a function of (its distribution,
+    its uniform) alone, so the emitted tokens are exactly plain sampling's with the same uniforms,
+    whatever the tree drafted (see the module docstring)."""
+    return accept_walk(tree, lambda node, tokens: inverse_cdf(probs_at(node, tokens), uniforms[len(tokens)]))

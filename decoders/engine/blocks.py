@@ -96,6 +96,9 @@ class BlockPool:
         self._cached: dict[int, int] = {}
         self._block_hash: list[int | None] = [None] * num_blocks
         self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        # The namespace (KV owner) of each cached block's hash chain, so that a model's entries can
+        # be dropped when its KV tensors go away (``drop_namespaces``).
+        self._block_namespace: list[str | None] = [None] * num_blocks
 
     # ---- occupancy ----------------------------------------------------------------
 
@@ -156,6 +159,7 @@ class BlockPool:
             del self._cached[h]
             self._block_hash[block] = None
             self._block_tokens[block] = None
+            self._block_namespace[block] = None
 
     # ---- single blocks --------------------------------------------------------------
 
@@ -254,6 +258,7 @@ class BlockPool:
                 self._cached[h] = block
                 self._block_hash[block] = h
                 self._block_tokens[block] = tokens
+                self._block_namespace[block] = table.namespace
 
     def truncate(self, table: BlockTable, num_tokens: int) -> None:
         """Release blocks beyond what num_tokens needs; lower num_tokens to it if larger."""
@@ -279,6 +284,22 @@ class BlockPool:
         table.blocks = []
         table.block_hashes = []
         table.num_tokens = table.num_cached_tokens = 0
+
+    def drop_namespaces(self, namespaces: Iterable[str]) -> int:
+        """Forget the cached blocks of ``namespaces`` (a model whose KV tensors are being freed):
+        an idle one goes back to the free list, one still held only loses its cache entry. A later
+        owner under the same name must never hit the old owner's blocks. Returns the blocks dropped."""
+        names = set(namespaces)
+        dropped = 0
+        for block, namespace in enumerate(self._block_namespace):
+            if namespace is None or namespace not in names:
+                continue
+            self._uncache(block)
+            dropped += 1
+            if self._ref[block] == 0:
+                del self._evictable[block]
+                self._free.append(block)
+        return dropped
 
     # ---- debugging ------------------------------------------------------------------
 

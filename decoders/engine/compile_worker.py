@@ -2,7 +2,8 @@
 
 Shared by every runner of a deployment (``deployment.CompileSpec``), so compiles never compete
 with each other for the cores. It counts its jobs, so a job can say where it stands ("graph 2
-of 4") and a start-up line can say how many graphs are still to come.
+of 4") and a start-up line can say how many graphs are still to come. A job holds
+``device_lock`` while it runs, so a CUDA graph capture never overlaps one (``cuda_graphs``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class CompileWorker:
         self._queue: deque[Callable[[], None]] = deque()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        # Held while a job runs: a CUDA graph capture on the engine thread takes it too, since a
+        # capture fails when another thread launches work meanwhile (``cuda_graphs``).
+        self.device_lock = threading.Lock()
         # Since the queue last ran dry: jobs asked for, jobs finished, and when the first was asked for.
         self._asked = 0
         self._finished = 0
@@ -79,7 +83,8 @@ class CompileWorker:
                 trim_heap()  # what tracing and code generation freed
                 return
             try:
-                job()
+                with self.device_lock:
+                    job()
             finally:
                 with self._lock:
                     self._finished += 1

@@ -69,6 +69,10 @@ GRAPH_LIMIT = 64  # compiled graphs per code object (dynamo's recompile_limit), 
 # verify trees (at most 21 tokens) and diffusion canvases. Above it the matmuls are cheaper (on
 # the default model, 128 cached tokens: 16 rows cost 35.9 ms as rows and 29.7 ms as matmuls).
 ROWS_MAX = 24
+# The rows form's products (query rows x positions x heads x head_dim) that an eager run materialises
+# at once; above it the sums run a few rows at a time (``PaddedPagedAttention._rows``). Graphs fuse
+# them into loops and never materialise them.
+EAGER_ROWS_ELEMENTS = 2**25
 # Graph attention runs as the project's kernel (``models.kernels``: ``attend_rows``) where it is
 # built, unless a step is made with ``attend_kernel=False`` (``CompileSpec.attend_kernel``, from
 # DUALSERVE_ATTEND_KERNEL=0: inductor's loops, for comparison).
@@ -153,10 +157,28 @@ class PaddedPagedAttention:
         specialised to one query (7.4 ms at 128 cached tokens, 11.8 ms at 800, one thread of
         loops); the loops' cost grows with rows times context, so long prefill chunks take the
         matmuls."""
-        scale = qx.shape[-1] ** -0.5
         ks, vs = torch.cat([kg, kx], 1), torch.cat([vg, vx], 1)                            # (S, W + Q, kv, d)
+        if torch.compiler.is_compiling():
+            return self._attend(qx, ks, vs, self.mask)
+        S, Q, kv_heads, group, d = qx.shape
+        per_row = ks.shape[1] * kv_heads * group * d  # the products' elements per query row
+        if S * Q * per_row <= EAGER_ROWS_ELEMENTS:
+            return self._attend(qx, ks, vs, self.mask)
+        # Run eagerly (the EAGLE head off the CPU), the products below are materialised: a sequence
+        # and a few query rows at a time keep them bounded. Every sum is over d or over positions
+        # within one query row, so the pieces are the same bits as the whole.
+        step = max(1, EAGER_ROWS_ELEMENTS // per_row)
+        return torch.cat([torch.cat([self._attend(qx[s:s + 1, a:a + step], ks[s:s + 1], vs[s:s + 1],
+                                                  self.mask[s:s + 1, a:a + step]) for a in range(0, Q, step)], 1)
+                          for s in range(S)])
+
+    @staticmethod
+    def _attend(qx: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The rows form's sums: queries (S, Q, kv, group, d) over keys and values (S, W + Q, kv, d)
+        where ``mask`` (S, Q, W + Q) lets them see."""
+        scale = qx.shape[-1] ** -0.5
         scores = (qx[:, :, None] * ks[:, None, :, :, None, :]).sum(-1) * scale             # (S, Q, W + Q, kv, group)
-        scores = scores.masked_fill(~self.mask[:, :, :, None, None], float("-inf"))
+        scores = scores.masked_fill(~mask[:, :, :, None, None], float("-inf"))
         probs = torch.softmax(scores, dim=2)
         return (probs[..., None] * vs[:, None, :, :, None, :]).sum(2)                      # (S, Q, kv, group, d)
 
@@ -441,7 +463,8 @@ class CompiledStep:
         if self.cuda_graphs is not None and not shape.chunks:
             from .cuda_graphs import CudaGraphs  # CUDA only; it builds on this module's padded form
 
-            self.cuda_graphs[id(fn)] = CudaGraphs(fn, self.cache)
+            lock = self.worker.device_lock if self.worker is not None else None
+            self.cuda_graphs[id(fn)] = CudaGraphs(fn, self.cache, lock)
         return fn
 
     def _inputs(self, shape: StepShape, n: int) -> tuple[torch.Tensor, ...]:

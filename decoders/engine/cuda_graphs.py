@@ -16,7 +16,14 @@ addresses, so:
   after the replay by the caller, as for every compiled step (``compiled``);
 - a bucket is captured the first time a step needs it, at most ``MAX_GRAPHS`` of them, in one
   shared memory pool; a step beyond the largest bucket, or once the cap is reached, runs the
-  compiled forward without a graph.
+  compiled forward without a graph;
+- a capture and the compile thread's jobs take turns on one lock (``CompileWorker.device_lock``):
+  a capture records whatever any thread launches on the device meanwhile, and under
+  ``torch.cuda.graph``'s default ``capture_error_mode="global"`` another thread's synchronising
+  call (a compile job's warm-up runs, its allocations) fails the capture (torch/cuda/graphs.py).
+  A step that finds a job running does not wait for it: it runs uncaptured and its bucket is
+  captured by a later step. A capture that fails is logged in one line, and its bucket's steps
+  run the compiled forward uncaptured from then on.
 
 Prefill chunks (the chunks graph) are not captured: their shapes vary widely, and their kernels
 are long enough that launching them costs little.
@@ -25,6 +32,7 @@ are long enough that launching them costs little.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -63,6 +71,17 @@ def bucket(meta: AttentionMetadata) -> PaddedSizes | None:
                        min(_power_of_two(T), sequences * queries))
 
 
+def static_inputs(sizes: PaddedSizes, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """A bucket's static inputs (ids, positions, rows, context, mask), which each replay overwrites
+    with its step's; until then every query row is padding and sees one slot."""
+    S, Q, W, T = sizes.sequences, sizes.queries, sizes.context, sizes.tokens
+    mask = torch.zeros(S, Q, W + Q, dtype=torch.bool, device=device)
+    mask[..., W - 1] = True
+    return (torch.zeros(T, dtype=torch.long, device=device), torch.zeros(T, dtype=torch.long, device=device),
+            torch.full((S, Q), T, dtype=torch.long, device=device),
+            torch.zeros(S, W, dtype=torch.long, device=device), mask)
+
+
 @dataclass
 class Captured:
     """One bucket's graph: its static inputs (ids, positions, rows, context, mask) and outputs."""
@@ -86,11 +105,18 @@ class Replayed:
 class CudaGraphs:
     """The rows forward ``fn`` (``ForwardWithFeatures``, compiled), captured per bucket on first use."""
 
-    def __init__(self, fn: Callable[..., Sequence[torch.Tensor]], cache: KVCache):
+    def __init__(self, fn: Callable[..., Sequence[torch.Tensor]], cache: KVCache,
+                 lock: threading.Lock | None = None, capture: Callable[[PaddedSizes], Captured] | None = None):
+        """``lock``: the compile thread's ``device_lock``, held by each capture; while a job holds
+        it, steps run uncaptured (the module docstring); ``capture``: records one bucket (default
+        ``_capture``; tests inject theirs)."""
         self.fn = fn
         self.cache = cache
         self.device = cache.stacked.device
+        self.lock = lock or threading.Lock()
+        self.capture = capture or self._capture
         self.graphs: dict[PaddedSizes, Captured] = {}
+        self.failed: set[PaddedSizes] = set()  # buckets whose capture raised: they run uncaptured
         self.pool = None  # one memory pool for every bucket's graph, made with the first
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> Replayed | None:
@@ -98,11 +124,9 @@ class CudaGraphs:
         sizes = bucket(meta)
         if sizes is None:
             return None
-        captured = self.graphs.get(sizes)
+        captured = self.graphs.get(sizes) or self._captured(sizes)
         if captured is None:
-            if len(self.graphs) >= MAX_GRAPHS:
-                return None
-            captured = self.graphs[sizes] = self._capture(sizes)
+            return None
         attn = PaddedPagedAttention.build(self.cache, meta, self.device, False, sizes)
         T = ids.shape[0]
         static_ids, static_pos, rows, context, mask = captured.inputs
@@ -115,17 +139,32 @@ class CudaGraphs:
         *out, new_k, new_v = captured.outputs
         return Replayed([o[:T].clone() for o in out], attn.slot_mapping, new_k[:, :T].clone(), new_v[:, :T].clone())
 
+    def _captured(self, sizes: PaddedSizes) -> Captured | None:
+        """This bucket's graph, captured now; None where it cannot be now (the compile thread is
+        running a job, the cap is reached) or ever (its capture failed)."""
+        if sizes in self.failed or len(self.graphs) >= MAX_GRAPHS:
+            return None
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
+            captured = self.capture(sizes)
+        except Exception as e:  # noqa: BLE001 - the compiled forward still serves the bucket
+            self.failed.add(sizes)
+            log.warning("capturing a CUDA graph for %d sequences x %d query rows, %d cached slots failed (%s: %s); "
+                        "those steps run the compiled forward uncaptured", sizes.sequences, sizes.queries,
+                        sizes.context, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return None
+        finally:
+            self.lock.release()
+        self.graphs[sizes] = captured
+        return captured
+
     def _capture(self, sizes: PaddedSizes) -> Captured:
         """Record ``fn`` on static inputs of these sizes, after warm-up runs on a side stream (so the
         compiled code and the allocator's blocks exist before capture, as ``torch.cuda.graph`` needs)."""
         start = time.perf_counter()
-        S, Q, W, T = sizes.sequences, sizes.queries, sizes.context, sizes.tokens
         dev = self.device
-        mask = torch.zeros(S, Q, W + Q, dtype=torch.bool, device=dev)
-        mask[..., W - 1] = True  # every query sees one slot until a step's own mask is copied in
-        inputs = (torch.zeros(T, dtype=torch.long, device=dev), torch.zeros(T, dtype=torch.long, device=dev),
-                  torch.full((S, Q), T, dtype=torch.long, device=dev), torch.zeros(S, W, dtype=torch.long, device=dev),
-                  mask)
+        inputs = static_inputs(sizes, dev)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
@@ -138,5 +177,6 @@ class CudaGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = self.fn(*inputs, self.cache.stacked)
         log.info("captured a CUDA graph for %d sequences x %d query rows, %d cached slots, %d tokens in %.2f s "
-                 "(%d graphs)", S, Q, W, T, time.perf_counter() - start, len(self.graphs) + 1)
+                 "(%d graphs)", sizes.sequences, sizes.queries, sizes.context, sizes.tokens,
+                 time.perf_counter() - start, len(self.graphs) + 1)
         return Captured(graph, inputs, outputs)

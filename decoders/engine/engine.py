@@ -96,7 +96,8 @@ class Engine:
         self._grammars: dict[str, GrammarCompiler] = {}  # per model; warmed off-thread by start()
         self._grammar_lock = threading.Lock()
         self.stats = EngineStats()
-        self._inbox: deque[tuple[str, Request]] = deque()
+        # ("add" | "abort", a request) or ("call", work for the engine thread: ``remove_model``)
+        self._inbox: deque[tuple[str, Request | Callable[[], object]]] = deque()
         self._wake = threading.Condition()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -122,14 +123,59 @@ class Engine:
     # ---- registration and lifecycle ------------------------------------------
 
     def add_decoder(self, model: str, decoder: Decoder, tokenizer, vocab_size: int | None = None) -> None:
-        self.decoders[(model, decoder.name)] = decoder
+        """Register ``decoder`` for ``model``; safe while the engine thread runs (a model loaded on
+        first use): each map is replaced by a new one, never changed in place, so the engine thread
+        and the server's threads always read a whole map."""
         # Prefix-cache namespace: decoders that read the same KV tensors (ar and eagle on one
         # runner) share cached blocks; another model's blocks are never a hit.
         kv_owner = decoder.kv_owner
-        self.kv_namespaces[(model, decoder.name)] = f"{model}/{type(kv_owner).__name__}@{id(kv_owner):x}"
-        self.tokenizers[model] = tokenizer
+        namespace = f"{model}/{type(kv_owner).__name__}@{id(kv_owner):x}"
+        self.kv_namespaces = {**self.kv_namespaces, (model, decoder.name): namespace}
+        self.tokenizers = {**self.tokenizers, model: tokenizer}
         # Only structured output needs it; a minimal tokenizer (tests, offline tools) may lack it.
-        self.vocab_sizes[model] = vocab_size or getattr(tokenizer, "vocab_size", 0)
+        self.vocab_sizes = {**self.vocab_sizes, model: vocab_size or getattr(tokenizer, "vocab_size", 0)}
+        self.decoders = {**self.decoders, (model, decoder.name): decoder}  # last: submit checks it first
+
+    def remove_model(self, model: str) -> None:
+        """Take ``model``'s decoders out of the engine and drop its prefix-cache entries, so that its
+        runners (KV tensors, weights) can be freed. On the engine thread, through the inbox, when the
+        thread runs; returns once done. Requests of the model still queued or running (the server
+        unloads only idle models) end with finish_reason "abort"."""
+        if self._thread is None or not self._thread.is_alive() or threading.current_thread() is self._thread:
+            self._remove_model(model)
+            return
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                self._remove_model(model)
+            finally:
+                done.set()
+
+        with self._wake:
+            self._inbox.append(("call", work))
+            self._wake.notify()
+        while not done.wait(timeout=1.0):
+            if not self._thread.is_alive():  # it stopped without taking the work: no step runs any more
+                self._remove_model(model)
+                return
+
+    def _remove_model(self, model: str) -> None:
+        held = [r for rs in self._held.values() for r in rs if r.model == model]
+        for req in [r for r in list(self.scheduler.running) + list(self.scheduler.waiting) + held if r.model == model]:
+            if not req.finished:
+                self._finish(req, "abort")
+        for rid in [rid for rid, rs in self._held.items() if rs and rs[0].model == model]:
+            self._num_held -= len(self._held.pop(rid))
+        keys = [key for key in self.decoders if key[0] == model]
+        namespaces = {self.kv_namespaces[key] for key in keys}
+        self.decoders = {k: d for k, d in self.decoders.items() if k[0] != model}
+        self.kv_namespaces = {k: n for k, n in self.kv_namespaces.items() if k[0] != model}
+        self.tokenizers = {m: t for m, t in self.tokenizers.items() if m != model}
+        self.vocab_sizes = {m: v for m, v in self.vocab_sizes.items() if m != model}
+        with self._grammar_lock:
+            self._grammars.pop(model, None)
+        self.pool.drop_namespaces(namespaces)
 
     def grammar_compiler(self, model: str) -> GrammarCompiler:
         with self._grammar_lock:
@@ -172,12 +218,13 @@ class Engine:
         loop); else it is compiled here. Either way once per request: each choice gets a copy.
         Raises QueueFull when overloaded (the bound counts every choice not yet
         running: waiting, in the inbox, or held back for prefix sharing) and
-        ValueError for an empty prompt, max_tokens < 1 or n < 1.
+        ValueError for an empty prompt, a negative max_tokens or n < 1. max_tokens 0 prefills the
+        prompt into the prefix cache and finishes with no output (llama.cpp's ``n_predict: 0``).
         """
         if (model, decoder) not in self.decoders:
             raise KeyError(f"model {model!r} has no decoder {decoder!r}")
-        if not prompt_ids or params.max_tokens < 1 or n < 1:
-            raise ValueError("a request needs a non-empty prompt, max_tokens >= 1 and n >= 1")
+        if not prompt_ids or params.max_tokens < 0 or n < 1:
+            raise ValueError("a request needs a non-empty prompt, max_tokens >= 0 and n >= 1")
         if self.num_queued() + n > self.config.max_waiting:
             raise QueueFull("the waiting queue is full")
         if params.grammar and constraint is None:
@@ -240,7 +287,9 @@ class Engine:
             items = list(self._inbox)
             self._inbox.clear()
         for kind, req in items:
-            if kind == "add" and req.index > 0 and self.pool.enable_prefix_caching:
+            if kind == "call":  # work that must run on the engine thread (remove_model)
+                req()
+            elif kind == "add" and req.index > 0 and self.pool.enable_prefix_caching:
                 self._held.setdefault(req.request_id, []).append(req)
                 self._num_held += 1
             elif kind == "add":

@@ -18,7 +18,7 @@ Two backends implement the same call:
   * ``FlashPagedAttention`` (CUDA, when flash-attn is importable): writes new
     keys/values into the paged cache and calls ``flash_attn_with_kvcache`` with
     the block table; used for causal batches, falling back to SDPA for masks
-    flash-attn cannot express.
+    flash-attn cannot express and for dtypes or block sizes it does not take (``flash_fits``).
 
 Sliding-window layers (Gemma 3's local layers, Mistral, Phi-3) see only the keys
 within their window: ``SdpaPagedAttention`` takes each window's masks. A model whose
@@ -145,22 +145,24 @@ class AttentionMetadata:
     seqs: list[SeqAttention]
     slot_mapping: torch.Tensor | None  # (total new tokens,) flat slot ids, or None: do not store
     block_size: int
-    _context_index: list[torch.Tensor | None] = field(default_factory=list)
+    # (sequence, device) -> its context slots there: the padded forms build theirs on the CPU and
+    # the backends read them on the model's device, in the same step.
+    _context_index: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict)
 
     def context_index(self, i: int, device) -> torch.Tensor | None:
-        """Flat slot ids of sequence i's cached tokens, built once per step and shared by all layers."""
-        if not self._context_index:
-            self._context_index = [None] * len(self.seqs)
+        """Flat slot ids of sequence i's cached tokens on ``device``, built once per step and device
+        and shared by all layers."""
         seq = self.seqs[i]
         if seq.context_len == 0:
             return None
-        if self._context_index[i] is None:
+        key = (i, torch.device(device))
+        if key not in self._context_index:
             if seq.context_slots is not None:
-                self._context_index[i] = seq.context_slots.to(device)
+                self._context_index[key] = seq.context_slots.to(device)
             else:  # in numpy: a few small torch ops here cost tens of microseconds a step
                 slots = slot_of(np.asarray(seq.block_table, dtype=np.int64), np.arange(seq.context_len), self.block_size)
-                self._context_index[i] = torch.from_numpy(slots).to(device)
-        return self._context_index[i]
+                self._context_index[key] = torch.from_numpy(slots).to(device)
+        return self._context_index[key]
 
 
 def mask_tensor(seq: SeqAttention, device) -> torch.Tensor | None:
@@ -416,8 +418,10 @@ class FlashPagedAttention(SdpaPagedAttention):
         from flash_attn import flash_attn_with_kvcache  # optional GPU extra
 
         self._flash = flash_attn_with_kvcache
-        self._usable = (meta.slot_mapping is not None and all(
-            isinstance(s.mask, str) and s.mask == "causal" and s.context_slots is None for s in meta.seqs))
+        # A pool flash-attn cannot read runs SDPA; the queries' dtype is checked per call.
+        self._usable = (meta.slot_mapping is not None and flash_fits(cache.dtype, cache.dtype, cache.block_size)
+                        and all(isinstance(s.mask, str) and s.mask == "causal" and s.context_slots is None
+                                for s in meta.seqs))
         if self._usable:
             width = max(len(s.block_table) for s in meta.seqs)
             table = torch.zeros(len(meta.seqs), width, dtype=torch.int32)
@@ -429,7 +433,7 @@ class FlashPagedAttention(SdpaPagedAttention):
                                          dtype=torch.int32, device=device)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if not self._usable:
+        if not self._usable or not flash_fits(q.dtype, self.cache.dtype, self.cache.block_size):
             return super().__call__(layer_idx, q, k, v)
         meta = self.meta
         k_flat, v_flat = self.cache.flat(layer_idx)
@@ -451,6 +455,19 @@ class FlashPagedAttention(SdpaPagedAttention):
                               causal=True)
             outs.append(out[0])
         return torch.cat(outs, 0)
+
+
+# flash-attn's kernels take fp16 and bf16 alone ("FlashAttention only support fp16 and bf16 data
+# type"), and its paged KV cache blocks of a multiple of 256 tokens ("Paged KV cache block size must
+# be divisible by 256"): flash-attn's csrc/flash_attn/flash_api.cpp, mha_fwd_kvcache.
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_BLOCK = 256
+
+
+def flash_fits(dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int) -> bool:
+    """Whether flash-attn's paged kernel takes queries in ``dtype`` over a pool of ``kv_dtype`` in
+    blocks of ``block_size`` tokens (it takes one dtype for all three)."""
+    return dtype in FLASH_DTYPES and kv_dtype == dtype and block_size % FLASH_BLOCK == 0
 
 
 def flash_available() -> bool:

@@ -1,6 +1,6 @@
 """A request inside the engine, and the one place committed tokens become output.
 
-A ``Request`` owns its token ids, sampling parameters, block table, random
+A ``Request`` owns its token ids, sampling parameters, block table, seed, random
 generator and output sink. Every decoder reports "tokens committed this step"
 through ``Request.commit``; that single function applies EOS, stop token ids,
 stop strings (via the shared ``TextStream``), max_tokens and logprobs, so the
@@ -53,6 +53,8 @@ class Delta:
     stats: dict | None = None            # decoder statistics, set on the final delta
     # Echo with logprobs: one entry per prompt token (None for the first), on the first delta.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A pooling decoder's output (decoders/pooling.py): one float32 CPU vector, on the final delta.
+    pooled: torch.Tensor | None = None
 
 
 class DecoderState:
@@ -95,6 +97,10 @@ class Request:
     arrived: float = field(default_factory=time.monotonic)  # submission time; the queue timeout counts from it
     deadline: float | None = None        # promised finish (monotonic), set by the engine at first admission
     counters: DecoderCounters | None = None  # the decoder's own statistics (see ``counters_of``)
+    # The request's noise: one seed (``sampling.request_seed``: its seed plus the choice index, fixed at
+    # temperature 0 without one, else fresh), which keys each output position's draw
+    # (``sampling.keyed_uniform``) and seeds ``generator`` for a decoder's other noise; set at init.
+    seed: int = field(default=0, init=False)
     generator: torch.Generator | None = None
     decoder_state: DecoderState | None = None  # private to the request's decoder
     constraint: Constraint | None = None  # grammar state for structured output, set at submit
@@ -107,7 +113,8 @@ class Request:
     _prompt_logprobs_sent: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.generator = make_generator(request_seed(self.params, self.index))
+        self.seed = request_seed(self.params, self.index)
+        self.generator = make_generator(self.seed)
         self._ids = self.prompt_ids + self.output_ids
         if self.params.prompt_logprobs and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
@@ -172,6 +179,9 @@ class Request:
 
     def commit(self, token_ids: list[int], logprobs: list[TokenLogprob] | None = None) -> Delta:
         """Append tokens one by one, stopping exactly where the first stop condition says."""
+        if self.params.max_tokens == 0:
+            # Prefill only: the prompt's KV is written (and cached) by now; what was sampled is dropped.
+            token_ids, self.finish_reason = [], "length"
         text: list[str] = []
         kept: list[int] = []
         for tok in token_ids:

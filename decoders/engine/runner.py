@@ -40,7 +40,7 @@ from dualserve.models.transformer import Transformer
 from .compile_worker import CompileWorker
 from .compiled import ROWS_MAX, CompiledStep
 from .paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache, SdpaPagedAttention, SeqAttention,
-                              SeqMask, flash_available)
+                              SeqMask, flash_available, flash_fits)
 from .windowed import WindowedPagedAttention
 
 log = logging.getLogger(__name__)
@@ -76,8 +76,9 @@ class ModelRunner:
         else:
             self.kv = KVCache(cfg.num_layers, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim,
                               kv_dtype or self.dtype, self.device)
-            # flash-attn's paged kernel needs blocks of a multiple of 256 tokens (flash_attn_with_kvcache).
-            flash = (use_flash if use_flash is not None else flash_available()) and block_size % 256 == 0
+            # flash-attn's paged kernel: fp16/bf16 throughout, blocks of a multiple of 256 tokens.
+            flash = ((use_flash if use_flash is not None else flash_available())
+                     and flash_fits(self.dtype, kv_dtype or self.dtype, block_size))
             self.backend = FlashPagedAttention if flash else SdpaPagedAttention
             if any(w is not None for w in cfg.windows):  # sliding layers (Gemma 3): windowed masks
                 self.backend = partial(SdpaPagedAttention, windows=cfg.windows)

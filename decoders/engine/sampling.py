@@ -10,15 +10,21 @@ Penalties follow OpenAI (presence and frequency over generated tokens) and the
 CTRL paper's repetition penalty (Keskar et al., 2019, section 4.1; over prompt and
 generated tokens, divide positive logits and multiply negative ones).
 
-Seeds: each request owns a ``torch.Generator``, so its samples do not depend on
-what else shares the batch. At temperature 0 without a seed the generator starts from
-a fixed seed (``request_seed``): temperature 0 samples nothing, but a decoder may still
-draw noise (DiffusionGemma's canvas starts from random tokens and re-noises what it does
-not accept), and temperature 0 must give the same text on every call.
+Seeds: every request has one seed (``request_seed``): its ``seed`` plus the choice index,
+a fixed one at temperature 0 without a seed (temperature 0 samples nothing, but a decoder
+may still draw noise: DiffusionGemma's canvas starts from random tokens), else fresh entropy.
+The token at output position t is drawn by inverse-CDF with one uniform keyed by
+(seed, t) (``keyed_uniform``, a counter-based hash), never by how many draws came before:
+so a sample depends neither on what else shares the batch nor on how many drafts a
+speculative step verified, and EAGLE's acceptance (``eagle/tree.py``) returns exactly
+the token plain AR samples at t. Noise that is not one token per position (a diffusion
+canvas) comes from the request's ``torch.Generator``, seeded the same way, drawn on the
+generator's own device.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
@@ -184,13 +190,37 @@ def stable_logits(logits: torch.Tensor) -> torch.Tensor:
 GREEDY_SEED = 0
 
 
-def request_seed(params: SamplingParams, index: int = 0) -> int | None:
-    """The seed of choice ``index``'s generator: the request's seed plus the index (so choices
+def request_seed(params: SamplingParams, index: int = 0) -> int:
+    """The seed of choice ``index``'s noise: the request's seed plus the index (so choices
     differ); at temperature 0 without a seed, ``GREEDY_SEED`` for every choice (they agree, as
-    argmax choices do); otherwise None, fresh entropy."""
+    argmax choices do); otherwise fresh entropy, drawn once for the request."""
     if params.seed is not None:
         return params.seed + index
-    return GREEDY_SEED if params.greedy else None
+    return GREEDY_SEED if params.greedy else secrets.randbits(63)
+
+
+_MASK64 = 2**64 - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, SplitMix64's increment
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finaliser (Steele, Lea and Flood, "Fast splittable pseudorandom number
+    generators", OOPSLA 2014): a bijection on 64-bit integers that spreads every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def keyed_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that draws output position ``position`` of the stream ``seed``.
+
+    Counter-based: the (position + 1)-th output of SplitMix64 started from the mixed seed, a
+    pure function of (seed, position) in plain integers (about 1 µs, on no device). It keeps 24
+    bits, so it is exact in float32 and ``u * total < total`` for any float32 total: the draw
+    never falls past the last token.
+    """
+    key = _mix64(seed & _MASK64)
+    return (_mix64((key + (position + 1) * _GOLDEN) & _MASK64) >> 40) / 2**24
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -213,20 +243,22 @@ def argmax(logits: torch.Tensor) -> list[int] | int:
     return logits.argmax(-1).tolist()
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from (vocab,) processed logits.
+def inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The token that uniform ``u`` picks from (vocab,) probabilities (not necessarily normalised):
+    the first index whose cumulative mass exceeds ``u`` times the total, so never a token of zero
+    probability. Every operation stays on the probabilities' device; the same (probs, u) gives
+    the same token wherever it is called (``sample_token``, EAGLE's acceptance)."""
+    cdf = probs.cumsum(-1)  # (vocab,)
+    return min(int(torch.searchsorted(cdf, cdf[-1:] * u, right=True)), cdf.shape[-1] - 1)
 
-    Inverse-CDF sampling with one uniform draw from the request's own generator:
-    the draw is made on the generator's device (the CPU) whatever device the
-    logits are on, so a seed gives the same tokens on any backend and in any batch.
-    """
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
+    """One token from (vocab,) processed logits: the argmax when greedy, else the token that the
+    uniform ``u`` (``keyed_uniform`` of the request's seed and this output position) picks from
+    the truncated distribution by inverse CDF."""
     if params.greedy:
         return int(argmax(logits.nan_to_num(nan=float("-inf"))))
-    probs = truncated_probs(logits.float(), params)
-    cdf = probs.cumsum(-1)  # (vocab,)
-    u = torch.rand(1, generator=generator, device=generator.device).to(cdf.device) * cdf[-1]
-    # The first index whose cumulative mass exceeds u: never a zero-probability token.
-    return min(int(torch.searchsorted(cdf, u, right=True)), cdf.shape[-1] - 1)
+    return inverse_cdf(truncated_probs(logits.float(), params), u)
 
 
 @dataclass

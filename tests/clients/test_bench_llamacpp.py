@@ -1,21 +1,28 @@
-"""Pure parts of the llama.cpp side-by-side benchmark and the busy-neighbour benchmark.
+"""Pure parts of the llama.cpp side-by-side benchmark, its llama.cpp build, and the busy-neighbour
+benchmark.
 
-Neither llama.cpp nor a model is started here: arguments, commands, tables, the output parser,
-and the stopping of a started process group (with a stand-in process).
+Neither llama.cpp nor a model is started or built here: arguments, commands (cmake, llama-server,
+llama-quantize), the build cache and its marker (with cmake stood in for), tables, the output
+parser, and the stopping of a started process group (with a stand-in process). One slow test
+drives a real llama-server and is skipped where none has been built.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from dualserve.clients import bench_llamacpp as bl
+from dualserve.clients import llamacpp_build as lb
 from dualserve.clients import bench_neighbour as bn
 from dualserve.clients.bench import RequestResult, summarize_level
 
@@ -47,6 +54,8 @@ def test_defaults():
     assert args.requests == 12
     assert args.dualserve_argv == [] and args.llamacpp_url is None and args.dualserve_url is None
     assert args.prompts.name == "bench.jsonl"
+    assert args.baseline_list == ["cpp"] and args.quantize_list == [] and not args.settle_compare
+    assert args.ctx == 1024 and args.llama_server is None
 
 
 def test_options():
@@ -57,10 +66,19 @@ def test_options():
     assert args.dualserve_argv == ["--quantization", "int4", "--no-compile"]
     assert args.concurrent_requests == 8
     assert args.llamacpp_url == "http://h:1/v1" and args.dualserve_url == "http://h:2/v1"
+    args = bl.parse_args(["--baseline", "cpp, python", "--quantize", "Q4_0,Q4_K_M", "--settle-compare",
+                          "--llama-server", "/opt/llama-server", "--ctx", "512"])
+    assert args.baseline_list == ["cpp", "python"] and args.quantize_list == ["Q4_0", "Q4_K_M"]
+    assert args.settle_compare and args.llama_server == Path("/opt/llama-server") and args.ctx == 512
 
 
-@pytest.mark.parametrize("argv", [["--decoders", "ar,medusa"], ["--decoders", ","], ["--threads", "0"],
-                                  ["--requests", "0"], ["--concurrency", "-1"], ["--dualserve-args", "'open"]])
+@pytest.mark.parametrize("argv", [
+    ["--decoders", "ar,medusa"], ["--decoders", ","], ["--threads", "0"], ["--requests", "0"],
+    ["--concurrency", "-1"], ["--dualserve-args", "'open"], ["--baseline", "rust"], ["--baseline", ","],
+    ["--baseline", "cpp,python", "--llamacpp-url", "http://h:1/v1"], ["--ctx", "0"],
+    ["--quantize", "Q4_0", "--dualserve-url", "http://h:2/v1"],
+    ["--quantize", "Q4_0", "--dualserve-args=--model other.gguf"],
+    ["--settle-compare", "--decoders", "eagle"]])
 def test_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit):
         bl.parse_args(argv)
@@ -71,11 +89,171 @@ def test_server_commands_use_the_same_threads():
     assert ours[1:4] == ["-m", "dualserve.server.cli", "serve"]
     assert ours[ours.index("--threads") + 1] == "2" and ours[ours.index("--port") + 1] == "9000"
     assert ours[-2:] == ["--quantization", "int4"]
-    llama = bl.llamacpp_command(Path("/m.gguf"), 2, 9001, [])
-    assert llama[1:3] == ["-m", "llama_cpp.server"]
-    assert llama[llama.index("--model") + 1] == "/m.gguf"
-    assert llama[llama.index("--n_threads") + 1] == "2" and llama[llama.index("--n_threads_batch") + 1] == "2"
-    assert llama[llama.index("--interrupt_requests") + 1] == "False"
+    py = bl.llama_cpp_python_command(Path("/m.gguf"), 2, 9001, [])
+    assert py[1:3] == ["-m", "llama_cpp.server"]
+    assert py[py.index("--model") + 1] == "/m.gguf"
+    assert py[py.index("--n_threads") + 1] == "2" and py[py.index("--n_threads_batch") + 1] == "2"
+    assert py[py.index("--interrupt_requests") + 1] == "False"
+
+
+def test_llama_server_command_single_stream_and_concurrent():
+    one = bl.llama_server_command(Path("/b/llama-server"), Path("/m.gguf"), 2, 9002, 1, 1024)
+    assert one == ["/b/llama-server", "-m", "/m.gguf", "-t", "2", "-tb", "2", "-np", "1",
+                   "--port", "9002", "--host", "127.0.0.1", "-c", "1024"]
+    # llama-server splits -c over its slots: 16 slots of 1024 tokens each
+    many = bl.llama_server_command(Path("/b/llama-server"), Path("/m.gguf"), 2, 9003, 16, 1024, ["--mlock"])
+    assert many[many.index("-np") + 1] == "16" and many[many.index("-c") + 1] == "16384"
+    assert many[-1] == "--mlock"
+    args = bl.parse_args(["--threads", "3", "--ctx", "256", "--llamacpp-args=--no-warmup"])
+    b = bl.Baseline("cpp", Path("/m.gguf"), lb.Binaries(Path("/b/llama-server")))
+    cmd = b.command(args, 9004, 4)
+    assert cmd[0] == "/b/llama-server" and cmd[cmd.index("-t") + 1] == "3" and cmd[cmd.index("-c") + 1] == "1024"
+    assert cmd[-1] == "--no-warmup" and b.server == "llama-server"
+    assert bl.Baseline("python", Path("/m.gguf")).command(args, 9005, 4)[1:3] == ["-m", "llama_cpp.server"]
+
+
+def test_dualserve_is_given_the_compared_file():
+    args = bl.parse_args(["--dualserve-args=--no-compile"])
+    assert bl.dualserve_extra(args, Path("/q.gguf")) == ["--model", "/q.gguf", "--no-compile"]
+    assert bl.dualserve_extra(args, None) == ["--no-compile"]
+    args = bl.parse_args(["--dualserve-args=--model=/x.gguf"])
+    assert bl.dualserve_extra(args, Path("/q.gguf")) == ["--model=/x.gguf"]
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp build (clients/llamacpp_build.py), with cmake stood in for
+
+
+def test_cmake_commands():
+    cfg = lb.configure_command(Path("/src/llama.cpp"), Path("/cache/llama.cpp/v-h"))
+    assert cfg[:5] == ["cmake", "-S", "/src/llama.cpp", "-B", "/cache/llama.cpp/v-h"]
+    for opt in ("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DCMAKE_BUILD_TYPE=Release",
+                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"):
+        assert opt in cfg
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    assert f"-DCMAKE_C_FLAGS={no_amx}" in cfg and f"-DCMAKE_CXX_FLAGS={no_amx}" in cfg
+    build = lb.build_command(Path("/cache/llama.cpp/v-h"), 2)
+    assert build[:3] == ["cmake", "--build", "/cache/llama.cpp/v-h"]
+    assert build[build.index("--parallel") + 1] == "2"
+    assert build[build.index("--target") + 1:] == ["llama-server", "llama-quantize", "llama-bench"]
+    dl = lb.download_command(Path("/cache/llama.cpp/src"))
+    assert dl[1:] == ["-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "llama-cpp-python==0.3.36",
+                      "-d", "/cache/llama.cpp/src"]
+
+
+def test_build_dir_is_keyed_by_version_and_cpu_flags(tmp_path):
+    flags = lb.cpu_flags("processor\t: 0\nflags\t\t: sse avx2 avx512f fpu\nprocessor\t: 1\n")
+    assert flags == ["avx2", "avx512f", "fpu", "sse"]
+    d = lb.build_dir(tmp_path, flags)
+    assert d.parent == tmp_path / "llama.cpp" and d.name.startswith("0.3.36-") and len(d.name) == len("0.3.36-") + 12
+    assert lb.build_dir(tmp_path, ["fpu", "sse", "avx512f", "avx2"]) == d  # order-free
+    assert lb.build_dir(tmp_path, ["avx2", "fpu", "sse"]) != d  # another CPU, another build
+    assert lb.source_dir(tmp_path) == tmp_path / "llama.cpp/src/llama_cpp_python-0.3.36/vendor/llama.cpp"
+
+
+def fake_source(cache: Path) -> None:
+    src = lb.source_dir(cache)
+    src.mkdir(parents=True)
+    (src / "CMakeLists.txt").write_text("")
+
+
+def test_build_writes_its_marker_only_after_success_and_is_reused(tmp_path, monkeypatch):
+    fake_source(tmp_path)
+    calls: list[list[str]] = []
+
+    def fake_cmake(cmd, log, out, progress=False):
+        calls.append(list(cmd))
+        if cmd[1] == "--build":
+            (Path(cmd[2]) / "bin").mkdir(parents=True, exist_ok=True)
+            for t in lb.TARGETS:
+                (Path(cmd[2]) / "bin" / t).write_text("")
+
+    monkeypatch.setattr(lb, "run_logged", fake_cmake)
+    out = open(os.devnull, "w")
+    d = lb.build(tmp_path, 2, out, flags=["avx2"])
+    assert d == lb.build_dir(tmp_path, ["avx2"]) and lb.is_built(d)
+    assert [c[1] for c in calls] == ["-S", "--build"]
+    marker = json.loads((d / lb.MARKER).read_text())
+    assert marker["commands"] == calls and marker["binaries"]["llama-server"] == str(d / "bin" / "llama-server")
+    assert lb.build(tmp_path, 2, out, flags=["avx2"]) == d and len(calls) == 2  # reused: nothing run
+    (d / "bin" / "llama-quantize").unlink()  # a binary gone: built again
+    assert not lb.is_built(d)
+    lb.build(tmp_path, 2, out, flags=["avx2"])
+    assert len(calls) == 4
+    out.close()
+
+
+def test_interrupted_build_leaves_no_marker(tmp_path, monkeypatch):
+    fake_source(tmp_path)
+
+    def failing_cmake(cmd, log, out, progress=False):
+        if cmd[1] == "--build":
+            raise RuntimeError("cmake --build failed with code 2")
+
+    monkeypatch.setattr(lb, "run_logged", failing_cmake)
+    with pytest.raises(RuntimeError, match="failed"):
+        lb.build(tmp_path, 2, sys.stderr, flags=["avx2"])
+    d = lb.build_dir(tmp_path, ["avx2"])
+    assert d.is_dir() and not (d / lb.MARKER).exists() and not lb.is_built(d)
+
+
+def test_run_logged_echoes_progress_and_reports_failure(tmp_path, capsys):
+    script = "print('-- configuring'); print('[ 42%] Building CXX object a.o'); print('[100%] Built target x')"
+    lb.run_logged([sys.executable, "-c", script], tmp_path / "log", sys.stderr, progress=True)
+    err = capsys.readouterr().err
+    assert "[ 42%] Building CXX object a.o" in err and "[100%]" in err and "configuring" not in err
+    assert "-- configuring" in (tmp_path / "log").read_text()
+    with pytest.raises(RuntimeError, match="(?s)code 3.*boom"):
+        lb.run_logged([sys.executable, "-c", "print('boom'); raise SystemExit(3)"], tmp_path / "log", sys.stderr)
+
+
+def test_find_binaries_prefers_the_given_path_then_path(tmp_path, monkeypatch):
+    for name in ("llama-server", "llama-quantize"):
+        (tmp_path / name).write_text("")
+    found = lb.find_binaries(tmp_path / "llama-server", tmp_path / "cache", 2)
+    assert found == lb.Binaries(tmp_path / "llama-server", tmp_path / "llama-quantize", None)
+    with pytest.raises(SystemExit):
+        lb.find_binaries(tmp_path / "missing", tmp_path / "cache", 2)
+    monkeypatch.setattr(lb.shutil, "which", lambda name: str(tmp_path / name))
+    assert lb.find_binaries(None, tmp_path / "cache", 2).server == tmp_path / "llama-server"
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized variants, with llama-quantize stood in for
+
+
+def test_quantize_command_and_cache_path(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    cmd = bl.quantize_command(Path("/b/llama-quantize"), gguf, Path("/o.gguf"), "Q4_K_M", 2)
+    assert cmd == ["/b/llama-quantize", "--allow-requantize", str(gguf), "/o.gguf", "Q4_K_M", "2"]
+    p = bl.quantized_path(tmp_path / "cache", gguf, "Q4_0")
+    assert p.parent == tmp_path / "cache" / "llama.cpp" / "quantized"
+    assert p.name.startswith("m-") and p.name.endswith(".Q4_0.gguf")
+    gguf.write_bytes(b"GGUF, changed")
+    assert bl.quantized_path(tmp_path / "cache", gguf, "Q4_0") != p
+
+
+def fake_quantize(tmp_path: Path, code: int = 0) -> Path:
+    """A stand-in for llama-quantize: --allow-requantize IN OUT TYPE THREADS, copying IN to OUT."""
+    exe = tmp_path / f"llama-quantize-{code}"
+    exe.write_text(f'#!/bin/sh\ncp "$2" "$3" && echo "$4" >> "$3"\nexit {code}\n')
+    exe.chmod(0o755)
+    return exe
+
+
+def test_quantized_file_is_made_once_and_only_whole(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    cache, logs = tmp_path / "cache", tmp_path
+    made = bl.quantized_file(fake_quantize(tmp_path), cache, gguf, "Q4_0", 2, logs)
+    assert made == bl.quantized_path(cache, gguf, "Q4_0") and made.read_bytes() == b"GGUFQ4_0\n"
+    # reused: a failing quantizer is not even run
+    assert bl.quantized_file(fake_quantize(tmp_path, 1), cache, gguf, "Q4_0", 2, logs) == made
+    with pytest.raises(RuntimeError, match="llama-quantize Q8_0 failed"):
+        bl.quantized_file(fake_quantize(tmp_path, 1), cache, gguf, "Q8_0", 2, logs)
+    assert not bl.quantized_path(cache, gguf, "Q8_0").exists()
+    assert list(made.parent.glob("*.partial")) == []
 
 
 def test_report_tables():
@@ -112,10 +290,25 @@ def test_c1_throughput():
     assert bl.c1_throughput(None, "ours") is None
 
 
-def test_servers_targets_given_urls_without_starting_anything():
+def test_servers_targets_given_urls_without_starting_anything(tmp_path):
     args = bl.parse_args(["--llamacpp-url", "http://a/v1", "--dualserve-url", "http://b/v1"])
-    with bl.servers(args) as urls:
-        assert urls == ("http://b/v1", "http://a/v1")
+    commands: list[list[str]] = []
+    with bl.baseline_server(bl.Baseline("cpp", None, url="http://a/v1"), args, 16, tmp_path, commands) as url:
+        assert url == "http://a/v1"
+    with bl.dualserve_server(args, None, tmp_path) as url:
+        assert url == "http://b/v1"
+    assert commands == [] and list(tmp_path.iterdir()) == []
+
+
+def test_report_names_the_baseline_and_the_settle_ratio():
+    settled = bl.SideBySide("ar", level(20.0, 0.05), level(80.0, 0.1))
+    unsettled = bl.SideBySide("ar (no settle)", level(18.0, 0.05), level(80.0, 0.1))
+    ratio = bl.settle_ratio(settled, unsettled)
+    assert ratio == pytest.approx(0.9)
+    text = bl.format_report("t", [settled, unsettled], None, base="llama-server", settle_ratio=ratio)
+    assert "llama-server tok/s" in text and "llama.cpp" not in text
+    assert "no-settle / settle decode tok/s: 0.90x" in text
+    assert any(line.startswith("ar (no settle)") for line in text.splitlines())
 
 
 def alive(pid: int) -> bool:
@@ -220,11 +413,10 @@ async def test_run_bench_against_canned_servers(tmp_path, capsys):
     ours, ours_url = canned_chat_server("ours-model", log)
     base, base_url = canned_chat_server("/models/x.gguf", log)
     try:
-        out = tmp_path / "r.json"
         args = bl.parse_args(["--threads", "2", "--requests", "3", "--decoders", "ar,eagle", "--concurrency", "4",
-                              "--concurrent-requests", "5", "--warmup", "0", "--settle", "0", "--json", str(out),
+                              "--concurrent-requests", "5", "--warmup", "0", "--settle", "0",
                               "--dualserve-url", ours_url, "--llamacpp-url", base_url])
-        report = await bl.run_bench(args, ours_url, base_url)
+        report = await bl.run_bench(args, ours_url, [bl.Baseline("cpp", None, url=base_url)], tmp_path)
     finally:
         for s in (ours, base):
             s.shutdown()
@@ -236,9 +428,61 @@ async def test_run_bench_against_canned_servers(tmp_path, capsys):
     assert [d for who, d in single[6:] if who == "ours-model"] == ["eagle"] * 3
     assert all(body["max_tokens"] == 64 and body["temperature"] == 0.0 and "messages" in body for _, body in log)
     assert sum(1 for who, _ in log[12:] if who == "ours-model") == 5 and len(log) == 22
-    assert [s["decoder"] for s in report["single_stream"]] == ["ar", "eagle"]
-    assert report["single_stream"][0]["ours"]["completion_tokens"] == 12
-    assert report["aggregate"]["concurrency"] == 4 and report["aggregate"]["llamacpp"]["n_ok"] == 5
-    assert json.loads(out.read_text())["threads"] == 2
+    (run,) = report["baselines"]
+    assert run["server"] == "llama-server" and run["commands"] == [] and run["url"] == base_url
+    assert [s["decoder"] for s in run["single_stream"]] == ["ar", "eagle"]
+    assert run["single_stream"][0]["ours"]["completion_tokens"] == 12
+    assert run["aggregate"]["concurrency"] == 4 and run["aggregate"]["baseline"]["n_ok"] == 5
     printed = capsys.readouterr().out
-    assert "threads=2" in printed and "aggregate at concurrency 4" in printed
+    assert "threads=2" in printed and "aggregate at concurrency 4" in printed and "vs llama-server" in printed
+
+
+async def test_settle_compare_interleaves_request_by_request(tmp_path, capsys):
+    log: list[tuple[str, dict]] = []
+    ours, ours_url = canned_chat_server("ours-model", log)
+    base, base_url = canned_chat_server("/models/x.gguf", log)
+    try:
+        args = bl.parse_args(["--requests", "2", "--decoders", "ar", "--concurrency", "0", "--warmup", "0",
+                              "--settle", "0.05", "--settle-compare", "--dualserve-url", ours_url,
+                              "--llamacpp-url", base_url])
+        report = await bl.run_bench(args, ours_url, [bl.Baseline("cpp", None, url=base_url)], tmp_path)
+    finally:
+        for s in (ours, base):
+            s.shutdown()
+            s.server_close()
+    # every dualserve request comes right after a baseline one: base, ours, base, ours, ...
+    assert [who for who, _ in log] == ["/models/x.gguf", "ours-model"] * 4
+    (run,) = report["baselines"]
+    rows = run["single_stream"]
+    assert [r["decoder"] for r in rows] == ["ar", "ar (no settle)"]
+    assert rows[0]["ours"]["n_requests"] == 2 and rows[1]["ours"]["n_requests"] == 2
+    assert rows[0]["baseline"]["n_requests"] == 4 and run["settle_ratio"] is not None
+    assert "no-settle / settle" in capsys.readouterr().out
+
+
+def installed_llama_server() -> Path | None:
+    """llama-server on PATH, or the one llamacpp_build made for this host in the default cache."""
+    from dualserve.models.hub import default_cache_dir
+
+    if on_path := shutil.which("llama-server"):
+        return Path(on_path)
+    d = lb.build_dir(default_cache_dir(), lb.cpu_flags(Path("/proc/cpuinfo").read_text()))
+    return d / "bin" / "llama-server" if lb.is_built(d) else None
+
+
+@pytest.mark.slow
+def test_real_llama_server_answers(tmp_path):
+    server = installed_llama_server()
+    gguf = bl.default_gguf(None)
+    if server is None or not gguf.exists():
+        pytest.skip("no llama-server built (python -m dualserve.clients.llamacpp_build) or no default GGUF")
+    args = bl.parse_args(["--threads", "1", "--ctx", "256", "--startup-timeout", "300"])
+    b = bl.Baseline("cpp", gguf, lb.siblings(server))
+    commands: list[list[str]] = []
+    with bl.baseline_server(b, args, 2, tmp_path, commands) as url:
+        body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}).encode()
+        req = urllib.request.Request(url + "/chat/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.loads(r.read())
+    assert answer["usage"]["completion_tokens"] >= 1
+    assert commands[0][commands[0].index("-np") + 1] == "2"

@@ -212,7 +212,8 @@ def test_path_logits_batches_levels_and_computes_ahead_what_pays() -> None:
 
 
 def test_accept_sampled_is_lossless() -> None:
-    """Emitted tokens follow the target's own sequential distribution exactly."""
+    """Emitted tokens follow the target's own sequential distribution exactly, with a fresh uniform
+    per position (the keyed rule: tests/decoders/eagle/test_keyed_acceptance.py checks it token for token)."""
     vocab = 4
     gen = torch.Generator().manual_seed(0)
     probs = {node: torch.softmax(torch.randn(vocab, generator=gen) * 1.5, -1) for node in range(6)}
@@ -222,7 +223,7 @@ def test_accept_sampled_is_lossless() -> None:
     n = 8000
     counts: dict[tuple[int, ...], int] = {}
     for _ in range(n):
-        path, bonus = accept_sampled(tree, lambda node, acc: probs[node], gen)
+        path, bonus = accept_sampled(tree, lambda node, acc: probs[node], torch.rand(4, generator=gen).tolist())
         seq = (tuple(tree.tokens[i] for i in path) + (bonus,))[:2]
         counts[seq] = counts.get(seq, 0) + 1
     expected: dict[tuple[int, ...], float] = {}
@@ -239,13 +240,12 @@ def test_accept_sampled_is_lossless() -> None:
 
 
 def test_accept_sampled_never_draws_from_an_empty_distribution() -> None:
-    """All the mass on a drafted child that rounding rejects: the child is accepted, never a
-    multinomial over zeros."""
+    """All the (unnormalised) mass on a drafted child: the child is accepted whatever the uniform,
+    never a token of zero probability."""
     tree = DraftTree([3, 1], [-1, 0])
     p = torch.tensor([0.0, 0.5, 0.0, 0.0])  # the whole (unnormalised) mass on the child
-    for seed in range(20):
-        path, bonus = accept_sampled(tree, lambda node, acc: p if node == 0 else torch.full((4,), 0.25),
-                                     torch.Generator().manual_seed(seed))
+    for u in [0.0, 0.5, 1 - 2**-24] + torch.rand(20, generator=torch.Generator().manual_seed(0)).tolist():
+        path, bonus = accept_sampled(tree, lambda node, acc: p if node == 0 else torch.full((4,), 0.25), [u, 0.5])
         assert path == [1]
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dualserve.decoders.engine.sampling import (PenaltyState, SamplingParams, apply_logit_bias, apply_penalties,
-                                         make_generator, process_logits, sample_token, token_logprobs,
+                                         keyed_uniform, process_logits, sample_token, token_logprobs,
                                          truncated_probs)
 
 # Probabilities 0.4, 0.3, 0.2, 0.1 at temperature 1.
@@ -30,11 +30,11 @@ def test_temperature_scales_logits():
         assert torch.allclose(got, torch.softmax(LOGITS / t, -1), atol=1e-6)
 
 
-def test_greedy_is_argmax_whatever_the_generator():
+def test_greedy_is_argmax_whatever_the_uniform():
     params = SamplingParams(temperature=0.0)
     assert params.greedy
     logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
-    assert {sample_token(logits, params, make_generator(s)) for s in range(5)} == {1}
+    assert {sample_token(logits, params, keyed_uniform(s, 0)) for s in range(5)} == {1}
 
 
 def test_top_k_keeps_the_k_best_and_renormalises():
@@ -70,10 +70,9 @@ def test_logit_bias_adds_and_can_ban_or_force():
     logits = torch.zeros(5)
     assert apply_logit_bias(logits.clone(), {1: 2.5, 3: -1.0}).tolist() == [0.0, 2.5, 0.0, -1.0, 0.0]
     params = SamplingParams(temperature=1.0, logit_bias={4: 100.0})
-    gen = make_generator(0)
-    assert {sample_token(process_logits(logits, [], [], params), params, gen) for _ in range(20)} == {4}
+    assert {sample_token(process_logits(logits, [], [], params), params, keyed_uniform(0, t)) for t in range(20)} == {4}
     banned = SamplingParams(temperature=1.0, logit_bias={0: -100.0, 1: -100.0})
-    draws = {sample_token(process_logits(logits, [], [], banned), banned, gen) for _ in range(50)}
+    draws = {sample_token(process_logits(logits, [], [], banned), banned, keyed_uniform(0, t)) for t in range(50)}
     assert draws <= {2, 3, 4}
 
 
@@ -114,24 +113,24 @@ def test_process_logits_leaves_its_input_alone():
 
 def test_seeded_sampling_is_reproducible_and_follows_the_distribution():
     params = SamplingParams(temperature=1.0)
-    draws = [sample_token(LOGITS, params, make_generator(123)) for _ in range(3)]
+    draws = [sample_token(LOGITS, params, keyed_uniform(123, 5)) for _ in range(3)]
     assert len(set(draws)) == 1
-    gen = make_generator(7)
-    seq_a = [sample_token(LOGITS, params, gen) for _ in range(20)]
-    gen = make_generator(7)
-    assert seq_a == [sample_token(LOGITS, params, gen) for _ in range(20)]
-    gen = make_generator(0)
-    counts = torch.bincount(torch.tensor([sample_token(LOGITS, params, gen) for _ in range(4000)]), minlength=4)
+    seq_a = [sample_token(LOGITS, params, keyed_uniform(7, t)) for t in range(20)]
+    assert seq_a == [sample_token(LOGITS, params, keyed_uniform(7, t)) for t in range(20)]
+    assert seq_a != [sample_token(LOGITS, params, keyed_uniform(8, t)) for t in range(20)]
+    counts = torch.bincount(torch.tensor([sample_token(LOGITS, params, keyed_uniform(0, t)) for t in range(4000)]),
+                            minlength=4)
     freq = counts.float() / 4000
     assert torch.allclose(freq, PROBS, atol=0.03), freq
 
 
 def test_sampling_never_picks_a_truncated_token():
     params = SamplingParams(temperature=1.5, top_k=2)
-    gen = make_generator(3)
-    assert {sample_token(LOGITS, params, gen) for _ in range(300)} == {0, 1}
+    edges = [0.0, 1 - 2**-24]  # the smallest and largest keyed uniforms
+    assert {sample_token(LOGITS, params, u) for u in edges + [keyed_uniform(3, t) for t in range(300)]} == {0, 1}
     masked = torch.tensor([float("-inf"), 0.0, float("-inf"), 0.0])  # a grammar mask
-    assert {sample_token(masked, SamplingParams(), gen) for _ in range(100)} == {1, 3}
+    draws = {sample_token(masked, SamplingParams(), u) for u in edges + [keyed_uniform(3, t) for t in range(100)]}
+    assert draws == {1, 3}
 
 
 def test_token_logprobs_are_the_raw_log_softmax():
@@ -168,7 +167,7 @@ def test_extreme_repetition_penalty_keeps_logits_finite_and_sampling_defined(pen
     assert torch.isfinite(out[:3]).all() and out[3] == float("-inf")  # a masked token stays masked
     probs = truncated_probs(out, params)
     assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5 and probs[3] == 0
-    assert sample_token(out, params, make_generator(0)) in (0, 1, 2)
+    assert sample_token(out, params, keyed_uniform(0, 0)) in (0, 1, 2)
 
 
 def test_infinite_logits_share_the_mass_and_nan_is_never_sampled():
