@@ -50,7 +50,7 @@ class AppState:
 
 
 # The page at / is open (it holds no data, and asks for the key when /status.json wants one).
-OPEN_PATHS = ("/health", "/")
+OPEN_PATHS = ("/health", "/v1/health", "/")
 
 
 def check_request(request: Request) -> Response | None:
@@ -74,7 +74,7 @@ def check_request(request: Request) -> Response | None:
                                               "invalid_api_key"))
 
 
-@route("/health", http_method=["GET", "HEAD"], sync_to_thread=False)
+@route(["/health", "/v1/health"], http_method=["GET", "HEAD"], sync_to_thread=False)
 def health(state: State) -> Response:
     if state.app_state.failure is not None:  # a rank is gone: the server is about to exit non-zero
         return Response(content={"status": "failed", "error": state.app_state.failure}, status_code=503)

@@ -68,7 +68,7 @@ def ranked(scores: list[float], docs: list[str], top_n: int | None, with_documen
                          document=RerankDocument(text=docs[i]) if with_documents else None) for i in order]
 
 
-@post(["/v1/rerank", "/rerank", "/v1/reranking"], status_code=200)
+@post(["/v1/rerank", "/rerank", "/v1/reranking", "/reranking"], status_code=200)  # llama.cpp serves all four
 async def rerank(request: Request, state: State) -> Response:
     service: Service = state.app_state.service
     body = decode(await request.body(), rerank_decoder)
