@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from dualserve.models import kernels
 from server_fixture import free_port, stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,8 +123,10 @@ def test_the_installed_server_answers_chat(installed, cache_dir: Path, default_g
     venv, env = installed
     port = free_port()
     log = tmp_path / "serve.log"
+    # The bundled head, twin and datastore load from the installed package; the format is pinned as
+    # the shared server fixture pins it (the format choice has tests of its own).
     cmd = [str(venv / "bin" / "dualserve"), "serve", "--port", str(port), "--cache-dir", str(cache_dir),
-           "--no-compile"]
+           "--no-compile", "--quantization", "w4a16" if kernels.available() else "int4"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

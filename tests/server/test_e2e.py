@@ -82,7 +82,7 @@ def test_models(client: openai.OpenAI, http: httpx.Client) -> None:
 
 
 def test_an_endpoint_not_served_is_named_in_openai_s_shape(http: httpx.Client) -> None:
-    for method, path, status in [("POST", "/v1/embeddings", 404), ("GET", "/v1/chat/completions", 405)]:
+    for method, path, status in [("POST", "/v1/audio/transcriptions", 404), ("GET", "/v1/chat/completions", 405)]:
         r = http.request(method, path, json={})
         error = r.json()["error"]
         assert r.status_code == status and error["message"] == f"Invalid URL ({method} {path})", r.text

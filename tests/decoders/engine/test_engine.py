@@ -13,10 +13,13 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from dualserve.decoders.engine.request import FailureKind
 from dualserve.decoders.engine.sampling import SamplingParams
 from dualserve.decoders.engine.scheduler import QueueFull
+from dualserve.models import kernels
+from dualserve.models.checkpoint import build
 from engine_harness import (  # noqa: F401  (fixtures)
     MODEL, GREEDY, TINY, Client, alone, built, count_forwarded, make_engine, random_prompts, real, tiny, tokenizer)
 
@@ -282,11 +285,17 @@ def test_seeded_choices_are_reproducible(make_engine):
     assert alone(make_engine(), [prompt], shifted)[0] == runs[0][1]
 
 
-def test_a_seed_gives_the_same_tokens_alone_and_in_a_batch(make_engine):
+def test_a_seed_gives_the_same_tokens_alone_and_in_a_batch(make_engine, tiny):
+    """A seeded sample is drawn with noise keyed by (seed, position), so the batch cannot change it,
+    given logits that are the same bits in any batch: the dot8 format (fp32 GEMMs may round a row
+    differently beside others, with the thread count, and a draw near a boundary would flip)."""
+    if not kernels.available():
+        pytest.skip("needs the project's dot8 kernel (w4a16): fp32 logits are not batch-invariant")
+    model = build(TINY, dict(tiny.state_dict()), torch.float32, "cpu", "w4a16")
     prompt = random_prompts(1, 15, 16, seed=8)[0]
     params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=200, seed=1234, ignore_eos=True)
-    solo = alone(make_engine(), [prompt], params)[0]
-    engine = make_engine(max_batched_tokens=24)
+    solo = alone(make_engine(model), [prompt], params)[0]
+    engine = make_engine(model, max_batched_tokens=24)
     client = Client(engine)
     others = [SamplingParams(max_tokens=15, temperature=1.0, ignore_eos=True),
               SamplingParams(max_tokens=25, temperature=0.7, seed=99, presence_penalty=1.0),
@@ -299,4 +308,4 @@ def test_a_seed_gives_the_same_tokens_alone_and_in_a_batch(make_engine):
     engine.run_until_idle()
     assert client.tokens(rid) == solo
     other_seed = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=200, seed=4321, ignore_eos=True)
-    assert alone(make_engine(), [prompt], other_seed)[0] != solo
+    assert alone(make_engine(model), [prompt], other_seed)[0] != solo
