@@ -10,6 +10,7 @@ error; the exit status is the number of failures. They cover:
   kv-budget      the KV pool's bytes from the device's free memory (``kv_budget``)
   formats        w4a8 / w4a16 refused off the CPU; ``auto`` there picks a runnable format
   flash-choice   flash-attn only for fp16 / bf16 and 256-token blocks
+  flash-stand-in the CUDA-shaped profile's PyTorch ``flash_attn_with_kvcache`` against flash-attn's
   rows-memory    the rows form run eagerly at a long context stays within a bounded memory
 """
 
@@ -115,6 +116,40 @@ def rows_memory() -> str:
     peak = torch.cuda.max_memory_allocated() / 2**30
     assert peak < 1, f"{peak:.1f} GiB at its peak"
     return f"peak {peak:.2f} GiB"
+
+
+@probe
+def flash_stand_in() -> str:
+    """The CUDA-shaped profile's PyTorch ``flash_attn_with_kvcache`` against flash-attn's own where it
+    is importable (else against SDPA over the same pool): a prefill appended through ``k``/``v``
+    across a block boundary, then a decode batch reading the cache alone."""
+    from dualserve.decoders.engine.cuda_shaped import flash_attn_with_kvcache as stand_in
+    from dualserve.decoders.engine.paged_attention import flash_available
+
+    torch.manual_seed(2)
+    bf16, block = torch.bfloat16, 256
+    caches = [torch.randn(6, block, 2, 64, device=DEVICE, dtype=bf16) for _ in range(2)]
+    table = torch.tensor([[4, 1], [0, 3]], dtype=torch.int32, device=DEVICE)
+    seqlens = torch.tensor([250, 100], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 12, 4, 64, device=DEVICE, dtype=bf16)
+    k, v = (torch.randn(2, 12, 2, 64, device=DEVICE, dtype=bf16) for _ in range(2))
+    if flash_available():
+        from flash_attn import flash_attn_with_kvcache as reference
+        name = "flash-attn"
+    else:  # the stand-in's own causal rule, as dense attention over the cache it wrote
+        reference, name = stand_in, "itself (no flash-attn)"
+    theirs = [c.clone() for c in caches]
+    ours = stand_in(q, *caches, k=k, v=v, cache_seqlens=seqlens, block_table=table, causal=True)
+    want = reference(q, *theirs, k=k, v=v, cache_seqlens=seqlens, block_table=table, causal=True)
+    assert torch.equal(caches[0], theirs[0]) and torch.equal(caches[1], theirs[1]), "appended at other slots"
+    err = rel(ours, want)
+    assert err < 2e-2, f"prefill: relative error {err:.4f}"
+    seqlens = seqlens + 12
+    q1 = q[:, :1]
+    err1 = rel(stand_in(q1, *caches, cache_seqlens=seqlens, block_table=table, causal=True),
+               reference(q1, *theirs, cache_seqlens=seqlens, block_table=table, causal=True))
+    assert err1 < 2e-2, f"decode: relative error {err1:.4f}"
+    return f"against {name}: prefill {err:.1e}, decode {err1:.1e}"
 
 
 def main() -> int:

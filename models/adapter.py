@@ -38,6 +38,7 @@ from torch import nn
 
 from .checkpoint import LoadedModel, build
 from .config import ModelConfig
+from .kernels import ops as kernel_ops
 from .quant import GROUP, Dot8Linear, W8A8Linear
 from .transformer import Transformer
 
@@ -159,9 +160,9 @@ class LoRA(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and x.dtype == torch.float32:
             b, a, u = self.base, self.down, self.up
-            y = torch.ops.dualserve.dot8_lora(x.reshape(-1, b.in_features).contiguous(), b.packed, b.d, b.m,
-                                               b.out_features, b.bits, a.packed, a.d, a.m, a.out_features,
-                                               u.packed, u.d, u.m, 0, b.digits, b.s, b.mn, b.minimum)
+            y = kernel_ops.dot8_lora(x.reshape(-1, b.in_features).contiguous(), b.packed, b.d, b.m, b.out_features,
+                                     b.bits, (a.packed, a.d, a.m), a.out_features, (u.packed, u.d, u.m), b.digits,
+                                     b.s, b.mn, b.minimum)
             return y.view(*x.shape[:-1], b.out_features)
         return self.base(x) + self.up(self.down(x))
 

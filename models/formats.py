@@ -1,11 +1,12 @@
-"""Choosing the weight format by measuring this host.
+"""Choosing the weight format for this host, once: from its CPU, or by measuring it.
 
 CPUs differ: the bf16 and int8 units of AVX512-BF16 and AMX make the weight-only
 kernels fast where AVX2 alone may favour plain fp32. So at start-up (``--quantization
 auto``) the linear shapes of the model being loaded are timed in each format, for
-one token (decode) and eight (EAGLE verify, diffusion blocks, prefill), and the
-fastest decode format wins. The table is cached per host and model shape under
-the model cache, so only the first start pays the second or two it takes.
+one token (decode) and eight (EAGLE verify, diffusion blocks, prefill). Where the CPU
+does not settle it (below), the fastest decode format wins. The table is cached per host
+and model shape under the model cache, so only the first quiet start pays the second or
+two it takes.
 
 The estimate is the sum of the GEMMs of one forward (every layer's projections
 plus the output head), timed with random weights of the right shapes; attention
@@ -34,15 +35,35 @@ faithful as llama.cpp's (``FAITHFUL``). ``--quantization w4a8`` still serves it.
 One format serves every token count: the lossless decoders (``ar`` and EAGLE's
 verify) must run the same numerics, so the multi-token column is reported, not
 used to pick a second copy of the weights.
+
+**Decided once per host, and kept** (``decide``). The format changes the loaded model, its
+answers at temperature 0 and every compiled graph's package key, so it must not follow one
+start's noise: a first start beside a busy compiler that kept ``int4`` and a quiet second start
+that switched to ``w4a16`` served different answers and built every graph twice. So the first
+start decides and records its decision (``<cache>/host/format-choices.json``, by model shape and
+checkpoint format, with the host key it was made under), and every later start on the same host
+key serves the recorded one without deciding again. The first decision comes from:
+
+- the CPU, where the dot8 kernel multiplies in integer dot-product instructions
+  (``INTEGER_DOT_PATHS``): ``w4a16``, measured or not;
+- else a quiet table: the fastest faithful format (``choose``);
+- else (a busy table) the checkpoint's own format, exact to the file.
+
+A changed host key (another thread count, torch, or build of the project's kernels) decides
+again, and the change, or that the format stayed, is logged with the key's parts that changed;
+``--quantization`` given explicitly is logged where it differs from the recorded choice. The
+table itself still serves the costs the router and the draft budget are fitted to: it is
+measured until a quiet one is cached.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +87,14 @@ KEEP_STORED_MARGIN = 0.9
 ROUNDS = 5          # timing rounds; each cell keeps its fastest
 QUIET_CORES = 0.25  # other processes' average use (cores) up to which a table is trusted and cached
 TABLE_VERSION = 4   # cache entries of another version are measured again
+CHOICES_FILE = "format-choices.json"  # the recorded decisions, beside the tables' formats.json
+# The dot8 code paths that multiply in integer dot-product instructions: AVX512-VNNI's vpdpbusd, with
+# AMX tiles joining it from a few rows (models/kernels/dot8.cpp: pick_path, pick_amx_from). There
+# w4a16 is the fastest faithful format: on an AVX512-VNNI host without AMX
+# the default model read int4 4.2 ms and w4a8 2.2 ms for one token (docs/formats.md), and w4a16
+# costs w4a8 plus 5% (docs/kernels.md, the 1B probe). The AVX2 path (maddubs pairs; dot8 has no
+# AVX-VNNI path) and plain C are measured instead.
+INTEGER_DOT_PATHS = ("avx512_vnni",)
 
 
 @dataclass(frozen=True)
@@ -180,20 +209,26 @@ def measure(config: ModelConfig, rounds: int = ROUNDS) -> FormatTable:
     return FormatTable(host_key(), ms, round(load.cores, 2))
 
 
-def cached_measure(config: ModelConfig, cache_dir: Path | None) -> FormatTable:
-    """``measure``, read from / written to ``cache_dir/formats.json`` keyed by host and model
-    shape. A table measured while other processes kept the cores busy is not written."""
-    key = f"v{TABLE_VERSION}|{host_key()}|{config.hidden_size}x{config.intermediate_size}x{config.num_layers}x" \
-          f"{config.vocab_size}"
+def shape_key(config: ModelConfig) -> str:
+    """The model shape a table or a decision belongs to: what its GEMMs are."""
+    return f"{config.hidden_size}x{config.intermediate_size}x{config.num_layers}x{config.vocab_size}"
+
+
+def cached_measure(config: ModelConfig, cache_dir: Path | None,
+                   measure_fn: Callable[[ModelConfig], FormatTable] | None = None,
+                   key: str | None = None) -> FormatTable:
+    """``measure`` (or ``measure_fn``), read from / written to ``cache_dir/formats.json`` keyed by
+    host (``key``, else ``host_key()``) and model shape. A table measured while other processes
+    kept the cores busy is not written."""
+    key = f"v{TABLE_VERSION}|{key or host_key()}|{shape_key(config)}"
     path = cache_dir / "formats.json" if cache_dir else None
-    known = json.loads(path.read_text()) if path and path.exists() else {}
+    known = _read_json(path) if path else {}
     if key in known:
         return FormatTable(**known[key])
-    table = measure(config)
+    table = (measure_fn or measure)(config)
     if path and table.quiet:
-        path.parent.mkdir(parents=True, exist_ok=True)
         known[key] = asdict(table)
-        path.write_text(json.dumps(known, indent=1))
+        _write_json(path, known)
     return table
 
 
@@ -208,4 +243,138 @@ def choose(table: FormatTable, stored: Quantization) -> tuple[Quantization, Cand
     own: Candidate = "fp32" if stored == "none" else stored
     if not table.quiet or (best != own and table.decode_ms(best) > KEEP_STORED_MARGIN * table.decode_ms(own)):
         best = own
-    return ("none" if best in ("fp32", "bf16") else best), best
+    return quantization_of(best), best
+
+
+def quantization_of(candidate: Candidate) -> Quantization:
+    """The loader's quantization for a candidate: "none" for the float formats (in their dtype)."""
+    return "none" if candidate in ("fp32", "bf16") else candidate
+
+
+def kernel_path() -> str:
+    """The dot8 kernel's code path on this CPU (``kernels.code_path``: read from the CPU's flags at
+    run time), or "none" where the kernel does not build."""
+    from . import kernels
+    return kernels.code_path() if kernels.available() else "none"
+
+
+# How a recorded decision was made: the CPU's dot8 path, a quiet table, or the checkpoint's own
+# format because the only table was measured beside busy processes.
+Basis = Literal["cpu", "measured", "checkpoint"]
+BASIS_TEXT: dict[str, str] = {"cpu": "the CPU's integer dot-product kernel path",
+                              "measured": "a quiet measurement", "checkpoint": "the checkpoint's own format "
+                              "(measured while the host was busy)"}
+
+
+@dataclass(frozen=True)
+class FormatChoice:
+    """One decision of ``auto``: the candidate, why, and the host key it was made under."""
+
+    candidate: Candidate
+    basis: Basis
+    host: str
+
+    @property
+    def quantization(self) -> Quantization:
+        return quantization_of(self.candidate)
+
+
+@dataclass(frozen=True)
+class HostProbe:
+    """What deciding a format asks of this host: the dot8 kernel's code path, the table of GEMM
+    costs and the host key. The server uses the real ones; tests pass their own (no timing)."""
+
+    dot8_path: Callable[[], str] = kernel_path
+    measure: Callable[[ModelConfig], FormatTable] = measure
+    key: Callable[[], str] = host_key
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What ``decide`` returns: the choice served, whether it was read from the record, the one
+    recorded under another host key before (a change to log), and the cost table."""
+
+    choice: FormatChoice
+    recorded: bool                 # read from the record, nothing decided this start
+    previous: FormatChoice | None  # the record this decision replaced (another host key)
+    table: FormatTable
+
+
+def decide(config: ModelConfig, stored: Quantization, cache_dir: Path | None,
+           probe: HostProbe = HostProbe()) -> Decision:
+    """``auto``'s format for this model on this host: the recorded decision for this shape and
+    checkpoint format if it was made under this host key, else decided now (``decide_now``) and
+    recorded (module docstring). The cost table is ``cached_measure``'s either way."""
+    host = probe.key()
+    table = cached_measure(config, cache_dir, probe.measure, host)
+    book, entry = _book(cache_dir), _entry(config, stored)
+    previous = _read_choice(book, entry)
+    if previous is not None and previous.host == host:
+        return Decision(previous, True, None, table)
+    choice = decide_now(table, stored, probe.dot8_path(), host)
+    if book is not None:
+        known = _read_json(book)
+        raced = FormatChoice(**known[entry]) if entry in known else None
+        if raced is not None and raced.host == host:  # a start beside this one decided first: one format
+            return Decision(raced, True, None, table)
+        known[entry] = asdict(choice)
+        _write_json(book, known)
+    return Decision(choice, False, previous, table)
+
+
+def decide_now(table: FormatTable, stored: Quantization, dot8_path: str, host: str) -> FormatChoice:
+    """A first decision: ``w4a16`` where dot8 runs an integer dot-product path (whatever the table
+    says, and however busy the host was), else ``choose`` on the table: the fastest faithful
+    format of a quiet table, the checkpoint's own of a busy one."""
+    if dot8_path in INTEGER_DOT_PATHS:
+        return FormatChoice("w4a16", "cpu", host)
+    _, candidate = choose(table, stored)
+    return FormatChoice(candidate, "measured" if table.quiet else "checkpoint", host)
+
+
+def recorded_choice(config: ModelConfig, stored: Quantization, cache_dir: Path | None,
+                    key: Callable[[], str] = host_key) -> FormatChoice | None:
+    """The decision recorded for this model under this host key, if any (nothing is decided)."""
+    choice = _read_choice(_book(cache_dir), _entry(config, stored))
+    return choice if choice is not None and choice.host == key() else None
+
+
+def _book(cache_dir: Path | None) -> Path | None:
+    return cache_dir / CHOICES_FILE if cache_dir else None
+
+
+def _entry(config: ModelConfig, stored: Quantization) -> str:
+    """A decision's key in the record: the model's shape and the checkpoint's own format (a float
+    and an int4 checkpoint of one shape may be served in different formats)."""
+    return f"{shape_key(config)}|{stored}"
+
+
+def _read_choice(book: Path | None, entry: str) -> FormatChoice | None:
+    found = _read_json(book).get(entry) if book else None
+    return FormatChoice(**found) if found else None
+
+
+def _read_json(path: Path) -> dict:
+    """The file's object; {} where it is absent or unreadable (written again whole by the next
+    decision or table: a start never fails on its cache)."""
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def key_change(old: str, new: str) -> str:
+    """The parts of a host key that differ, as "old -> new" pairs (``host_key`` joins them by "-")."""
+    a, b = old.split("-"), new.split("-")
+    if len(a) != len(b):
+        return f"{old} -> {new}"
+    return ", ".join(f"{x} -> {y}" for x, y in zip(a, b) if x != y) or "none"
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Written whole and renamed, so a start reading it meanwhile never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)

@@ -59,6 +59,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .kernels import ops as kernel_ops
 from .portable import (GGUF_PACKED, PORTABLE_KEYS, concat_portable, dequantize_portable,  # noqa: F401 (the loader's)
                        gguf_blocks, portable_kind)
 
@@ -364,8 +365,8 @@ class Dot8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
-        y = torch.ops.dualserve.dot8_linear(x2.contiguous(), self.packed, self.d, self.m, self.out_features, self.bits,
-                                            0, self.digits, self.s, self.mn, self.minimum)
+        y = kernel_ops.dot8_linear(x2.contiguous(), self.packed, self.d, self.m, self.out_features, self.bits,
+                                   self.digits, self.s, self.mn, self.minimum)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features).to(x.dtype)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
+from .kernels import ops as kernel_ops
 from .attention import AttentionBackend
 from .config import ModelConfig, RopeScaling, rope_inv_freq, rope_inv_freq_of
 from .quant import linear_weight
@@ -54,7 +55,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.pointwise(x) and self.weight.dtype == torch.float32:
-            return torch.ops.dualserve.rms_norm(x, self.weight, self.eps)
+            return kernel_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * x.to(dtype)
@@ -81,7 +82,7 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if dtype == torch.float32 and kernels.pointwise(self.inv_freq):
-            cos, sin = torch.ops.dualserve.rotary(positions, self.inv_freq)  # (tokens, head_dim)
+            cos, sin = kernel_ops.rotary(positions, self.inv_freq)  # (tokens, head_dim)
             return cos[:, None, :], sin[:, None, :]
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (tokens, head_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (tokens, 1, head_dim)
@@ -144,7 +145,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if kernels.pointwise(gate_up):
-            return self.down_proj(torch.ops.dualserve.silu_mul(gate_up))
+            return self.down_proj(kernel_ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

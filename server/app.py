@@ -34,7 +34,7 @@ from .protocol import ModelCard, ModelList, chat_decoder, completion_decoder, re
 from .responses.handler import ResponsesHandler, delete_response, retrieve_response
 from .responses.store import ResponseStore
 from .service import Service
-from .status import render_page
+from .status import compile_status, render_page
 
 
 @dataclass
@@ -47,6 +47,7 @@ class AppState:
     draining: bool = False           # set by the shutdown drain (lifecycle.Drain): new requests get 503
     failure: str | None = None       # set when a tensor-parallel rank fails (server/tensor_parallel.py)
     response_store: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses with store=true
+    compile_progress: Callable[[], Any] | None = None  # the compile worker's progress, set by cli.serving_state
 
 
 # The page at / is open (it holds no data, and asks for the key when /status.json wants one).
@@ -138,7 +139,8 @@ def status_page(state: State) -> Response:
 def status_json(state: State) -> Response:
     app: AppState = state.app_state
     now = app.metrics.refresh(app.service.engine)
-    return json_response({"now": now, "history": list(app.metrics.history)}, {})
+    compiling = compile_status(app.compile_progress() if app.compile_progress else None)
+    return json_response({"now": now, "history": list(app.metrics.history), "compile": compiling}, {})
 
 
 def create_app(app_state: AppState) -> Litestar:

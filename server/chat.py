@@ -16,6 +16,7 @@ from dualserve.decoders.engine.grammar import GrammarSpec
 
 from .errors import bad_request
 from .protocol import ChatCompletion, ChatCompletionRequest
+from .router import RequestTraits
 from .bodies import chat_body, chat_stream
 from .service import ChoiceResult, Job, Plan, Service
 from .shapes import check_depth, check_tool_calls, template_kwargs
@@ -135,8 +136,8 @@ class ChatHandler:
             max_calls = 1 if body.parallel_tool_calls is False else None
             grammar = GrammarSpec("lark", self.family.call_grammar(body.tools or [], self.forced, max_calls))
         agent = self.use_tools or any(m.role == "tool" or m.tool_calls for m in body.messages)
-        route = self.service.route(self.model, body, body.decoder or self.header_decoder,
-                                   structured=grammar is not None, agent=agent)
+        route = self.service.route(self.model, RequestTraits.of(body, body.decoder or self.header_decoder,
+                                                                structured=grammar is not None, agent=agent))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self.service.sampling_params(body, max_tokens, logprobs, len(ids), self.model,

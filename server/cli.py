@@ -28,6 +28,7 @@ from .settings import ModelSpec, Settings, count, count_or_zero, non_negative, p
 
 if TYPE_CHECKING:
     from dualserve.decoders.engine.decoder import Decoder
+    from dualserve.models.formats import HostProbe
     from dualserve.decoders.engine.engine import Engine
     from dualserve.decoders.engine.parallel import ParallelGroup
 
@@ -68,8 +69,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory-gb", type=positive, default=None,
                    help="memory for the shared KV block pool (default: 1/64 of the machine's memory, 0.25-1 GB)")
     p.add_argument("--quantization", default="auto", choices=["auto", *QUANTIZATIONS],
-                   help="weight format: int8 (per channel) or int4 (groups of 32) weight-only, or none (--dtype); "
-                   "auto keeps what the checkpoint holds (int4 for a Q4_0/Q4_1 GGUF such as the default model)")
+                   help="weight format: int8 (per channel) or int4 (groups of 32) weight-only, w4a8 / w4a16 (the "
+                   "project's CPU kernel), or none (--dtype); auto: the format this host serves best, decided at "
+                   "the first start and kept (docs/formats.md)")
     p.add_argument("--pooling", default=None, choices=["mean", "cls", "last"],
                    help="how /v1/embeddings pools token states, over what the checkpoint declares (its "
                    "sentence-transformers Pooling module or GGUF pooling_type; else mean)")
@@ -186,36 +188,85 @@ def load_deployment(settings: Settings, parallel: ParallelGroup | None = None, e
     return dep
 
 
-def pick_format(model: ModelSpec, path: Path, cache: Path, dtype: torch.dtype):
-    """``model.quantization``, or with ``auto`` on a CPU, the decode format measured fastest on this
-    host (``models.formats``). Returns (quantization, dtype, the measured table or None)."""
-    import json
-
+def pick_format(model: ModelSpec, path: Path, cache: Path, dtype: torch.dtype, probe: HostProbe | None = None):
+    """``model.quantization``, or with ``auto`` on a CPU, this host's format for the model: decided
+    once per host and kept (``models.formats.decide``). Returns (quantization, dtype, the measured
+    table or None). ``probe``: what the decision asks of the host (tests pass their own)."""
     from dualserve.models.config import ModelConfig
-    from dualserve.models.families import of_hf
-    from dualserve.models.formats import cached_measure, choose, off_cpu_choice
+    from dualserve.models.formats import HostProbe, decide, off_cpu_choice
     from dualserve.models.loader import is_twin_dir, prepare_source, stored_quantization
 
+    probe = probe or HostProbe()
     if model.quantization != "auto" or is_twin_dir(path):
+        if model.quantization != "auto" and model.device.startswith("cpu"):
+            note_explicit(model.quantization, path, cache, probe)
         return model.quantization, dtype, None
     source = prepare_source(path, cache)
-    raw = json.loads((source / "config.json").read_text())
-    if of_hf(raw).network != "core":  # a network with its own layers: float weights only
+    raw = core_config(source)
+    if raw is None:  # a network with its own layers: float weights only
         return "none", dtype, None
     stored = stored_quantization(source)
     if not model.device.startswith("cpu"):  # nothing timed off the CPU: a format the device runs
         return off_cpu_choice(stored, model.device), dtype, None
     if model.dtype != "auto":
         return stored, dtype, None
-    table = cached_measure(ModelConfig.from_hf(raw), cache / "host")
-    quantization, candidate = choose(table, stored)
+    decision = decide(ModelConfig.from_hf(raw), stored, cache / "host", probe)
+    log_decision(decision, cache / "host")
+    candidate = decision.choice.candidate
+    return decision.choice.quantization, torch.bfloat16 if candidate == "bf16" else dtype, decision.table
+
+
+def core_config(source: Path) -> dict | None:
+    """The checkpoint's config.json where the transformer core runs it (the formats apply), else None."""
+    import json
+
+    from dualserve.models.families import of_hf
+
+    raw = json.loads((source / "config.json").read_text())
+    return raw if of_hf(raw).network == "core" else None
+
+
+def log_decision(decision, where: Path) -> None:
+    """The start-up lines of ``auto``'s format: the cost table, the format and how it was reached
+    (recorded, decided now, or decided again under a changed host key, saying what changed)."""
+    from dualserve.models.formats import BASIS_TEXT, key_change
+
     log = logging.getLogger("dualserve")
-    log.info("forward GEMM cost on this host (ms, 1 token / 8 tokens): %s -> %s",
-             ", ".join(f"{f} {a:.1f}/{b:.1f}" for f, a, b in table.as_rows()), candidate)
+    table, choice, previous = decision.table, decision.choice, decision.previous
+    log.info("forward GEMM cost on this host (ms, 1 token / 8 tokens): %s",
+             ", ".join(f"{f} {a:.1f}/{b:.1f}" for f, a, b in table.as_rows()))
     if not table.quiet:
-        log.info("the format table was measured while other processes used %.1f cores: not cached, and the "
-                 "checkpoint's own format is kept; the next quiet start measures again", table.neighbour_cores)
-    return quantization, torch.bfloat16 if candidate == "bf16" else dtype, table
+        log.info("the cost table was measured while other processes used %.1f cores: not cached (a later "
+                 "quiet start measures it again for the router's costs, and keeps the format)", table.neighbour_cores)
+    how = BASIS_TEXT[choice.basis]
+    if decision.recorded:
+        log.info("weight format %s: this host's recorded choice (from %s)", choice.candidate, how)
+    elif previous is None:
+        log.info("weight format %s, from %s: recorded in %s, and kept by later starts", choice.candidate, how,
+                 where / "format-choices.json")
+    elif previous.candidate != choice.candidate:
+        log.warning("weight format changed from %s to %s (from %s): this host's key changed (%s)",
+                    previous.candidate, choice.candidate, how, key_change(previous.host, choice.host))
+    else:
+        log.info("weight format %s kept: this host's key changed (%s) and %s chose it again", choice.candidate,
+                 key_change(previous.host, choice.host), how)
+
+
+def note_explicit(quantization: str, path: Path, cache: Path, probe) -> None:
+    """Log an explicit ``--quantization`` that differs from this host's recorded ``auto`` choice
+    (the record stays)."""
+    from dualserve.models.config import ModelConfig
+    from dualserve.models.formats import recorded_choice
+    from dualserve.models.loader import prepare_source, stored_quantization
+
+    source = prepare_source(path, cache)
+    raw = core_config(source)
+    if raw is None:
+        return
+    choice = recorded_choice(ModelConfig.from_hf(raw), stored_quantization(source), cache / "host", probe.key)
+    if choice is not None and choice.quantization != quantization:
+        logging.getLogger("dualserve").info("weight format %s (--quantization %s), not this host's recorded "
+                                            "auto choice %s", quantization, quantization, choice.candidate)
 
 
 def settle_format(settings: Settings) -> Settings:
@@ -433,9 +484,13 @@ def serving_state(settings: Settings, dep, policy: RoutingPolicy):
         policy, _ = run_on_own_thread(calibrate, dep.engine, name, dep.models[name].tokenizer, policy)
     service = Service(dep.engine, served, Router(policy), ServiceLimits(request_timeout=cfg.request_timeout), metrics,
                       manager=manager)
-    return AppState(service=service, metrics=metrics, api_key=cfg.api_key, on_shutdown=[dep.engine.shutdown],
+    worker = settings.compile.worker if settings.compile is not None else None
+    # A SIGTERM ends the compile worker's build (and its compilers) before the process exits.
+    return AppState(service=service, metrics=metrics, api_key=cfg.api_key,
+                    on_shutdown=[dep.engine.shutdown, *([worker.stop] if worker is not None else [])],
                     body_limit=int(cfg.max_body_mb * 2**20),
-                    response_store=ResponseStore.sized(cfg.response_store_size, cfg.response_store_mb))
+                    response_store=ResponseStore.sized(cfg.response_store_size, cfg.response_store_mb),
+                    compile_progress=worker.progress if worker is not None else None)
 
 
 def kernels_in_use() -> str | None:

@@ -12,6 +12,7 @@ from typing import AsyncIterator
 
 from .errors import bad_request
 from .protocol import Completion, CompletionRequest
+from .router import RequestTraits
 from .bodies import completion_body, completion_stream
 from .service import ChoiceResult, Job, Plan, Service
 from .streaming import ended_cleanly
@@ -34,7 +35,7 @@ class CompletionHandler:
         decoder = body.decoder or self.header_decoder
         if prompt_logprobs and (body.decoder or "auto") == "auto":
             decoder = "ar"  # prompt logprobs come from the AR path's prefill
-        route = service.route(model, body, decoder, infill=bool(body.suffix))
+        route = service.route(model, RequestTraits.of(body, decoder, infill=bool(body.suffix)))
         if prompt_logprobs and route.decoder != "ar":
             raise bad_request("echo with logprobs is served by the 'ar' decoder", "echo", "unsupported_parameter")
         suffix_ids = None

@@ -18,6 +18,7 @@ from .fim import InfillPrompt
 from .llamacpp import (DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, llama_seed, prefill_params,
                        prefill_route, requested_tokens, serve)
 from .protocol import InfillRequest, SamplingFields, infill_decoder
+from .router import RequestTraits
 from .service import Plan, Service
 
 DEFAULT_MAX_TOKENS = 64
@@ -50,8 +51,8 @@ class InfillHandler:
         fields = sampling_fields(body)
         max_tokens = requested_tokens(body.n_predict, body.max_tokens, None)
         hint = fields.decoder or self.header_decoder
-        route = (prefill_route(service, model, fields, infill=True) if max_tokens == 0
-                 else service.route(model, fields, hint, infill=True))
+        request = RequestTraits.of(fields, hint, infill=True)
+        route = prefill_route(service, model, request) if max_tokens == 0 else service.route(model, request)
         service.check_length(model, [body.input_prefix + body.prompt + body.input_suffix + "".join(
             str(e.get("filename", "")) + str(e.get("text", "")) for e in body.input_extra)], "input_prefix")
         prompt = route.infill(model.tokenizer, body.input_prefix + body.prompt, body.input_suffix,

@@ -42,7 +42,7 @@ from .endpoint import CLIENT_GONE, CLIENT_GONE_STATUS, decode, json_response, ro
     until_disconnect
 from .errors import bad_request
 from .protocol import DECODER_HEADER, LLAMA_RANDOM_SEED, LlamaPartial, LlamaResult, LlamaTimings, encoder
-from .router import Route
+from .router import RequestTraits, Route
 from .service import ChoiceResult, Job, Plan, ServedModel, Service
 from .streaming import ended_cleanly
 
@@ -68,13 +68,13 @@ def requested_tokens(n_predict: int | None, max_tokens: int | None, default: int
     return default if n is None or n < 0 else n
 
 
-def prefill_route(service: Service, model: ServedModel, fields: Any, infill: bool) -> Route:
+def prefill_route(service: Service, model: ServedModel, request: RequestTraits) -> Route:
     """The route of an ``n_predict: 0`` request: ``ar``, whose plain prefill fills the prefix cache
     that ``ar`` and ``eagle`` share (a diffusion canvas has nothing to do without tokens to make)."""
     if "ar" not in model.decoders:
         raise bad_request(f"n_predict 0 (prefill only) is served by the 'ar' decoder, which model {model.name!r} "
                           "does not load", "n_predict", "unsupported_parameter")
-    route = service.route(model, fields, "ar", infill=infill)
+    route = service.route(model, dataclasses.replace(request, decoder="ar"))
     return dataclasses.replace(route, reason="n_predict 0: the prompt prefilled into the prefix cache")
 
 

@@ -20,6 +20,7 @@ from .errors import bad_request
 from .llamacpp import (DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, llama_seed, prefill_params,
                        prefill_route, requested_tokens, serve)
 from .protocol import LlamaCompletionRequest, SamplingFields, llama_completion_decoder
+from .router import RequestTraits
 from .service import Plan, ServedModel, Service
 
 PROMPT_FORMS = ("prompt must be a string, a list of token ids (strings may be mixed in), or a non-empty list of "
@@ -89,8 +90,8 @@ class LlamaCompletionHandler:
         fields = sampling_fields(body)
         max_tokens = requested_tokens(body.n_predict, body.max_tokens, None)
         hint = fields.decoder or self.header_decoder
-        route = (prefill_route(service, model, fields, infill=False) if max_tokens == 0
-                 else service.route(model, fields, hint))
+        request = RequestTraits.of(fields, hint)
+        route = prefill_route(service, model, request) if max_tokens == 0 else service.route(model, request)
         params = service.sampling_params(fields, 1 if max_tokens == 0 else max_tokens, None,
                                          max(len(p) for p in prompts), model,
                                          default_max=route.default_max_tokens(None))

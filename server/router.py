@@ -10,7 +10,9 @@ calls and results in the conversation) to lossless speculation, whose suffix dra
 verify the input an agent's answer copies in few forwards. The decision and its reason go
 back to the client in response headers.
 
-The returned ``Route`` carries what the chosen decoder changes about a request:
+A handler builds one ``RequestTraits`` per request (its hints and what it asks: infill, a
+grammar, an agent turn) and routing reads only that. The returned ``Route`` carries what the
+chosen decoder changes about a request:
 its default ``max_tokens`` and how a suffix is placed (right context for a
 decoder that infills natively, fill-in-the-middle tokens otherwise).
 """
@@ -21,12 +23,15 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from dualserve.models.errors import InputError
 
 from .errors import bad_request
 from .fim import InfillPrompt, build_infill
+
+if TYPE_CHECKING:
+    from .protocol import SamplingFields
 
 DECODERS = ("ar", "eagle", "diffusion")
 HINTS = DECODERS + ("auto",)
@@ -113,29 +118,54 @@ def load_policy(path: str | Path | None) -> RoutingPolicy:
     return policy
 
 
+@dataclass(frozen=True)
+class RequestTraits:
+    """What one request asks of routing, built once by its handler and read by the router."""
+
+    decoder: str | None = None             # the client's hint: body field, else header; None: the policy's default
+    priority: str | None = None
+    latency_budget_ms: float | None = None
+    n: int = 1                             # choices per prompt
+    draft: str | None = None               # eagle's draft source (checked against what is loaded)
+    infill: bool = False                   # it fills up to a suffix
+    structured: bool = False               # a grammar constrains its output
+    agent: bool = False                    # a chat turn with tools offered, or tool calls and results in it
+
+    @classmethod
+    def of(cls, body: SamplingFields, decoder: str | None, *, infill: bool = False, structured: bool = False,
+           agent: bool = False) -> RequestTraits:
+        """The traits of a request whose body carries the sampling fields' hints and whose client
+        asked for ``decoder``."""
+        return cls(decoder, body.priority, body.latency_budget_ms, body.n, body.draft, infill, structured, agent)
+
+
+def infills_natively(traits: Mapping[str, DecoderTraits]) -> bool:
+    """Whether one of the loaded decoders fills between a prefix and a suffix itself."""
+    return any(t.infill == "native" for t in traits.values())
+
+
 class Router:
+    """Picks the decoder that serves a request (``route``), under the deployment's policy."""
+
     def __init__(self, policy: RoutingPolicy = RoutingPolicy()):
         self.policy = policy
 
-    def route(self, model: str, available: list[str], hint: str | None, *, priority: str | None = None,
-              latency_budget_ms: float | None = None, n: int = 1, infill: bool = False,
-              structured: bool = False, traits: Mapping[str, DecoderTraits] | None = None,
-              fim: bool = False, agent: bool = False) -> Route:
+    def route(self, model: str, available: list[str], request: RequestTraits,
+              traits: Mapping[str, DecoderTraits] | None = None) -> Route:
         """The decision for one request, carrying the chosen decoder's ``traits`` (defaults if absent).
 
-        ``infill`` asks for a decoder that fills between a prefix and a suffix natively; ``fim``
-        marks an infill request the model can only serve with FIM tokens. Either way an automatic
-        decision's reason says it is infill. ``agent``: a chat turn with tools offered or tool
-        calls and results in it."""
-        route = self.decide(model, available, hint, priority, latency_budget_ms, n, infill, structured, agent)
-        if (infill or fim) and route.reason != "requested" and not route.reason.startswith("infill"):
+        An infill request goes to a decoder that fills natively where ``auto`` may pick one; else it
+        is served with FIM tokens, and an automatic decision's reason says it is infill either way."""
+        traits = traits or {}
+        route = self.decide(model, available, request, traits)
+        if request.infill and route.reason != "requested" and not route.reason.startswith("infill"):
             route = dataclasses.replace(route, reason=f"infill with FIM tokens; {route.reason}")
-        return dataclasses.replace(route, traits=(traits or {}).get(route.decoder, DecoderTraits()))
+        return dataclasses.replace(route, traits=traits.get(route.decoder, DecoderTraits()))
 
-    def decide(self, model: str, available: list[str], hint: str | None, priority: str | None,
-               latency_budget_ms: float | None, n: int, infill: bool, structured: bool,
-               agent: bool = False) -> Route:
-        hint = (hint or self.policy.default_hint).lower()
+    def decide(self, model: str, available: list[str], request: RequestTraits,
+               traits: Mapping[str, DecoderTraits]) -> Route:
+        hint = (request.decoder or self.policy.default_hint).lower()
+        priority = request.priority
         if hint not in HINTS:
             raise bad_request(f"unknown decoder {hint!r}; valid values are {', '.join(HINTS)}", "decoder",
                               "invalid_decoder")
@@ -147,11 +177,10 @@ class Router:
                 raise bad_request(f"model {model!r} cannot be served by decoder {hint!r}; it supports "
                                   f"{', '.join(available)}", "decoder", "decoder_unavailable")
             return Route(hint, "requested")
-        return self.auto(available, priority, latency_budget_ms, n, infill, structured, agent)
+        return self.auto(available, request, traits)
 
-    def auto(self, available: list[str], priority: str | None, latency_budget_ms: float | None, n: int,
-             infill: bool, structured: bool, agent: bool = False) -> Route:
-        p = self.policy
+    def auto(self, available: list[str], request: RequestTraits, traits: Mapping[str, DecoderTraits]) -> Route:
+        p, priority = self.policy, request.priority
 
         def pick(first: str, why: str) -> Route:
             if first in available:
@@ -161,22 +190,23 @@ class Router:
                     return Route(fallback, f"{why}; {first} not loaded")
             raise bad_request("no decoder available", "decoder")
 
-        if infill and "diffusion" in available:
+        if request.infill and infills_natively(traits) and "diffusion" in available:
             return Route("diffusion", "infill: diffusion fills between prefix and suffix natively")
-        if n > 1:
+        if request.n > 1:
             return pick(p.batch, "n>1: batching AR path shares the prompt")
         if priority == "batch":
             return pick(p.batch, "priority=batch")
+        budget = request.latency_budget_ms
         latency_bound = priority == "interactive" or (
-            latency_budget_ms is not None and latency_budget_ms <= p.latency_budget_ms and priority != "high_value")
-        if structured:
+            budget is not None and budget <= p.latency_budget_ms and priority != "high_value")
+        if request.structured:
             # Every decoder enforces the grammar exactly. Diffusion places the forced skeleton
             # (keys, punctuation) without forwards; EAGLE cannot branch a grammar's state and
             # drafts nothing, so plain AR is the better lossless path.
             if latency_bound:
                 return pick(p.interactive, "structured, latency-bound: skeleton forced, values decoded under the grammar")
             return pick("ar" if "ar" in available else p.high_value, "structured output: grammar-constrained AR")
-        if agent and "eagle" in available:
+        if request.agent and "eagle" in available:
             # An agent's answer copies what it was given (arguments, file contents, results): suffix
             # drafts verify it in few forwards, and where drafts do not pay eagle's budget takes
             # plain steps (docs/decoders.md, Measured: 1.5-2x ar on agent traffic).

@@ -30,7 +30,7 @@ from dualserve.decoders.engine.scheduler import QueueFull
 
 from .errors import APIError, ErrorKind, bad_request, engine_error, overloaded
 from .protocol import SamplingFields
-from .router import DecoderTraits, Route, Router
+from .router import DecoderTraits, RequestTraits, Route, Router
 
 if TYPE_CHECKING:
     from .model_manager import ModelManager
@@ -52,11 +52,6 @@ class ServedModel:
     decoders: list[str]
     traits: dict[str, DecoderTraits] = field(default_factory=dict)  # by decoder; absent: the defaults
     created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def native_infill(self) -> bool:
-        """Whether one of its decoders fills between a prefix and a suffix itself."""
-        return any(t.infill == "native" for t in self.traits.values())
 
     @cached_property
     def max_prompt_chars(self) -> int:
@@ -486,20 +481,15 @@ class Service:
             r.prompt_logprobs = delta.prompt_logprobs or r.prompt_logprobs
         return results
 
-    def route(self, model: ServedModel, body: SamplingFields, decoder: str | None, *, infill: bool = False,
-              structured: bool = False, agent: bool = False) -> Route:
-        """Route a request whose client asked for ``decoder`` (body field, else header; None: the
-        policy's default). ``infill``: it has a suffix to fill up to; ``agent``: a chat turn with
-        tools offered or tool calls and results in it."""
-        route = self.router.route(model.name, model.decoders, decoder, priority=body.priority,
-                                  latency_budget_ms=body.latency_budget_ms, n=body.n,
-                                  infill=infill and model.native_infill, structured=structured,
-                                  traits=model.traits, fim=infill and not model.native_infill, agent=agent)
-        if body.draft and route.traits.drafts and body.draft not in route.traits.drafts:
-            raise bad_request(f"draft {body.draft!r} names a draft model that {model.name!r} does not load; its "
+    def route(self, model: ServedModel, request: RequestTraits) -> Route:
+        """Route a request by its traits (``RequestTraits``, built by its handler) over what ``model``
+        loads; a draft source it does not load, or an infill its decoder cannot serve, is a 400."""
+        route = self.router.route(model.name, model.decoders, request, model.traits)
+        if request.draft and route.traits.drafts and request.draft not in route.traits.drafts:
+            raise bad_request(f"draft {request.draft!r} names a draft model that {model.name!r} does not load; its "
                               f"{route.decoder} decoder drafts with: {', '.join(route.traits.drafts)}", "draft",
                               "invalid_value")
-        if infill and route.traits.infill == "none":
+        if request.infill and route.traits.infill == "none":
             raise bad_request(f"model {model.name!r} cannot infill with its diffusion decoder (block-causal "
                               "attention never sees the suffix); use decoder 'ar' or 'auto'", "suffix",
                               "unsupported_parameter")

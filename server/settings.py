@@ -15,8 +15,10 @@ here and nowhere else, and everything below receives its own object:
 
 The environment is read here as well, for its documented knobs alone: ``DUALSERVE_CACHE`` (the
 model cache, through ``models.hub.default_cache_dir``), ``DUALSERVE_ATTEND_KERNEL=0`` (compiled
-steps keep inductor's attention loops, for comparison) and torchrun's ``RANK``, ``WORLD_SIZE``
-and ``LOCAL_RANK``. Nothing under ``decoders/`` or ``server/`` reads it elsewhere.
+steps keep inductor's attention loops, for comparison), ``DUALSERVE_CUDA_SHAPED=1`` (tests: the
+CPU makes the CUDA path's choices, ``decoders/engine/cuda_shaped.py``; applied here, once, before
+any model loads) and torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``. Nothing under
+``decoders/`` or ``server/`` reads it elsewhere.
 
 The flags' value types (``positive``, ``count``, ``port_number`` ...) are here too: a value out of
 its range is refused by argparse in one line, before anything loads.
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Literal, Mapping
 
 from dualserve.decoders.deployment import CompileSpec, PoolSpec
+from dualserve.decoders.engine import cuda_shaped
 from dualserve.decoders.engine.engine import EngineConfig
 from dualserve.models.formats import check_device
 from dualserve.models.errors import InputError
@@ -154,6 +157,8 @@ class Settings:
         """The settings of a parsed ``serve`` or ``generate`` command line; ``env``: the process's
         environment unless given (tests)."""
         env = os.environ if env is None else env
+        if env.get("DUALSERVE_CUDA_SHAPED") == "1":
+            cuda_shaped.activate()
         cache = default_cache_dir(args.cache_dir)
         catalog = catalog_of(args, cache)
         for spec in catalog.specs:  # a format with no kernel on the device: one line now, not a failed first forward

@@ -3,7 +3,9 @@
 A single self-contained HTML page (no external assets: deployments are often
 air-gapped) that polls ``/status.json`` and draws three small line charts on
 canvases. The page itself is open; its data is not: with ``--api-key`` set, the
-page asks for the key once and keeps it in the tab's session storage.
+page asks for the key once and keeps it in the tab's session storage. While step graphs
+are built, a line under the title says how many are built of how many and which builds now
+(``compile_status``, from the compile worker's ``progress``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ PAGE = """<!doctype html>
 <body>
 <h1>dualserve</h1>
 <div class="sub" id="summary">models: __MODELS__ &middot; node cost: __COST__</div>
+<div class="sub" id="compile" hidden></div>
 <form id="keyform" hidden>This server needs its API key: <input id="key" type="password" autocomplete="off">
  <button>Show</button></form>
 <div class="grid">
@@ -61,6 +64,10 @@ async function refresh() {
   document.getElementById("keyform").hidden = r.status !== 401;
   if (!r.ok) return;
   const data = await r.json(); const hist = data.history;
+  const c = data.compile, line = document.getElementById("compile");
+  line.hidden = !c;
+  if (c) line.textContent = `compiling step graphs: ${c.built} of ${c.total} built` +
+    (c.building ? `, building ${c.building}` : "") + "; a shape runs eagerly until its graph is ready";
   const decoders = new Set(); hist.forEach(p => Object.keys(p.decoders).forEach(d => decoders.add(d)));
   const tput = {}, cost = {};
   decoders.forEach(d => { tput[d] = hist.map(p => p.decoders[d] ? p.decoders[d].tokens_per_second : 0);
@@ -82,3 +89,11 @@ def render_page(models: list[str], node_cost_per_hour: float) -> str:
     cost = (f"{node_cost_per_hour:g} per hour" if node_cost_per_hour
             else "not set &mdash; start with --node-cost-per-hour N to see cost per token")
     return PAGE.replace("__MODELS__", ", ".join(models)).replace("__COST__", cost)
+
+
+def compile_status(progress) -> dict | None:
+    """``/status.json``'s ``compile`` entry from ``CompileWorker.progress()``: graphs built and
+    asked for since the queue last ran dry, and the one building now; None while none is asked for."""
+    if progress is None or not progress.total:
+        return None
+    return {"built": progress.done, "total": progress.total, "building": progress.running}

@@ -20,6 +20,10 @@ A step of an EAGLE request (Li et al., EAGLE-1/2/3; the tree rules live in ``tre
      ``Request.commit``, which alone applies EOS, stop strings and max_tokens; the sources
      observe the committed positions and the budget records what each earned.
 
+``EagleDecoder.step`` states the step in one function. A request's part in a step is one ``Turn``
+(its budget, consulted once; its merged tree; its rows of the verify forward; the logits computed
+for it with the batch's); what lasts from step to step is its ``EagleState``.
+
 Prefill is plain chunked target computation, as ``ar`` runs it; the last row of the last
 chunk is the first root's verify step (a tree of the root alone), so the first token comes
 out of the same forward as ``ar``'s, and every emitted token comes out of a verify step:
@@ -102,6 +106,29 @@ class EagleCounters(DecoderCounters):
             out[f"{source}_accept_length"] = round(self.accepted.get(source, 0) / steps, 3)
             out[f"{source}_steps"] = steps
         return out
+
+
+@dataclass(eq=False)  # hashed by identity: ``tree.path_logits`` keys its rows by turn
+class Turn:
+    """One request's part in one step (``EagleDecoder.step`` makes it; its helpers fill it in)."""
+
+    scheduled: Scheduled
+    decoding: bool                   # its root is its last token: it drafts and verifies (else it prefills)
+    budget: Budget = NO_DRAFT        # what it drafts this step: the budget's decision, taken once
+    tree: DraftTree | None = None    # the merged draft, root first (set by drafting; None: a prefill chunk)
+    rows: slice = field(default_factory=lambda: slice(0, 0))  # of the verify forward's output (``_lay_out``)
+    known: dict[int, torch.Tensor] | None = None  # logits by tree node, computed with the batch's
+    argmaxes: dict[int, int] | None = None        # ... and their argmaxes (``_path_logits``)
+
+    @property
+    def request(self) -> Request:
+        return self.scheduled.request
+
+    @property
+    def ends_prefill(self) -> bool:
+        """A prefill chunk that reaches the root: its last row is the first verify of the root alone."""
+        req = self.request
+        return not self.decoding and req.num_computed + (self.rows.stop - self.rows.start) >= req.num_tokens
 
 
 class EagleDecoder:
@@ -234,105 +261,137 @@ class EagleDecoder:
     # ---- the step --------------------------------------------------------------
 
     def step(self, batch: Sequence[Scheduled], emit) -> None:
-        batch = [s for s in batch if s.num_new_tokens > 0]
-        if not batch:
+        """One speculative step over ``batch``: draft, verify in one forward, accept.
+
+        Acceptance (``tree.accept_greedy`` / ``accept_sampled``): walk down the tree from the root
+        while a child holds the token the target itself emits at that node, then append the
+        target's token where the walk stops (the bonus). The target's token is its argmax at
+        temperature 0, else its inverse-CDF sample under the uniform keyed by (request seed, output
+        position) (``sampling.keyed_uniform``), so the tokens are exactly those ``ar`` emits, for any
+        tree and batch. A request still prefilling computes a chunk; its last chunk's last row
+        verifies the root alone. The budget is consulted once per request, when its turn is made."""
+        turns = self._turns(batch, emit)
+        if not turns:
             return
-        for s in batch:
-            if s.request.decoder_state is None:
-                s.request.decoder_state = self._start(s.request)
-        decode = [s for s in batch if s.request.num_computed == s.request.num_tokens - 1]
+        # Draft: the sources catch up on what the last step committed, then propose; trees merge.
         started = time.perf_counter()
-        planned: dict[int, Budget] = {}
-        for s in decode:
-            with guard(s.request, emit, "drafting"):
-                st: EagleState = s.request.decoder_state
-                hit = st.planned is not None and st.planned[0] == s.request.num_tokens
-                planned[id(s.request)] = st.planned[1] if hit else self._budget(s.request, s.num_lookahead)
-        decode = [s for s in decode if not s.request.finished]
-        self._catch_up(decode, planned)
-        trees, drafting = {}, time.perf_counter()
-        for s in decode:
-            with guard(s.request, emit, "drafting"):
-                trees[id(s.request)] = self._draft(s, planned[id(s.request)])
-        self.budget.drafted(time.perf_counter() - drafting, self._units(decode, planned))
-        batch = [s for s in batch if not s.request.finished]  # a failed draft leaves the step
-        if not batch:
+        drafting = [t for t in turns if t.decoding and not t.request.finished]
+        self._catch_up(drafting)
+        self._draft_trees(drafting, emit)
+        turns = [t for t in turns if not t.request.finished]  # a failed draft leaves the step
+        if not turns:
             return
         draft_time = time.perf_counter() - started
+        # Verify: ONE target forward over every turn's rows (prefill chunks, roots and their trees),
+        # then the output head along the paths acceptance will most likely walk, for the batch at once.
         started = time.perf_counter()
-        items = [self._item(s, trees.get(id(s.request))) for s in batch]
+        items = self._lay_out(turns)
         final, aux = self.runner.forward(items, aux_layers=self.aux_layers)
         num_tokens = sum(len(it.token_ids) for it in items)
-        known, argmaxes = self._path_logits(batch, items, trees, final, planned)
+        self._path_logits(turns, final)
         # A verify's cost is its forward and the output head over the rows it will likely accept
         # (a plain step's, like ``ar``'s, is one row): a bigger tree pays for both.
-        if all(id(s.request) in trees for s in batch):  # decode steps only
+        if all(t.decoding for t in turns):  # decode steps only
             self.budget.verified(num_tokens, time.perf_counter() - started)
-        offset, emitted = 0, 0
-        for s, item in zip(batch, items):
-            n = len(item.token_ids)
-            req = s.request
-            req.num_forwards += 1
-            rows = slice(offset, offset + n)
-            offset += n
-            tree = trees.get(id(req))
-            with guard(req, emit, "verify"):
-                if tree is None and req.num_computed + n < req.num_tokens:
-                    self._prefilled(req, n, final[rows], [a[rows] for a in aux])
-                    continue
-                if tree is None:  # the last chunk: its last row verifies the root alone
-                    self._prefilled(req, n - 1, final[rows][:-1], [a[rows][:-1] for a in aux])
-                    tree, rows = DraftTree([req.all_ids[-1]], [-1]), slice(rows.stop - 1, rows.stop)
-                counters = req.counters_of(EagleCounters)
-                counters.draft_seconds += draft_time
-                emitted += self._verify(req, tree, final[rows], [a[rows] for a in aux], emit,
-                                        planned.get(id(req), NO_DRAFT), known.get(id(req)), argmaxes.get(id(req)))
-                counters.verify_seconds += time.perf_counter() - started
-        self.budget.stepped(len(batch), num_tokens, emitted)
+        # Accept: each request keeps its longest matching path plus the bonus, and commits it.
+        emitted = 0
+        for turn in turns:
+            turn.request.num_forwards += 1
+            with guard(turn.request, emit, "verify"):
+                emitted += self._settle(turn, final, aux, emit, draft_time, started)
+        self.budget.stepped(len(turns), num_tokens, emitted)
 
-    def _catch_up(self, decode: list[Scheduled], planned: dict[int, Budget]) -> None:
+    def _turns(self, batch: Sequence[Scheduled], emit) -> list[Turn]:
+        """This step's turns (requests with tokens to compute), each decoding one with its budget:
+        the one ``plan`` made for it at this length, else a fresh one."""
+        turns = [Turn(s, s.request.num_computed == s.request.num_tokens - 1) for s in batch if s.num_new_tokens > 0]
+        for t in turns:
+            if t.request.decoder_state is None:
+                t.request.decoder_state = self._start(t.request)
+        for t in turns:
+            if t.decoding:
+                with guard(t.request, emit, "drafting"):
+                    planned = t.request.decoder_state.planned
+                    hit = planned is not None and planned[0] == t.request.num_tokens
+                    t.budget = planned[1] if hit else self._budget(t.request, t.scheduled.num_lookahead)
+        return turns
+
+    def _catch_up(self, drafting: list[Turn]) -> None:
         """Bring each source up to the root for the requests it drafts for now, or whose backlog it
         must read (``DraftSource.due``): one batch per source, timed for the budget."""
         due: dict[Source, tuple[list[Request], list[Any]]] = {}
-        for s in decode:
-            st: EagleState = s.request.decoder_state
-            budget = planned[id(s.request)]
+        for t in drafting:
+            st: EagleState = t.request.decoder_state
             for i, (src, d) in enumerate(zip(st.sources, st.drafts)):
-                if src.due(d, budget.depth(i) > 0, st.rates[src.name].stale):
+                if src.due(d, t.budget.depth(i) > 0, st.rates[src.name].stale):
                     reqs, states = due.setdefault(src.name, ([], []))
-                    reqs.append(s.request)
+                    reqs.append(t.request)
                     states.append(d)
         for name, (reqs, states) in due.items():
             caught = time.perf_counter()
             positions = self.sources[name].catch_up(reqs, states)
             self.budget.caught_up(name, time.perf_counter() - caught, positions, len(reqs))
 
+    def _draft_trees(self, drafting: list[Turn], emit) -> None:
+        """Each drafting request's merged tree (a request whose drafting raises fails alone), the
+        drafting timed for the budget by the units the budgets spent."""
+        started = time.perf_counter()
+        for t in drafting:
+            with guard(t.request, emit, "drafting"):
+                t.tree = self._draft(t.scheduled, t.budget)
+        self.budget.drafted(time.perf_counter() - started, self._units(drafting))
+
     @staticmethod
-    def _units(decode: list[Scheduled], planned: dict[int, Budget]) -> dict[Source, int]:
+    def _units(drafting: list[Turn]) -> dict[Source, int]:
         """Drafting units the step's budgets spent, per source."""
         units: dict[Source, int] = {}
-        for s in decode:
-            budget = planned[id(s.request)]
-            for src, n in zip(s.request.decoder_state.sources, budget.units):
+        for t in drafting:
+            for src, n in zip(t.request.decoder_state.sources, t.budget.units):
                 if n:
                     units[src.name] = units.get(src.name, 0) + n
         return units
 
-    def _path_logits(self, batch: Sequence[Scheduled], items: list[ForwardItem], trees: dict, final: torch.Tensor,
-                     planned: dict[int, Budget]) -> tuple[dict[int, dict[int, torch.Tensor]], dict[int, dict[int, int]]]:
-        """Every verifying request's logits (fp32, by tree node) along the path verification will
-        most likely walk, computed level by level for the whole batch, and their argmaxes
+    def _lay_out(self, turns: list[Turn]) -> list[ForwardItem]:
+        """The verify forward's items, one per turn, each turn told its rows of the output."""
+        items, offset = [], 0
+        for t in turns:
+            items.append(self._item(t.scheduled, t.tree))
+            n = len(items[-1].token_ids)
+            t.rows, offset = slice(offset, offset + n), offset + n
+        return items
+
+    def _settle(self, turn: Turn, final: torch.Tensor, aux: list[torch.Tensor], emit, draft_time: float,
+                started: float) -> int:
+        """A turn's rows of the verify forward: a prefill chunk's KV and features kept; a root (after
+        a tree or as a last chunk's last row) accepted and committed. Returns the tokens committed."""
+        req, rows = turn.request, turn.rows
+        tree = turn.tree
+        if tree is None and not turn.ends_prefill:
+            self._prefilled(req, rows.stop - rows.start, final[rows], [a[rows] for a in aux])
+            return 0
+        if tree is None:  # the last chunk: its last row verifies the root alone
+            last = rows.stop - 1
+            self._prefilled(req, last - rows.start, final[rows.start:last], [a[rows.start:last] for a in aux])
+            tree, rows = DraftTree([req.all_ids[-1]], [-1]), slice(last, rows.stop)
+        counters = req.counters_of(EagleCounters)
+        counters.draft_seconds += draft_time
+        emitted = self._verify(turn, tree, final[rows], [a[rows] for a in aux], emit)
+        counters.verify_seconds += time.perf_counter() - started
+        return emitted
+
+    def _path_logits(self, turns: list[Turn], final: torch.Tensor) -> None:
+        """Every verifying turn's logits (fp32, by tree node) along the path verification will most
+        likely walk, computed level by level for the whole batch, and their argmaxes
         (``tree.path_logits``), each product timed for the next step's."""
-        starts: dict[int, tuple[int, DraftTree, tuple[float, ...] | None]] = {}  # request -> (first row, tree, reach)
-        offset = 0
-        for s, item in zip(batch, items):
-            n, req = len(item.token_ids), s.request
-            if id(req) in trees:  # the root is a tree's first node; a fixed draft's reach is not weighed
-                starts[id(req)] = (offset, trees[id(req)], planned.get(id(req), NO_DRAFT).reach or None)
-            elif req.num_computed + n >= req.num_tokens:  # the last prefill chunk: its last row is the root
-                starts[id(req)] = (offset + n - 1, DraftTree([req.all_ids[-1]], [-1]), None)
-            offset += n
-        return path_logits(starts, final, self._product, self.product_cost)
+        starts: dict[Turn, tuple[int, DraftTree, tuple[float, ...] | None]] = {}  # turn -> (first row, tree, reach)
+        for t in turns:
+            if t.decoding:  # the root is a tree's first node; a fixed draft's reach is not weighed
+                starts[t] = (t.rows.start, t.tree, t.budget.reach or None)
+            elif t.ends_prefill:  # the last prefill chunk: its last row is the root
+                starts[t] = (t.rows.stop - 1, DraftTree([t.request.all_ids[-1]], [-1]), None)
+        known, argmaxes = path_logits(starts, final, self._product, self.product_cost)
+        for t in starts:
+            t.known, t.argmaxes = known[t], argmaxes[t]
 
     def _product(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head over these rows, timed (on a CPU) into ``product_cost``."""
@@ -384,14 +443,12 @@ class EagleDecoder:
 
     # ---- verify ----------------------------------------------------------------
 
-    def _verify(self, req: Request, tree: DraftTree, final: torch.Tensor, aux: list[torch.Tensor], emit,
-                budget: Budget = NO_DRAFT, known: dict[int, torch.Tensor] | None = None,
-                argmaxes: dict[int, int] | None = None) -> int:
-        """Accept, commit and keep the accepted path; returns the tokens committed. ``budget``: what
-        the step drafted (``NO_DRAFT`` after a prefill); ``known``: logits of some of the tree's
-        nodes, computed with the batch's, and ``argmaxes`` theirs (``_path_logits``)."""
-        params = req.params
-        cache: dict[int, torch.Tensor] = dict(known or {})
+    def _verify(self, turn: Turn, tree: DraftTree, final: torch.Tensor, aux: list[torch.Tensor], emit) -> int:
+        """Accept ``tree`` (``final``/``aux``: its rows), commit, and keep the accepted path; returns
+        the tokens committed. The turn brings what the step drafted (its budget: ``NO_DRAFT`` after
+        a prefill) and the logits of some of the tree's nodes, computed with the batch's."""
+        req, params = turn.request, turn.request.params
+        cache: dict[int, torch.Tensor] = dict(turn.known or {})
 
         def raw(node: int) -> torch.Tensor:
             if node not in cache:
@@ -411,7 +468,7 @@ class EagleDecoder:
         if params.greedy:
             # The raw logits' argmaxes stand for the processed ones' where nothing processes them.
             plain = not params.needs_processing and req.constraint is None
-            path, bonus = accept_greedy(tree, processed, argmaxes if plain else None)
+            path, bonus = accept_greedy(tree, processed, turn.argmaxes if plain else None)
         else:
             at = len(req.output_ids)  # the root's output position
             uniforms = [keyed_uniform(req.seed, at + d) for d in range(max(tree.depths) + 1)]
@@ -419,7 +476,7 @@ class EagleDecoder:
         tokens = [tree.tokens[n] for n in path] + [bonus]
         if req.constraint is not None:  # root-only tree: exactly one token
             req.constraint.consume(bonus)
-        self._count(req, tree, path, len(tokens), budget)
+        self._count(req, tree, path, len(tokens), turn.budget)
         logprobs = None
         if params.logprobs is not None:
             parents = [0] + path  # each emitted token was predicted at its parent node

@@ -117,7 +117,7 @@ class ModelSource:
         """Queue the raw features of these target positions: this model's layers side by side (from
         the verify's ``aux``), or the final hidden states."""
         feats = torch.cat([aux[i] for i in self._picks], dim=-1) if self._picks else final
-        st.pending = torch.cat([st.pending, feats])
+        st.pending = torch.cat([st.pending.to(feats.dtype), feats])  # the queue starts empty in fp32; a bf16 target's features set its dtype
 
     def release(self, req: Request, st: ModelState | None) -> None:
         """Nothing to keep: the draft KV goes back with the request's blocks."""

@@ -33,7 +33,7 @@ from torch import nn
 
 from dualserve.models import kernels
 
-from ..engine import aoti
+from ..engine import aoti, cuda_shaped
 from ..engine.compiled import PACKAGE_INDUCTOR, PaddedPagedAttention, StepShape
 from ..engine.paged_attention import AttentionMetadata, KVCache, SeqAttention, padded_rows
 from .tree import DraftTree, TreeConfig, grow_tree
@@ -128,14 +128,14 @@ class HeadGraph:
         if self._asked:  # asked every catch-up: no lock once it has been
             return
         with self._lock:
-            if self._asked or not aoti.available(self.device):
+            if self._asked or not aoti.available(self.device) or cuda_shaped.active():  # CUDA drafts eagerly
                 return
             self._asked = True
         job = lambda: self._package(package_dir, inductor_cache, worker)  # noqa: E731
         if worker is None:
             job()
         else:
-            worker.submit(job)
+            worker.submit(job, name="eagle head")
 
     def _package(self, package_dir, inductor_cache, worker) -> None:
         start = time.perf_counter()

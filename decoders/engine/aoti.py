@@ -44,6 +44,14 @@ killed outright runs no cleanup: its child notices its parent is gone, removes t
 exits, and the next start in that cache removes whatever a dead process left (``sweep``). While
 the child runs, ``build`` reports its elapsed time every ``PROGRESS_SECONDS``.
 
+**No compiler outlives its server.** The child runs inductor's C++ compiler (``g++``, under it
+``cc1plus``) and its compile workers as processes of its own, which ending the child alone would
+orphan: a server stopped mid-build would leave ``cc1plus`` running after it exits. So (POSIX) the
+child starts in a session and process group of its own, and its build is ended as a group: the
+parent kills the group when a build is ended (``end_builds``: the compile worker's ``stop`` and
+``atexit``), and a child whose parent died kills its own group: on Linux the kernel tells it at
+once (``prctl(PR_SET_PDEATHSIG)``, SIGTERM), elsewhere its watch on ``getppid`` notices.
+
 **Tracing runs alone** (``TRACING``). ``torch.export`` in non-strict mode traces by patching
 ``torch.nn.Module.__call__`` for the whole process: a module that runs on another thread while
 an export traces is caught by the tracer and fails. ``build`` exports in its child, where nothing
@@ -56,12 +64,14 @@ from __future__ import annotations
 
 import ast
 import atexit
+import ctypes
 import hashlib
 import inspect
 import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -84,6 +94,7 @@ PROGRESS_SECONDS = 60.0  # how often a running build reports its elapsed time
 STALE_BUILD_SECONDS = 86400.0
 _swept: set[Path] = set()  # directories swept of dead builds' leftovers by this process
 _builds: dict[Path, subprocess.Popen | None] = {}  # this process's build directories -> their child
+_builders: dict[Path, int] = {}  # this process's build directories -> the thread that runs the build
 _builds_lock = threading.Lock()
 
 
@@ -229,7 +240,8 @@ class PackagedGraph:
 
 
 class BuildCancelled(RuntimeError):
-    """The build was ended because its process is exiting (``atexit``); nothing to report."""
+    """The build was ended because its process is exiting (``atexit``) or its compile worker was
+    stopped (``end_builds``); nothing to report."""
 
 
 def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: tuple[dict[int, object], ...],
@@ -247,6 +259,7 @@ def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: t
     work = Path(tempfile.mkdtemp(prefix=f".build-{os.getpid()}-", dir=path.parent))
     with _builds_lock:
         _builds[work] = None
+        _builders[work] = threading.get_ident()
     job, tmp = work / "job.pt", work / "package.pt2"
     try:
         torch.save({"module": module, "example": [_shape_only(t) for t in example], "dynamic": dynamic,
@@ -255,24 +268,33 @@ def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: t
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         if inductor_cache is not None:
             env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
+        # A session of its own: the child leads a process group that its compilers join (module docstring).
         child = subprocess.Popen([sys.executable, "-m", __name__, str(job), str(tmp), str(os.getpid())],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                 start_new_session=os.name == "posix")
         with _builds_lock:
-            ended = work not in _builds  # the process began exiting while the child started
+            ended = work not in _builds  # the build was ended while the child started
             if not ended:
                 _builds[work] = child
         if ended:
-            child.kill()
-            child.wait()
-            raise BuildCancelled(f"building {path.name} was ended: the process is exiting")
+            _kill(child)
+            raise BuildCancelled(f"building {path.name} was ended: the server is stopping")
         out, err = _wait(child, progress)
         with _builds_lock:
             if work not in _builds:
-                raise BuildCancelled(f"building {path.name} was ended: the process is exiting")
+                raise BuildCancelled(f"building {path.name} was ended: the server is stopping")
+        if child.returncode < 0:  # killed (out of memory, say): its compilers may still run
+            _kill_group(child.pid)
         if child.returncode != 0:
             tail = "\n".join((err or out).strip().splitlines()[-12:])
             raise RuntimeError(f"building {path.name} failed in its child process (exit {child.returncode}):\n{tail}")
         os.replace(tmp, path)
+    except Exception as e:
+        with _builds_lock:
+            ended = work not in _builds
+        if ended and not isinstance(e, BuildCancelled):  # its directory went while the job was being saved
+            raise BuildCancelled(f"building {path.name} was ended: the server is stopping") from e
+        raise
     finally:
         _end_build(work)
 
@@ -280,8 +302,10 @@ def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: t
 def traced_sources(module: torch.nn.Module, *extra: object) -> list[object]:
     """What a graph of ``module`` is traced from, for ``package_key``: the project's modules that
     define its submodules' classes (by name), then ``extra`` (the step's own classes)."""
+    from dualserve.models.kernels import ops  # every graph calls the kernels through it
+
     return [*sorted({inspect.getmodule(type(m)) for m in module.modules()
-                     if type(m).__module__.startswith("dualserve.")}, key=lambda m: m.__name__), *extra]
+                     if type(m).__module__.startswith("dualserve.")} | {ops}, key=lambda m: m.__name__), *extra]
 
 
 def load_or_build(module: torch.nn.Module, path: Path, inputs: Callable[[int], tuple[torch.Tensor, ...]],
@@ -342,23 +366,48 @@ def _wait(child: subprocess.Popen, progress: Callable[[float], None] | None) -> 
 
 
 def _end_build(work: Path) -> None:
-    """End a build of this process: its child, if still running, and its directory."""
+    """End a build of this process: its child and the child's compilers, if still running, and its
+    directory."""
     with _builds_lock:
         child = _builds.pop(work, None)
+        _builders.pop(work, None)
     if child is not None and child.poll() is None:
-        child.kill()
-        child.wait()
+        _kill(child)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def _kill(child: subprocess.Popen) -> None:
+    """Kill a running build child with its process group (its compilers), then reap it. The group
+    is killed before the child is reaped, so its id cannot have been given to another process."""
+    _kill_group(child.pid)
+    child.kill()  # where the child leads no group of its own (not POSIX)
+    child.wait()
+
+
+def _kill_group(pgid: int) -> None:
+    if os.name != "posix":
+        return
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is gone
+        pass
+
+
+def end_builds(thread: int | None = None) -> None:
+    """End this process's running builds (those started on ``thread``, an ident, if given): their
+    children and compilers are killed, their directories removed, and each ``build`` raises
+    ``BuildCancelled``. The compile worker's ``stop`` ends its own thread's builds."""
+    with _builds_lock:
+        running = [work for work in _builds if thread is None or _builders.get(work) == thread]
+    for work in running:
+        _end_build(work)
 
 
 @atexit.register
 def _end_builds() -> None:
     """A process that exits mid-build (a server stopped during its first start) ends its children
     and removes their directories: the compile thread is a daemon, and no ``finally`` of its runs."""
-    with _builds_lock:
-        running = list(_builds)
-    for work in running:
-        _end_build(work)
+    end_builds()
 
 
 # What a build leaves next to the packages, and the id of the process that made it: a build's
@@ -481,18 +530,42 @@ def _child(job: str, package: str, parent: str | None = None) -> None:
 
 
 def _exit_with(parent: int, work: Path) -> None:
-    """Watch the parent (POSIX: a child whose parent died is handed to another); when it is gone,
-    remove the build's directory and exit. Elsewhere the next start's ``sweep`` removes it."""
+    """End this build when the parent is gone: remove the build's directory, kill this process's
+    group (its compilers) and exit (``_abandon``). Linux signals it at once (SIGTERM, asked for by
+    ``PR_SET_PDEATHSIG``); a watch on ``getppid`` (POSIX: a child whose parent died is handed to
+    another) covers the rest, and a main thread deep in a C call that takes no signal meanwhile.
+    Elsewhere the next start's ``sweep`` removes the directory."""
     if os.name != "posix":
         return
+    signal.signal(signal.SIGTERM, lambda *_: _abandon(work))
+    _signal_on_parent_death(signal.SIGTERM)
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while os.getppid() == parent:  # also true when the parent died before the signal was asked for
             time.sleep(0.25)
-        shutil.rmtree(work, ignore_errors=True)
-        os._exit(1)
+        _abandon(work)
 
     threading.Thread(target=watch, name="dualserve-build-watch", daemon=True).start()
+
+
+def _signal_on_parent_death(sig: int) -> None:
+    """Linux: have the kernel send ``sig`` to this process when its parent dies (prctl(2),
+    ``PR_SET_PDEATHSIG``; the parent is the thread that started it, which waits for it)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG = 1 (linux/prctl.h)
+    except (OSError, AttributeError):  # no libc to ask: the watch alone notices
+        pass
+
+
+def _abandon(work: Path) -> None:
+    """The parent is gone: remove the build's directory, then end this process and, where it leads
+    its own group (``build`` starts it so), every compiler it started."""
+    shutil.rmtree(work, ignore_errors=True)
+    if os.getpgrp() == os.getpid():
+        os.killpg(0, signal.SIGKILL)
+    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ Shared by every runner of a deployment (``deployment.CompileSpec``), so compiles
 with each other for the cores. It counts its jobs, so a job can say where it stands ("graph 2
 of 4") and a start-up line can say how many graphs are still to come. A job holds
 ``device_lock`` while it runs, so a CUDA graph capture never overlaps one (``cuda_graphs``).
+``stop`` ends it for good: the jobs not started are dropped and a running package build is ended
+with its child process and compilers (``aoti.end_builds``), so none outlives the server.
 """
 
 from __future__ import annotations
@@ -12,11 +14,23 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 from dualserve.models.heap import trim_heap
 
+from . import aoti
+
 log = logging.getLogger("dualserve.compile")
+
+
+@dataclass(frozen=True)
+class CompileProgress:
+    """Where the compile thread stands since its queue last ran dry (the status page shows it)."""
+
+    done: int              # jobs finished
+    total: int             # jobs asked for
+    running: str | None    # the running job's name, as its submitter gave it
 
 
 class CompileWorker:
@@ -27,7 +41,7 @@ class CompileWorker:
     engine's OpenMP spinning (see ``openmp``)."""
 
     def __init__(self) -> None:
-        self._queue: deque[Callable[[], None]] = deque()
+        self._queue: deque[tuple[Callable[[], None], str | None]] = deque()  # (job, its name)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         # Held while a job runs: a CUDA graph capture on the engine thread takes it too, since a
@@ -37,21 +51,39 @@ class CompileWorker:
         self._asked = 0
         self._finished = 0
         self._since = 0.0
+        self._stopped = False  # set by ``stop``: no job runs past it
+        self._running: str | None = None  # the running job's name
 
     def __reduce__(self):
         """A worker is its process's own: a copy sent to another process (a tensor-parallel rank's
         settings) is a fresh worker there."""
         return CompileWorker, ()
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[], None], name: str | None = None) -> None:
+        """Run ``job`` on the compile thread after the jobs before it; after ``stop``, never.
+        ``name``: what ``progress`` calls it while it runs (a graph's shape, say)."""
         with self._lock:
-            self._queue.append(job)
+            if self._stopped:
+                return
+            self._queue.append((job, name))
             if not self._asked:
                 self._since = time.monotonic()
             self._asked += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="dualserve-compile", daemon=True)
                 self._thread.start()
+
+    def stop(self) -> None:
+        """End the work for good (the server shuts down): drop the jobs not started and end the
+        running job's package build, killing its child and the compilers under it (the job then
+        sees ``aoti.BuildCancelled``). A job that builds in this process (torch.compile) runs on."""
+        with self._lock:
+            self._stopped = True
+            self._asked -= len(self._queue)
+            self._queue.clear()
+            thread = self._thread
+        if thread is not None:
+            aoti.end_builds(thread.ident)
 
     @property
     def busy(self) -> bool:
@@ -69,10 +101,14 @@ class CompileWorker:
         with self._lock:
             return self._finished + 1, self._asked
 
+    def progress(self) -> CompileProgress:
+        with self._lock:
+            return CompileProgress(self._finished, self._asked, self._running)
+
     def _work(self) -> None:
         while True:
             with self._lock:
-                job = self._queue.popleft() if self._queue else None
+                job, self._running = self._queue.popleft() if self._queue else (None, None)
                 if job is None:
                     self._thread = None
                     done, seconds = self._finished, time.monotonic() - self._since
@@ -88,3 +124,4 @@ class CompileWorker:
             finally:
                 with self._lock:
                     self._finished += 1
+                    self._running = None

@@ -55,7 +55,8 @@ import torch
 from torch._inductor.runtime.cache_dir_utils import cache_dir as default_cache_dir
 
 from dualserve.models import kernels
-from . import aoti
+from dualserve.models.kernels import ops as kernel_ops
+from . import aoti, cuda_shaped
 from .compile_worker import CompileWorker
 from .paged_attention import AttentionMetadata, KVCache, SeqAttention, as_stored, padded_rows
 
@@ -126,12 +127,10 @@ class PaddedPagedAttention:
         self.new_k.append(k.to(kc.dtype))
         self.new_v.append(v.to(vc.dtype))
         k, v = as_stored(k, kc), as_stored(v, vc)
-        if (self.attend_kernel and q.device.type == "cpu" and q.dtype == torch.float32
-                and q.shape[-1] % 16 == 0 and kernels.available()):
+        if self.attend_kernel and kernel_ops.attend_eligible(q):
             # the same sums as ``_rows`` (each row over its visible keys alone), vectorised in C++, in
             # both forms: a prompt's rows then get the bits an eager step or a decode would give them
-            return torch.ops.dualserve.attend_rows(q, k, v, kc, vc, self.rows, self.context, self.mask,
-                                                   q.shape[-1] ** -0.5)
+            return kernel_ops.attend_rows(q, k, v, kc, vc, self.rows, self.context, self.mask, q.shape[-1] ** -0.5)
         S, Q = self.rows.shape
         T, heads, d = q.shape
         kv_heads = k.shape[1]
@@ -289,7 +288,8 @@ class CompiledStep:
         self.worker = worker
         self.attend_kernel = attend_kernel
         self.device = cache.stacked.device
-        self.packaged = aoti.available(self.device)
+        # The CUDA-shaped profile takes the torch.compile branch the CUDA path takes (``cuda_shaped``).
+        self.packaged = aoti.available(self.device) and not cuda_shaped.active()
         self.cache_dir = cache_dir
         self.package_dir = Path(cache_dir or default_cache_dir()) / "aoti"
         if self.packaged:
@@ -372,7 +372,7 @@ class CompiledStep:
         if self.worker is None:
             self._compile(key)
         else:
-            self.worker.submit(lambda: self._compile(key))
+            self.worker.submit(lambda: self._compile(key), name="chunks" if key[0].chunks else "rows")
 
     def prewarm(self, aux_layers: Sequence[int] = ()) -> None:
         """Ask for both shapes now, rows (decode) first, so they compile while the server starts.

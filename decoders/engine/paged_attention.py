@@ -20,6 +20,10 @@ Two backends implement the same call:
     the block table; used for causal batches, falling back to SDPA for masks
     flash-attn cannot express and for dtypes or block sizes it does not take (``flash_fits``).
 
+On CUDA without flash-attn, ``SdpaPagedAttention`` is the backend: it reads a sequence's cached
+keys/values by slot whatever the block size (256-token blocks included) and dtype, so it needs
+no other kernel.
+
 Sliding-window layers (Gemma 3's local layers, Mistral, Phi-3) see only the keys
 within their window: ``SdpaPagedAttention`` takes each window's masks. A model whose
 layers differ in KV shape and which brings its own attention (DiffusionGemma) gets a
@@ -31,12 +35,12 @@ from __future__ import annotations
 import math
 import mmap
 from dataclasses import dataclass, field
-from typing import Literal, Sequence, Union
+from typing import Callable, Literal, Sequence, Union
 
 import numpy as np
 import torch
 
-from dualserve.models import kernels
+from dualserve.models.kernels import ops as kernel_ops
 from dualserve.models.attention import sdpa
 
 from .blocks import slot_of
@@ -218,7 +222,7 @@ class SdpaPagedAttention:
     def _plan(self, q: torch.Tensor) -> None:
         seqs, device = self.meta.seqs, q.device
         self._starts = query_starts(self.meta)
-        if q.dtype == torch.float32 and device.type == "cpu" and q.shape[-1] % 16 == 0 and kernels.available():
+        if kernel_ops.attend_eligible(q):
             rows, context, mask = padded_rows(self.meta, range(len(seqs)))
             self._rows = (rows.to(device), context.to(device), mask.to(device))
             for w in set(self.windows) - {None}:
@@ -254,7 +258,7 @@ class SdpaPagedAttention:
         window = self.windows[layer_idx] if self.windows else None
         if self._rows is not None:
             rows = self._rows if window is None else self._windowed[window]
-            out = torch.ops.dualserve.attend_rows(q, k, v, k_flat, v_flat, *rows, q.shape[-1] ** -0.5)
+            out = kernel_ops.attend_rows(q, k, v, k_flat, v_flat, *rows, q.shape[-1] ** -0.5)
             if not self._rest:
                 return out
         elif self._decode is not None and not self._rest:
@@ -413,11 +417,13 @@ class DecodeBatch:
 class FlashPagedAttention(SdpaPagedAttention):
     """flash-attn with block tables for all-causal batches; SDPA gathering otherwise."""
 
-    def __init__(self, cache: KVCache, meta: AttentionMetadata):
+    def __init__(self, cache: KVCache, meta: AttentionMetadata, flash: Callable[..., torch.Tensor] | None = None):
+        """``flash``: a function with ``flash_attn_with_kvcache``'s signature (the CUDA-shaped
+        profile's PyTorch stand-in, ``cuda_shaped.py``); None: flash-attn's own."""
         super().__init__(cache, meta)
-        from flash_attn import flash_attn_with_kvcache  # optional GPU extra
-
-        self._flash = flash_attn_with_kvcache
+        if flash is None:
+            from flash_attn import flash_attn_with_kvcache as flash  # optional GPU extra
+        self._flash = flash
         # A pool flash-attn cannot read runs SDPA; the queries' dtype is checked per call.
         self._usable = (meta.slot_mapping is not None and flash_fits(cache.dtype, cache.dtype, cache.block_size)
                         and all(isinstance(s.mask, str) and s.mask == "causal" and s.context_slots is None

@@ -2,7 +2,8 @@
 
 The runner owns the model weights (by reference), the ``KVCache`` tensors
 indexed by the shared block pool's block ids, and the choice of attention
-backend (flash-attn or SDPA, made once). Decoders describe the work of a step as
+backend (flash-attn, its stand-in under the CUDA-shaped profile, or SDPA; made
+once, ``attention_backend``). Decoders describe the work of a step as
 ``ForwardItem``s (which tokens, at which positions, with what cache and mask)
 and get hidden states back; they never touch the KV tensors directly. What else
 they need of the KV goes through the runner too: moving slots (EAGLE keeps an
@@ -37,6 +38,7 @@ from dualserve.models.attention import AttentionBackend
 from dualserve.models.diffusion_gemma import DiffusionGemma
 from dualserve.models.transformer import Transformer
 
+from . import cuda_shaped
 from .compile_worker import CompileWorker
 from .compiled import ROWS_MAX, CompiledStep
 from .paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache, SdpaPagedAttention, SeqAttention,
@@ -55,6 +57,18 @@ class ForwardItem:
     slots: Sequence[int] | None        # where new keys/values go; None = do not store
     mask: SeqMask = "causal"
     context_slots: torch.Tensor | None = None  # explicit cached slots (EAGLE tree / sparse context)
+
+
+def attention_backend(dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int,
+                      use_flash: bool | None) -> Callable[[KVCache, AttentionMetadata], AttentionBackend]:
+    """flash-attn's paged kernel where it is importable on CUDA (``use_flash``: decided by the
+    caller) and fits (fp16/bf16 throughout, blocks of a multiple of 256 tokens); under the
+    CUDA-shaped profile, its PyTorch stand-in wherever it fits; else SDPA over gathered blocks."""
+    if not flash_fits(dtype, kv_dtype, block_size):
+        return SdpaPagedAttention
+    if cuda_shaped.active() and use_flash is None:
+        return partial(FlashPagedAttention, flash=cuda_shaped.flash_attn_with_kvcache)
+    return FlashPagedAttention if (use_flash if use_flash is not None else flash_available()) else SdpaPagedAttention
 
 
 class ModelRunner:
@@ -76,10 +90,7 @@ class ModelRunner:
         else:
             self.kv = KVCache(cfg.num_layers, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim,
                               kv_dtype or self.dtype, self.device)
-            # flash-attn's paged kernel: fp16/bf16 throughout, blocks of a multiple of 256 tokens.
-            flash = ((use_flash if use_flash is not None else flash_available())
-                     and flash_fits(self.dtype, kv_dtype or self.dtype, block_size))
-            self.backend = FlashPagedAttention if flash else SdpaPagedAttention
+            self.backend = attention_backend(self.dtype, kv_dtype or self.dtype, block_size, use_flash)
             if any(w is not None for w in cfg.windows):  # sliding layers (Gemma 3): windowed masks
                 self.backend = partial(SdpaPagedAttention, windows=cfg.windows)
         self._scratch_block = num_blocks

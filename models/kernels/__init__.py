@@ -18,8 +18,8 @@ code path (AVX512-VNNI, AVX2, plain C) the host runs.
 The sources are compiled at first use with the host's C++ compiler (about 40 s) into
 ``<cache>/kernels/`` under a name that hashes the sources, the compiler and the
 torch build, and loaded with ``torch.ops.load_library``. Without a compiler (or with
-``DUALSERVE_NO_KERNELS=1``) the kernels are reported unavailable: the formats that need
-them are not offered and attention keeps inductor's loops.
+``DUALSERVE_NO_KERNELS=1``, or after ``disable()``) the kernels are reported unavailable: the
+formats that need them are not offered and attention keeps inductor's loops.
 The code path is chosen at run time from the CPU's flags, never at compile time,
 so one build serves every CPU; ``describe()`` says which, in one line for a start-up log.
 """
@@ -126,6 +126,15 @@ def available() -> bool:
         except (RuntimeError, OSError) as e:
             _loaded, _error = False, str(e)
     return _loaded
+
+
+def disable(reason: str) -> None:
+    """Report the kernels unavailable in this process, whatever the host could build: a choice made
+    once at start-up, before anything asks (the CUDA-shaped profile, ``decoders/engine/cuda_shaped``)."""
+    global _loaded, _error
+    if _loaded:
+        raise RuntimeError("the kernels are loaded already: disable them before the first model loads")
+    _loaded, _error = False, reason
 
 
 def unavailable_reason() -> str | None:

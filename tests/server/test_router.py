@@ -9,9 +9,19 @@ import pytest
 
 from dualserve.server.cli import decoder_traits
 from dualserve.server.errors import APIError
-from dualserve.server.router import DecoderTraits, Route, Router, RoutingPolicy, load_policy
+from dualserve.server.router import DecoderTraits, RequestTraits, Route, Router, RoutingPolicy, load_policy
 
 ALL = ["ar", "eagle", "diffusion"]
+# What a model serving every decoder declares: its diffusion decoder fills between prefix and suffix.
+NATIVE = {"diffusion": DecoderTraits(infill="native")}
+
+
+def route(available: list[str], hint: str | None, router: Router | None = None,
+          traits: dict[str, DecoderTraits] | None = None, **kw) -> Route:
+    """Route a request with ``hint`` and the traits ``kw`` over ``available`` (diffusion infills natively
+    unless ``traits`` says otherwise)."""
+    return (router or Router()).route("m", available, RequestTraits(decoder=hint, **kw),
+                                      NATIVE if traits is None else traits)
 
 
 @pytest.mark.parametrize("available, hint, kw, expected", [
@@ -49,19 +59,19 @@ ALL = ["ar", "eagle", "diffusion"]
     (["diffusion"], "auto", {"structured": True}, "diffusion"),
 ])
 def test_decision_table(available, hint, kw, expected):
-    route = Router().route("m", available, hint, **kw)
-    assert route.decoder == expected
-    assert route.reason
+    decided = route(available, hint, **kw)
+    assert decided.decoder == expected
+    assert decided.reason
 
 
 def test_an_infill_routed_by_auto_says_it_is_infill():
-    assert Router().route("m", ALL, "auto", infill=True).reason.startswith("infill:")
+    assert route(ALL, "auto", infill=True).reason.startswith("infill:")
     # No decoder fills natively (or none is loaded): the lossless pick fills with FIM tokens, and says so.
-    for available, kw in ((ALL, {"fim": True}), (["ar"], {"infill": True}), (["ar", "eagle"], {"fim": True})):
-        route = Router().route("m", available, "auto", **kw)
-        assert route.reason.startswith("infill with FIM tokens; "), route.reason
-    assert "infill" not in Router().route("m", ALL, "auto").reason
-    assert Router().route("m", ALL, "ar", fim=True).reason == "requested"
+    for available, traits in ((ALL, {}), (["ar"], NATIVE), (["ar", "eagle"], {})):
+        decided = route(available, "auto", traits=traits, infill=True)
+        assert decided.reason.startswith("infill with FIM tokens; "), decided.reason
+    assert "infill" not in route(ALL, "auto").reason
+    assert route(ALL, "ar", traits={}, infill=True).reason == "requested"
 
 
 @pytest.mark.parametrize("available, hint, kw, param", [
@@ -72,7 +82,7 @@ def test_an_infill_routed_by_auto_says_it_is_infill():
 ])
 def test_refusals_are_400s_that_say_why(available, hint, kw, param):
     with pytest.raises(APIError) as err:
-        Router().route("m", available, hint, **kw)
+        route(available, hint, **kw)
     assert err.value.status == 400 and err.value.param == param
     assert "ar" in err.value.message or "interactive" in err.value.message
 
@@ -83,8 +93,8 @@ def test_policy_file(tmp_path):
     policy = load_policy(path)
     assert policy == RoutingPolicy(interactive="eagle", latency_budget_ms=50)
     router = Router(policy)
-    assert router.route("m", ALL, "auto", priority="interactive").decoder == "eagle"
-    assert router.route("m", ALL, "auto", latency_budget_ms=200).decoder == "eagle"  # above the 50 ms bar
+    assert route(ALL, "auto", router, priority="interactive").decoder == "eagle"
+    assert route(ALL, "auto", router, latency_budget_ms=200).decoder == "eagle"  # above the 50 ms bar
     path.write_text(json.dumps({"bogus": 1}))
     with pytest.raises(ValueError):
         load_policy(path)
@@ -132,10 +142,10 @@ class FimTokenizer:
 
 def test_route_carries_the_decoders_traits():
     traits = {"diffusion": DecoderTraits(infill="native", default_max_tokens=256)}
-    diffusion = Router().route("m", ALL, "diffusion", traits=traits)
+    diffusion = route(ALL, "diffusion", traits=traits)
     assert diffusion.traits == traits["diffusion"] and diffusion.default_max_tokens(None) == 256
     assert diffusion.default_max_tokens(16) == 16  # an endpoint's own default wins
-    ar = Router().route("m", ALL, "ar", traits=traits)
+    ar = route(ALL, "ar", traits=traits)
     assert ar.traits == DecoderTraits() and ar.default_max_tokens(None) is None
 
 
@@ -201,8 +211,23 @@ def test_a_draft_model_that_is_not_loaded_is_a_400():
     service = Service(None, {"m": model}, Router())
     body = CompletionRequest(model="m", prompt="hi", draft="block")
     with pytest.raises(APIError) as err:
-        service.route(model, body, "eagle")
+        service.route(model, RequestTraits.of(body, "eagle"))
     assert err.value.kind == ErrorKind.INVALID_REQUEST and err.value.param == "draft"
     assert "head, suffix" in err.value.message
-    assert service.route(model, CompletionRequest(model="m", prompt="hi", draft="head"), "eagle").decoder == "eagle"
-    assert service.route(model, body, "ar").decoder == "ar"
+    head = CompletionRequest(model="m", prompt="hi", draft="head")
+    assert service.route(model, RequestTraits.of(head, "eagle")).decoder == "eagle"
+    assert service.route(model, RequestTraits.of(body, "ar")).decoder == "ar"
+
+
+def test_request_traits_carry_the_bodys_hints():
+    from dualserve.server.protocol import CompletionRequest
+
+    body = CompletionRequest(model="m", prompt="hi", priority="batch", latency_budget_ms=50, n=2, draft="suffix")
+    assert RequestTraits.of(body, "auto", infill=True) == RequestTraits("auto", "batch", 50, 2, "suffix", infill=True)
+
+
+def test_infill_goes_to_diffusion_only_where_it_fills_natively():
+    assert route(ALL, "auto", infill=True).decoder == "diffusion"
+    block_causal = {"diffusion": DecoderTraits(infill="none")}  # never sees the suffix: FIM on eagle
+    decided = route(ALL, "auto", traits=block_causal, infill=True)
+    assert decided.decoder == "eagle" and decided.reason.startswith("infill with FIM tokens; ")
