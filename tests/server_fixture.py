@@ -65,10 +65,25 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=15)
 
 
+@contextlib.contextmanager
+def serving(args: list[str], log: Path) -> Iterator[str]:
+    """``dualserve serve ARGS`` in a subprocess on a free port of 127.0.0.1, its output in ``log``:
+    yields the base URL (no /v1) once ``/health`` answers, and stops the server on exit."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "dualserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log)
+        yield url
+    finally:
+        stop(proc)
+
+
 @pytest.fixture(scope="session")
 def server_url(default_gguf: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Base URL (no /v1) of a dualserve server on the default model."""
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "dualserve.log"
     # The routing defaults as written, on every host: without a policy file the server fits the
     # policy to this host's measured forward costs (tests/server/test_router.py covers that).
@@ -80,22 +95,15 @@ def server_url(default_gguf: Path, cache_dir: Path, tmp_path_factory: pytest.Tem
     write_tiny_dflash(dflash, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
                       vocab_size=49152, num_layers=1, target_layer_ids=[1, 14, 26], num_target_layers=30,
                       block_size=4, mask_token_id=0, dtype=torch.float16)
-    cmd = [sys.executable, "-m", "dualserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--cache-dir", str(cache_dir),
+    args = ["--cache-dir", str(cache_dir),
            # Eager: building the default model's compiled graphs takes minutes of CPU on a cold cache, which
            # would compete with the tests; tests/decoders/engine/test_compiled.py covers the compiled step.
            "--no-compile", "--router-policy", str(policy), "--dflash", str(dflash),
            # The format `auto` picks on a quiet AVX-512 host, pinned: a table measured beside the
            # suite would otherwise decide it, and the greedy answers the tests read depend on it.
-           "--quantization", "w4a16" if kernels.available() else "int4"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log)
+            "--quantization", "w4a16" if kernels.available() else "int4"]
+    with serving(args, log) as url:
         yield url
-    finally:
-        stop(proc)
 
 
 def sdk_client(server_url: str, needs: str | None = None):

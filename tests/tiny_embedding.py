@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from server_fixture import free_port, stop, wait_healthy
+from server_fixture import serving
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<unk>"]
 WORDS = ["system", "user", "assistant", "yes", "no", "the", "a", "is", "what", "of", "and", "to", "in", "capital",
@@ -138,20 +136,12 @@ def reference_logits(directory: Path, ids: list[int]) -> torch.Tensor:
 def serve(checkpoint: Path, log_dir: Path, *extra: str) -> Iterator[str]:
     """``dualserve serve`` on ``checkpoint`` in a subprocess (eager, float weights, one thread);
     yields its base URL and stops it on exit."""
-    port = free_port()
     log = log_dir / f"{checkpoint.name}.log"
-    cmd = [sys.executable, "-m", "dualserve.server.cli", "serve", "--model", str(checkpoint), "--host", "127.0.0.1",
-           "--port", str(port), "--cache-dir", str(log_dir / "cache"), "--no-compile", "--quantization", "none",
-           "--dtype", "float32", "--eagle", "none", "--twin", "none", "--datastore", "none", "--threads", "1",
-           "--num-blocks", "256", *extra]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log)
+    args = ["--model", str(checkpoint), "--cache-dir", str(log_dir / "cache"), "--no-compile", "--quantization",
+            "none", "--dtype", "float32", "--eagle", "none", "--twin", "none", "--datastore", "none", "--threads", "1",
+            "--num-blocks", "256", *extra]
+    with serving(args, log) as url:
         yield url
-    finally:
-        stop(proc)
 
 
 @contextlib.contextmanager

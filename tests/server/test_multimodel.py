@@ -26,7 +26,7 @@ import pytest
 from dualserve.decoders.engine.blocks import BlockPool, BlockTable
 from dualserve.models import kernels
 from dualserve.server import cli
-from server_fixture import free_port, stop, wait_healthy
+from server_fixture import serving as served
 from tiny_gguf import trimmed
 
 QUANTIZATION = "w4a16" if kernels.available() else "int4"  # the suite's pinned formats (server_fixture.py)
@@ -51,17 +51,9 @@ def tiny_models(default_gguf: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 @contextlib.contextmanager
 def serving(args: list[str], cache_dir: Path, log: Path) -> Iterator[str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "dualserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--cache-dir", str(cache_dir), "--no-compile", "--quantization", QUANTIZATION, "--threads", "1", *args]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log)
+    with served(["--cache-dir", str(cache_dir), "--no-compile", "--quantization", QUANTIZATION, "--threads", "1",
+                 *args], log) as url:
         yield url
-    finally:
-        stop(proc)
 
 
 @pytest.fixture(scope="module")
