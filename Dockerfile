@@ -33,7 +33,11 @@ COPY server ./server
 COPY decoders ./decoders
 COPY models ./models
 COPY clients ./clients
+# flash-attn (the gpu extra) compiles against the installed torch, so it is built without build
+# isolation (an isolated build environment has no torch) before the package's own install.
 RUN pip install --extra-index-url ${TORCH_INDEX} "torch==2.13.0" && \
+    if echo ",${EXTRAS}," | grep -q ",gpu,"; then \
+      pip install packaging ninja wheel && pip install --no-build-isolation "flash-attn>=2.6"; fi && \
     if [ -n "${EXTRAS}" ]; then pip install ".[${EXTRAS}]"; else pip install .; fi
 
 # Fetch the embedded default model at build time so the container starts offline.
