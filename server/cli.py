@@ -637,7 +637,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if args.command == "pull":
         return one_line(lambda: cmd_pull(args), "dualserve")
-    return one_line(lambda: args.func(Settings.from_args(args)), "dualserve")
+    return one_line(lambda: run_command(args), "dualserve")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``serve`` or ``generate`` with the settings of its flags, after the process-wide profile they name."""
+    settings = Settings.from_args(args)
+    if settings.cuda_shaped:
+        from dualserve.decoders.engine import cuda_shaped
+
+        cuda_shaped.activate()
+    return args.func(settings)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ here and nowhere else, and everything below receives its own object:
 The environment is read here as well, for its documented knobs alone: ``DUALSERVE_CACHE`` (the
 model cache, through ``models.hub.default_cache_dir``), ``DUALSERVE_ATTEND_KERNEL=0`` (compiled
 steps keep inductor's attention loops, for comparison), ``DUALSERVE_CUDA_SHAPED=1`` (tests: the
-CPU makes the CUDA path's choices, ``decoders/engine/cuda_shaped.py``; applied here, once, before
-any model loads) and torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``. Nothing under
+CPU makes the CUDA path's choices, ``decoders/engine/cuda_shaped.py``; the CLI applies it, once,
+before any model loads) and torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``. Nothing under
 ``decoders/`` or ``server/`` reads it elsewhere.
 
 The flags' value types (``positive``, ``count``, ``port_number`` ...) are here too: a value out of
@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Literal, Mapping
 
 from dualserve.decoders.deployment import CompileSpec, PoolSpec
-from dualserve.decoders.engine import cuda_shaped
 from dualserve.decoders.engine.engine import EngineConfig
 from dualserve.models.formats import check_device
 from dualserve.models.errors import InputError
@@ -151,14 +150,13 @@ class Settings:
     server: ServerSettings | None = None
     generate: GenerateSettings | None = None
     catalog: Catalog | None = None     # every served model; None: ``model`` alone
+    cuda_shaped: bool = False          # DUALSERVE_CUDA_SHAPED=1 (tests): the CLI applies it before any model loads
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, env: Mapping[str, str] | None = None) -> "Settings":
         """The settings of a parsed ``serve`` or ``generate`` command line; ``env``: the process's
         environment unless given (tests)."""
         env = os.environ if env is None else env
-        if env.get("DUALSERVE_CUDA_SHAPED") == "1":
-            cuda_shaped.activate()
         cache = default_cache_dir(args.cache_dir)
         catalog = catalog_of(args, cache)
         for spec in catalog.specs:  # a format with no kernel on the device: one line now, not a failed first forward
@@ -192,7 +190,8 @@ class Settings:
             raise InputError("several models are served by 'dualserve serve' on one rank only: give one --model "
                              f"to {'generate' if generate is not None else 'a tensor-parallel server'}")
         return cls(command=args.command, model=model, engine=engine, pool=pool, compile=compile_spec,
-                   parallel=parallel, threads=args.threads, server=server, generate=generate, catalog=catalog)
+                   parallel=parallel, threads=args.threads, server=server, generate=generate, catalog=catalog,
+                   cuda_shaped=env.get("DUALSERVE_CUDA_SHAPED") == "1")
 
 
 # ---- the served models ---------------------------------------------------------------------
