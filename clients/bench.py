@@ -148,6 +148,9 @@ class LevelSummary:
     itl: Stats | None
     tpot: Stats | None
     decode_tps: Stats | None
+    # Decode tokens over decode seconds, summed over requests: each request weighs by its length, so
+    # a short reply whose chunks arrive together cannot swing it the way it swings the mean of rates.
+    pooled_decode_tps: float | None
     usage_missing: int
     n_empty: int  # ok requests that streamed no text
     errors: list[str]
@@ -207,6 +210,12 @@ def interleave_kinds(prompts: Sequence[Prompt]) -> list[Prompt]:
     return [group[i] for i in range(rounds) for group in by_kind.values() if i < len(group)]
 
 
+def pooled_decode_tps(results: Sequence[RequestResult]) -> float | None:
+    timed = [r for r in results if r.tpot is not None]
+    seconds = sum(r.decode_time for r in timed)
+    return sum(r.tokens - 1 for r in timed) / seconds if seconds > 0 else None
+
+
 def summarize_level(concurrency: int, results: Sequence[RequestResult], wall_s: float) -> LevelSummary:
     ok = [r for r in results if r.ok]
     tokens = sum(r.tokens for r in ok)
@@ -225,6 +234,7 @@ def summarize_level(concurrency: int, results: Sequence[RequestResult], wall_s: 
         itl=Stats.of([g for r in ok for g in r.gaps]),
         tpot=Stats.of(collect("tpot")),
         decode_tps=Stats.of(collect("decode_tps")),
+        pooled_decode_tps=pooled_decode_tps(ok),
         usage_missing=sum(not r.usage_reported for r in ok),
         n_empty=sum(not r.chunk_times for r in ok),
         errors=[r.error for r in results if r.error is not None],
@@ -241,7 +251,7 @@ def ratios(ours: LevelSummary, base: LevelSummary) -> dict[str, float | None]:
         return s.mean if s else None
 
     return {
-        "decode_tps": ratio(mean(ours.decode_tps), mean(base.decode_tps)),
+        "decode_tps": ratio(ours.pooled_decode_tps, base.pooled_decode_tps),
         "aggregate_tps": ratio(ours.aggregate_tps, base.aggregate_tps),
         "ttft": ratio(mean(ours.ttft), mean(base.ttft)),
         "tpot": ratio(mean(ours.tpot), mean(base.tpot)),

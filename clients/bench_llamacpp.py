@@ -522,7 +522,7 @@ async def settle_compare(ours, ours_spec: BenchSpec, base, base_spec: BenchSpec,
 
 
 def settle_ratio(settled: SideBySide, unsettled: SideBySide) -> float | None:
-    """dualserve's no-settle / settle mean decode tok/s."""
+    """dualserve's no-settle / settle decode tok/s (pooled over requests)."""
     a, b = _dec(unsettled.ours), _dec(settled.ours)
     return a / b if a is not None and b else None
 
@@ -555,7 +555,7 @@ def _ms(lv: LevelSummary) -> float | None:
 
 
 def _dec(lv: LevelSummary) -> float | None:
-    return lv.decode_tps.mean if lv.decode_tps else None
+    return lv.pooled_decode_tps
 
 
 def fixed_width(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -614,7 +614,7 @@ def format_report(title: str, single: Sequence[SideBySide], agg: Aggregate | Non
                   ours_c1: float | None = None, base_c1: float | None = None, base: str = "llama.cpp",
                   settle_ratio: float | None = None) -> str:
     """The printed report: single-stream table (decode tok/s, TTFT) and the aggregate table."""
-    parts = [title, "", f"single stream (decode tok/s mean; ratio = ours / {base}; ok = ours | {base}):",
+    parts = [title, "", f"single stream (decode tok/s pooled: decode tokens / decode seconds over all requests; ratio = ours / {base}; ok = ours | {base}):",
              fixed_width(single_header(base), single_rows(single))]
     if settle_ratio is not None:
         parts.append(f"dualserve ar no-settle / settle decode tok/s: {settle_ratio:.2f}x (target >= 0.90x)")

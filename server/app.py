@@ -48,6 +48,7 @@ class AppState:
     failure: str | None = None       # set when a tensor-parallel rank fails (server/tensor_parallel.py)
     response_store: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses with store=true
     compile_progress: Callable[[], Any] | None = None  # the compile worker's progress, set by cli.serving_state
+    threads: Callable[[], dict] | None = None  # the thread governor's state (openmp.ThreadGovernor), set by cli
 
 
 # The page at / is open (it holds no data, and asks for the key when /status.json wants one).
@@ -140,7 +141,9 @@ def status_json(state: State) -> Response:
     app: AppState = state.app_state
     now = app.metrics.refresh(app.service.engine)
     compiling = compile_status(app.compile_progress() if app.compile_progress else None)
-    return json_response({"now": now, "history": list(app.metrics.history), "compile": compiling}, {})
+    threads = app.threads() if app.threads else None
+    return json_response({"now": now, "history": list(app.metrics.history), "compile": compiling,
+                          "threads": threads}, {})
 
 
 def create_app(app_state: AppState) -> Litestar:

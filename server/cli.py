@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dualserve.decoders.engine.openmp import SpinGovernor, run_on_own_thread
+from dualserve.decoders.engine.openmp import ThreadGovernor, run_on_own_thread
 from dualserve.models.errors import InputError, one_line
 from dualserve.models.hub import default_cache_dir, pull_default_model, resolve_model
 from dualserve.models.quant import QUANTIZATIONS
@@ -349,7 +349,9 @@ def cmd_serve(settings: Settings) -> int:
             manager.load(name)
     device = str(group.device) if group is not None else settings.model.device
     if device == "cpu":
-        SpinGovernor().start()
+        governor = ThreadGovernor().start()
+        dep.engine.pace_with(governor.apply)
+        app_state.threads = governor.state
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     for line in startup_lines(dep, app_state.service.models, f"http://{host}:{sock.getsockname()[1]}", device,
                               torch.get_num_threads(), cfg.shutdown_timeout,
@@ -533,7 +535,7 @@ def cmd_generate(settings: Settings) -> int:
         raise InputError(f"{name} is served by {', '.join(dep.engine.decoders_for(name))}, not {gen.decoder}: "
                          "choose one with --decoder")
     if (str(group.device) if group is not None else settings.model.device) == "cpu":
-        SpinGovernor().start()
+        dep.engine.pace_with(ThreadGovernor().start().apply)
     if gen.chat:
         text = tok.apply_chat_template([{"role": "user", "content": gen.prompt}], add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False)

@@ -25,6 +25,7 @@ PAGE = """<!doctype html>
 <h1>dualserve</h1>
 <div class="sub" id="summary">models: __MODELS__ &middot; node cost: __COST__</div>
 <div class="sub" id="compile" hidden></div>
+<div class="sub" id="threads" hidden></div>
 <form id="keyform" hidden>This server needs its API key: <input id="key" type="password" autocomplete="off">
  <button>Show</button></form>
 <div class="grid">
@@ -68,6 +69,9 @@ async function refresh() {
   line.hidden = !c;
   if (c) line.textContent = `compiling step graphs: ${c.built} of ${c.total} built` +
     (c.building ? `, building ${c.building}` : "") + "; a shape runs eagerly until its graph is ready";
+  const t = data.threads, tl = document.getElementById("threads");
+  tl.hidden = !t || t.team === t.threads;
+  if (t) tl.textContent = `other programs use ${t.neighbour_load} of ${t.cpus} cores: steps run on ${t.team} of ${t.threads} threads`;
   const decoders = new Set(); hist.forEach(p => Object.keys(p.decoders).forEach(d => decoders.add(d)));
   const tput = {}, cost = {};
   decoders.forEach(d => { tput[d] = hist.map(p => p.decoders[d] ? p.decoders[d].tokens_per_second : 0);

@@ -119,6 +119,7 @@ class Engine:
                           if config.max_run_time else None)  # engine thread only
         self._held_back = False     # the run bound kept the queue's head waiting this step
         self._capacity = config.max_num_seqs  # places the engine lets run, for estimated_wait
+        self._before_step: Callable[[], None] = lambda: None  # on the engine's thread (pace_with)
 
     # ---- registration and lifecycle ------------------------------------------
 
@@ -356,8 +357,14 @@ class Engine:
             self._unplanned.append((req, internal_error(e)))
             return 0, 0
 
+    def pace_with(self, before_step: Callable[[], None]) -> None:
+        """Run ``before_step`` on the stepping thread before each step: the thread governor sizes
+        the step's OpenMP team there (``openmp.ThreadGovernor.apply``)."""
+        self._before_step = before_step
+
     def step(self) -> None:
         """One scheduling step; public so tests can drive the engine without its thread."""
+        self._before_step()
         self._drain_inbox()
         self._expire_queued()
         started = time.perf_counter()

@@ -1,31 +1,34 @@
-"""OpenMP waiting on a CPU host: spin while the cores are ours, back off while a neighbour is busy.
+"""OpenMP teams on a CPU host: as many threads as the cores other programs leave free.
 
-PyTorch's CPU kernels run in GNU OpenMP (libgomp) teams. A decode step opens hundreds of
-short parallel regions, and between them a worker spins (``GOMP_SPINCOUNT``, a few ms by
-default) before it sleeps on a futex. Spinning is what makes a step fast on idle cores. It is
-also what makes it collapse when another process holds a core: the team's barrier then waits
-for a worker that the kernel has descheduled. Measured on a 2-core host (AVX-512, no AMX), the
-default model in int4, eager, 2 threads, on the engine's thread, 3 x 64 tokens:
+PyTorch's CPU kernels run in GNU OpenMP (libgomp) teams. A decode step opens hundreds of short
+parallel regions (the GEMMs), and between them a worker spins (``GOMP_SPINCOUNT``) before it sleeps
+on a futex. On idle cores that spinning is what makes a step fast. Beside a program that holds a
+core it is what makes a step collapse: every region ends in a barrier, and the barrier waits for
+a worker the kernel has descheduled for a whole time slice. Measured on a 2-core host (AVX-512
+VNNI, no AMX), the default model in w4a16 with its compiled step graphs, ``dualserve generate``,
+128 tokens (``python -m dualserve.clients.bench_neighbour``):
 
-  =====================  ===========  ==================
-  waiting                cores idle   one busy neighbour
-  =====================  ===========  ==================
-  spinning (default)     55-60 tok/s  3-12 tok/s
-  throttled (~100 spins) 36 tok/s     28-38 tok/s
-  passive (no spin)      35 tok/s     18-24 tok/s
-  =====================  ===========  ==================
+  ===========================================  ===========  ==================
+  team                                         cores idle   one busy neighbour
+  ===========================================  ===========  ==================
+  2 threads, spinning                          124-139      34 tok/s
+  2 threads, spinning throttled by libgomp     -            46 tok/s
+  1 thread                                     98 tok/s     83 tok/s
+  ===========================================  ===========  ==================
 
-libgomp switches every team to its short "throttled" spin while it manages more OpenMP threads
-than the machine has CPUs (GCC manual, ``GOMP_SPINCOUNT``), and a thread that has run a
-parallel region keeps its worker pool until it exits. So:
+No way of waiting saves a team that is larger than the free cores; a smaller team has no one to
+wait for. So:
 
 - torch work outside the engine (loading, measuring formats, calibrating, compiling) runs on
-  threads that exit afterwards (``run_on_own_thread``, the compile worker), and the engine's
-  thread holds the one long-lived pool: its teams spin;
-- ``SpinGovernor`` watches how much CPU other processes use (``/proc/stat`` minus this
-  process) and, while they leave fewer free cores than torch has threads, parks one extra
-  thread that owns a pool. That throttles spinning in every team; the thread exits (and
-  spinning resumes) once the neighbour has gone.
+  threads that exit afterwards (``run_on_own_thread``, the compile worker), so the engine's
+  thread holds the one long-lived pool: libgomp throttles every team's spinning while it manages
+  more threads than the machine has CPUs (GCC manual, ``GOMP_SPINCOUNT``), and a thread that has
+  run a parallel region keeps its pool until it exits;
+- ``ThreadGovernor`` watches how much CPU other processes use and sizes the engine's team to the
+  cores they leave free; the engine's thread applies the size before each step
+  (``torch.set_num_threads`` there sets that thread's team only, and costs microseconds). The
+  result does not depend on the team size: every kernel a step runs gives each output element to
+  one thread, whatever their number (tested bit for bit through the server).
 
 Only Linux hosts running torch's OpenMP backend are governed; elsewhere this is a no-op.
 """
@@ -33,13 +36,15 @@ Only Linux hosts running torch's OpenMP backend are governed; elsewhere this is 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
+import time
 from typing import Callable, TypeVar
 
 import torch
 
-from dualserve.models.host import machine_busy_ticks, own_ticks
+from dualserve.models.host import machine_busy_ticks, neighbours_running, own_ticks
 
 log = logging.getLogger("dualserve.openmp")
 
@@ -66,43 +71,55 @@ def run_on_own_thread(fn: Callable[..., T], *args, **kwargs) -> T:
 
 
 def governed() -> bool:
-    """Whether this host's torch runs GNU OpenMP teams that a governor can throttle."""
+    """Whether this host's torch runs GNU OpenMP teams on several threads, which a governor sizes."""
     return (os.path.exists("/proc/stat") and torch.get_num_threads() > 1
             and "OpenMP" in torch.__config__.parallel_info())
 
 
-class SpinGovernor:
-    """Throttles OpenMP spinning while other processes keep the cores busy (module docstring).
+class ThreadGovernor:
+    """Sizes the engine's OpenMP team to the cores other processes leave free (module docstring).
 
-    A daemon thread samples every ``interval`` seconds. ``neighbour_load`` is the number of
-    cores other processes used, averaged over about ``smoothing`` seconds (an exponential
-    average of the samples). Throttling starts when the cores left free (cpus - average load)
-    fall below torch's threads by more than ``margin``. It stops when two *samples* in a row
-    are back within ``margin / 2``, and the average restarts from the latest sample: a
-    neighbour's burst that has ended then costs about two intervals, not the average's decay
-    (about a second after a two-core burst, a whole short request decoded throttled).
+    ``team`` is the number of threads the next step uses: torch's configured ``threads`` while
+    the cores are free, fewer while neighbours hold some. Two readings, one for each direction:
 
-    The average and the margin tell a CPU-bound neighbour (a core, all the time) from the
-    server's own streaming clients: a client reading 60 chunks a second uses 0.3-0.7 of a core
-    in bursts, and throttling for it cost more than the stolen time (the governor switched
-    about twice a second, and single-stream decode through the server lost a quarter).
+    - **Shrinking, from CPU time.** Every ``interval`` seconds a daemon thread reads how many cores
+      other processes used since the last reading (``/proc/stat`` less this process), and keeps an
+      exponential average over about ``smoothing`` seconds (``neighbour_load``). The team shrinks
+      to the free cores (cpus - average) when they fall short of ``threads`` by more than
+      ``margin``. The average and the margin tell a CPU-bound neighbour (a core, all the time) from
+      the server's own streaming clients: a client reading 60 chunks a second uses 0.3-0.7 of a
+      core in bursts, and a smaller team for it costs more than the time it takes.
+    - **Growing back, from what is runnable now.** While the team is short, the thread reads the
+      number of other processes' runnable threads (``host.neighbours_running``) every ``poll``
+      seconds, and restores ``threads`` after ``calm`` readings in a row leave a core per thread;
+      the average restarts from zero. A neighbour's burst that has ended (another server's
+      request, a build step) then costs a few tens of milliseconds on a small team, not the
+      average's decay: a request sent straight after another server's turn decodes on all its
+      threads almost from its first token. A CPU-bound neighbour is runnable at every reading.
     """
 
-    def __init__(self, interval: float = 0.1, margin: float = 0.6, smoothing: float = 0.5):
+    def __init__(self, interval: float = 0.1, margin: float = 0.6, smoothing: float = 0.5,
+                 poll: float = 0.01, calm: int = 3):
         self.interval = interval
         self.margin = margin
+        self.poll = poll
+        self.calm = calm
         self.cpus = os.cpu_count() or 1
         self.threads = torch.get_num_threads()
+        self.team = self.threads          # written by the watcher, read by the engine's thread
         self.neighbour_load = 0.0
         self._weight = min(1.0, interval / smoothing)  # of each new sample in the average
-        self.throttled = False
         self.switches = 0
+        self._applied: int | None = None  # the engine thread's team size, as it last set it
         self._stop = threading.Event()
-        self._release: threading.Event | None = None
         self._thread: threading.Thread | None = None
         self._calm = 0
 
-    def start(self) -> "SpinGovernor":
+    @property
+    def short(self) -> bool:
+        return self.team < self.threads
+
+    def start(self) -> "ThreadGovernor":
         if not governed():
             return self
         self._thread = threading.Thread(target=self._watch, name="dualserve-openmp", daemon=True)
@@ -111,58 +128,56 @@ class SpinGovernor:
 
     def stop(self) -> None:
         self._stop.set()
-        self._unthrottle()
+        self.team = self.threads
+
+    def state(self) -> dict:
+        """``/status.json``'s ``threads`` entry."""
+        return {"team": self.team, "threads": self.threads, "cpus": self.cpus,
+                "neighbour_load": round(self.neighbour_load, 2), "switches": self.switches}
+
+    def apply(self) -> None:
+        """On the engine's thread, before a step: give the step ``team`` threads."""
+        team = self.team
+        if team != self._applied:
+            torch.set_num_threads(team)
+            self._applied = team
 
     def _watch(self) -> None:
         ticks = os.sysconf("SC_CLK_TCK")
-        busy, own = machine_busy_ticks(), own_ticks()
-        while not self._stop.wait(self.interval):
-            busy2, own2 = machine_busy_ticks(), own_ticks()
+        t, busy, own = time.monotonic(), machine_busy_ticks(), own_ticks()
+        while not self._stop.wait(self.poll if self.short else self.interval):
+            if self.short:
+                if self.observe_now(neighbours_running()):
+                    t, busy, own = time.monotonic(), machine_busy_ticks(), own_ticks()
+                if time.monotonic() - t < self.interval:
+                    continue
+            t2, busy2, own2 = time.monotonic(), machine_busy_ticks(), own_ticks()
             # Clamped: the two counters are sampled a moment apart, and per-thread times are rounded.
-            other = ((busy2 - busy) - (own2 - own)) / ticks / self.interval
-            busy, own = busy2, own2
+            other = ((busy2 - busy) - (own2 - own)) / ticks / max(t2 - t, 1e-3)
+            t, busy, own = t2, busy2, own2
             self.observe(min(float(self.cpus), max(0.0, other)))
 
     def observe(self, sample: float) -> None:
-        """One interval's measurement: ``sample`` cores used by other processes. Throttling starts
-        on the average and ends on the samples themselves."""
+        """One interval's CPU-time reading: ``sample`` cores used by other processes. Feeds the
+        average, which shrinks the team."""
         self.neighbour_load += self._weight * (sample - self.neighbour_load)
-        if not self.throttled:
-            self.update(self.neighbour_load)
-            return
-        self.update(sample)
-        if not self.throttled:
-            self.neighbour_load = sample
+        free = self.cpus - self.neighbour_load
+        if self.threads - free > self.margin:
+            team = max(1, min(self.threads, math.floor(free + self.margin)))
+            if team < self.team:
+                self.team, self._calm = team, 0
+                self.switches += 1
+                log.info("other processes use %.1f of %d cores: steps run on %d of %d threads",
+                         self.neighbour_load, self.cpus, team, self.threads)
 
-    def update(self, load: float) -> None:
-        """Throttle or release for an average ``load`` of cores used by other processes."""
-        shortfall = self.threads - (self.cpus - load)
-        if not self.throttled and shortfall > self.margin:
-            self._throttle()
-            log.info("other processes use %.1f of %d cores: OpenMP threads stop spinning", load, self.cpus)
-        elif self.throttled:
-            self._calm = self._calm + 1 if shortfall <= self.margin / 2 else 0
-            if self._calm >= 2:
-                self._unthrottle()
-                log.info("cores free again (others use %.1f): OpenMP threads spin", load)
-
-    def _throttle(self) -> None:
-        release = threading.Event()
-        started = threading.Event()
-
-        def hold() -> None:
-            # One parallel region gives this thread a libgomp pool: more managed threads than
-            # CPUs, so every team throttles its spinning until this thread exits.
-            torch.ones(1 << 18).add_(1)  # above the grain size of add_: run as a parallel region
-            started.set()
-            release.wait()
-
-        threading.Thread(target=hold, name="dualserve-openmp-hold", daemon=True).start()
-        started.wait()
-        self._release, self.throttled, self._calm = release, True, 0
-        self.switches += 1
-
-    def _unthrottle(self) -> None:
-        if self._release is not None:
-            self._release.set()
-        self._release, self.throttled, self._calm = None, False, 0
+    def observe_now(self, runnable: int) -> bool:
+        """One reading of other processes' runnable threads while the team is short; True when
+        it restored the full team."""
+        if not self.short:
+            return False
+        self._calm = self._calm + 1 if self.cpus - runnable >= self.threads else 0
+        if self._calm < self.calm:
+            return False
+        self.team, self._calm, self.neighbour_load = self.threads, 0, 0.0
+        log.info("cores free again: steps run on %d threads", self.threads)
+        return True

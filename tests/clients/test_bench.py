@@ -91,6 +91,7 @@ def test_summarize_level_aggregates_and_skips_failures():
     assert lv.ttft.mean == pytest.approx(0.2)
     assert lv.itl.n == 4 and lv.itl.mean == pytest.approx(0.15)
     assert lv.decode_tps.mean == pytest.approx((10.0 + 5.0) / 2)
+    assert lv.pooled_decode_tps == pytest.approx((2 + 2) / (0.2 + 0.4))  # decode tokens / decode seconds
     assert lv.errors == ["APIConnectionError: refused"]
     assert lv.usage_missing == 0
 

@@ -6,7 +6,9 @@ new ones, so none is in the prefix cache or the suffix drafter's memory before i
 - fresh == cached: the same request again, its prompt now in the prefix cache;
 - alone == batched: eight requests at once give what each gives alone;
 - eagle == ar: every draft source gives plain AR's tokens, the eagle request sent first;
-- a long prompt (hundreds of tokens, prefilled in chunks) is no exception.
+- a long prompt (hundreds of tokens, prefilled in chunks) is no exception;
+- beside a busy neighbour == alone: the thread governor runs steps on one thread while another
+  program holds a core (decoders/engine/openmp.py), and the log-probabilities are the same bits.
 
 Eager and compiled steps, and one rank against two, are held to the same bits in
 tests/decoders/engine/test_compiled.py and test_parallel.py.
@@ -16,8 +18,12 @@ from __future__ import annotations
 
 import random
 import secrets
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 from server_fixture import sdk_client
@@ -82,3 +88,43 @@ def test_eagle_equals_ar_on_new_prompts(client, draft):
 
 def test_readme_example_answers_paris(client):
     assert "Paris" in ask(client, "What is the capital of France?")
+
+
+def team(server_url: str) -> dict | None:
+    """The thread governor's state on /status.json (None where the server does not govern)."""
+    return httpx.get(f"{server_url.removesuffix('/v1')}/status.json", timeout=10).json()["threads"]
+
+
+def wait_team(server_url: str, want, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if want(team(server_url)):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def logprobs(client: openai.OpenAI, prompt: str) -> list[float]:
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                         max_tokens=TOKENS, temperature=0, logprobs=True,
+                                         extra_body={"decoder": "ar"})
+    return [t.logprob for t in out.choices[0].logprobs.content]
+
+
+def test_beside_a_busy_neighbour_equals_alone(client, server_url):
+    state = team(server_url)
+    if state is None or state["threads"] < 2:
+        pytest.skip("the server runs one thread: no team to shrink")
+    prompts = new_prompts(3)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert wait_team(server_url, lambda t: t["team"] < t["threads"]), "a busy neighbour must shrink the team"
+        beside = [logprobs(client, p) for p in prompts]
+        assert team(server_url)["team"] < state["threads"]
+    finally:
+        hog.kill()
+        hog.wait()
+    if not wait_team(server_url, lambda t: t["team"] == t["threads"]):
+        pytest.skip("other work on this host keeps the cores busy: the full team never came back")
+    alone = [logprobs(client, p) for p in prompts]
+    assert alone == beside

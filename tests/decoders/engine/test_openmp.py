@@ -1,14 +1,17 @@
-"""OpenMP waiting: torch work on threads that exit, and the governor's throttling rule."""
+"""OpenMP teams: torch work on threads that exit, and the thread governor's rule."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
+import torch
 
 from dualserve.decoders.engine.compiled import CompileWorker
-from dualserve.decoders.engine.openmp import SpinGovernor, run_on_own_thread
+from dualserve.decoders.engine.openmp import ThreadGovernor, governed, run_on_own_thread
 
 
 def test_run_on_own_thread_returns_and_raises():
@@ -16,10 +19,6 @@ def test_run_on_own_thread_returns_and_raises():
     assert run_on_own_thread(lambda a, b=0: (a + b, threading.get_ident() != caller), 2, b=3) == (5, True)
     with pytest.raises(ValueError, match="bad"):
         run_on_own_thread(lambda: (_ for _ in ()).throw(ValueError("bad")))
-
-
-def holders() -> int:
-    return sum(t.name == "dualserve-openmp-hold" for t in threading.enumerate())
 
 
 def wait_for(cond, timeout=5.0) -> bool:
@@ -31,74 +30,112 @@ def wait_for(cond, timeout=5.0) -> bool:
     return cond()
 
 
-def test_governor_throttles_while_neighbours_leave_too_few_cores():
-    g = SpinGovernor()
-    g.cpus, g.threads = 2, 2
-    g.update(0.1)                      # 1.9 free cores for 2 threads: within the margin
-    assert not g.throttled and holders() == 0
-    g.update(0.5)                      # a streaming client's share: still within the margin
-    assert not g.throttled and holders() == 0
-    g.update(1.0)                      # a busy neighbour: one core left
-    assert g.throttled and g.switches == 1 and holders() == 1
-    g.update(0.0)                      # one calm sample is not enough (hysteresis)
-    assert g.throttled
-    g.update(0.9)                      # busy again: the calm count restarts
-    g.update(0.0)
-    assert g.throttled
-    g.update(0.05)
-    assert not g.throttled
-    assert wait_for(lambda: holders() == 0), "the thread holding the extra OpenMP pool must exit"
-    g.update(1.5)
-    assert g.throttled and g.switches == 2
-    g.stop()
-    assert not g.throttled and wait_for(lambda: holders() == 0)
+def rule(cpus: int, threads: int, **kw) -> ThreadGovernor:
+    g = ThreadGovernor(**kw)
+    g.cpus, g.threads, g.team = cpus, threads, threads
+    return g
 
 
-def test_governor_leaves_spare_cores_alone():
-    g = SpinGovernor()
-    g.cpus, g.threads = 8, 4
-    g.update(3.0)                      # 5 free cores for 4 threads
-    assert not g.throttled
-    g.update(4.7)                      # 3.3 free: short of 4 by more than the margin
-    assert g.throttled
-    g.stop()
+def test_team_shrinks_to_the_cores_neighbours_leave():
+    g = rule(2, 2, smoothing=0.1)      # each reading is the average: the rule alone
+    g.observe(0.1)                     # 1.9 free cores for 2 threads: within the margin
+    assert g.team == 2
+    g.observe(0.5)                     # a streaming client's share: still within the margin
+    assert g.team == 2
+    g.observe(1.0)                     # a busy neighbour: one core left
+    assert g.team == 1 and g.switches == 1
+    g.observe(2.0)                     # never below one thread
+    assert g.team == 1
+    g.observe(0.0)                     # CPU time never grows the team: what is runnable now does
+    assert g.team == 1
 
 
-def test_governor_averages_bursts():
-    """One busy sample among idle ones (a client reading a chunk) does not throttle; a neighbour
-    that stays busy does, within about half a second."""
-    g = SpinGovernor(interval=0.1, smoothing=0.5)
-    g.cpus, g.threads = 2, 2
+def test_team_on_a_larger_host():
+    g = rule(8, 4, smoothing=0.1)
+    g.observe(3.0)                     # 5 free cores for 4 threads
+    assert g.team == 4
+    g.observe(4.7)                     # 3.3 free: short of 4 by more than the margin
+    assert g.team == 3
+    g.observe(6.5)
+    assert g.team == 2
+    assert not g.observe_now(5)        # 3 free for 4 threads: not yet
+    assert not g.observe_now(4) and not g.observe_now(4)
+    assert g.observe_now(4) and g.team == 4  # 4 free for 4 threads, three readings in a row
+
+
+def test_average_ignores_bursts():
+    """One busy sample among idle ones (a client reading a chunk) does not shrink the team; a
+    neighbour that stays busy does, within about half a second."""
+    g = rule(2, 2, interval=0.1, smoothing=0.5)
     for load in (0.0, 1.0, 0.0, 0.0, 1.0, 0.0):
         g.observe(load)
-    assert not g.throttled
+    assert g.team == 2
     for _ in range(5):
         g.observe(1.0)
-    assert g.throttled
-    g.stop()
+    assert g.team == 1
 
 
-def test_governor_releases_when_the_neighbour_stops():
-    """A neighbour that kept both cores busy for a second (a burst of another server) is let go
-    two calm samples after it stops, not after the average decays (about a second); a later
-    single busy sample does not throttle again."""
-    g = SpinGovernor(interval=0.1, smoothing=0.5)
-    g.cpus, g.threads = 2, 2
+def test_team_grows_back_when_the_neighbour_stops():
+    """A neighbour that kept both cores busy for a second (a burst of another server) gives the
+    cores back after ``calm`` readings in a row find none of its threads runnable (tens of
+    milliseconds), not after the average decays (about a second); the average restarts, so a
+    later single busy sample does not shrink the team again, and a neighbour that stays runnable
+    keeps it small."""
+    g = rule(2, 2, interval=0.1, smoothing=0.5, calm=3)
     for _ in range(10):
         g.observe(2.0)
-    assert g.throttled and g.neighbour_load > 1.5
-    g.observe(0.0)
-    assert g.throttled                 # one calm sample is not enough (hysteresis)
-    g.observe(0.05)
-    assert not g.throttled and g.neighbour_load == 0.05
+    assert g.team == 1 and g.neighbour_load > 1.5
+    for runnable in (1, 1, 0, 0, 1, 0, 0):  # busy, then a reader's blip breaks the calm run
+        assert not g.observe_now(runnable)
+    assert g.team == 1
+    assert g.observe_now(0)            # the third calm reading in a row
+    assert g.team == 2 and g.neighbour_load == 0.0
     g.observe(1.0)                     # a client's chunk
-    assert not g.throttled
-    for _ in range(3):                 # a CPU-bound neighbour is back: throttled within half a second
+    assert g.team == 2
+    for _ in range(4):                 # a CPU-bound neighbour is back: one thread within half a second
         g.observe(1.0)
-    assert g.throttled and g.switches == 2
-    g.observe(0.9)
-    g.observe(1.0)
-    assert g.throttled                 # it stays throttled while the neighbour runs
+    assert g.team == 1 and g.switches == 2
+    for _ in range(20):
+        assert not g.observe_now(1)
+    assert g.team == 1
+
+
+def test_apply_sets_the_calling_threads_team_once_per_change():
+    g = rule(2, 2)
+    seen = []
+
+    def engine_thread() -> None:
+        g.apply()
+        seen.append(torch.get_num_threads())
+        g.team = 1
+        g.apply()
+        seen.append(torch.get_num_threads())
+        g.team = 2
+        g.apply()
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    t.join()
+    assert seen == [2, 1, 2]
+
+
+def test_a_real_neighbour_shrinks_the_team_and_its_end_restores_it():
+    """Through the host's counters: a busy process shrinks a started governor's team, and its
+    end restores the team within a fraction of a second."""
+    if not governed():
+        pytest.skip("no /proc or no OpenMP threads to govern")
+    g = rule(2, 2, interval=0.05, smoothing=0.1)
+    g.start()
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert wait_for(lambda: g.team == 1, timeout=10), "a busy neighbour must shrink the team"
+    finally:
+        hog.kill()
+        hog.wait()
+    ended = time.monotonic()
+    assert wait_for(lambda: g.team == 2, timeout=5)
+    assert time.monotonic() - ended < 1.0
     g.stop()
 
 
