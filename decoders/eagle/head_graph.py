@@ -1,7 +1,7 @@
 """The EAGLE head's forward as one graph of tensors, the same for catch-up and for every tree level.
 
-Drafting used to run the head eagerly: a level cost some 40 small ops (0.7 ms on the default
-model's head, 2 cores) plus a gather of the prefix's keys per level, and a step drafted two or
+Run eagerly op by op, a level of the head costs some 40 small ops (0.7 ms on the default
+model's head, 2 cores) plus a gather of the prefix's keys per level, and a step drafts two or
 three levels and one catch-up. Here the head's forward is the target step's ``rows`` form
 (``engine.compiled``): padded rows, a context of KV slots per sequence and a mask over
 [context | new rows], attention read straight from the head's paged cache, new keys and values

@@ -76,7 +76,7 @@ class Settings:
     prompts: str = ""         # the prompt file's sha1 (--prompts), "" for the generated set
 
     def as_dict(self) -> dict[str, Any]:
-        # the generated set's settings keep the key they had before prompt files existed
+        # "prompts" joins the key only when set, so the generated set keeps the key its committed shards carry
         return {k: v for k, v in self.__dict__.items() if k != "prompts" or v}
 
     @property

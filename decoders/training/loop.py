@@ -58,8 +58,8 @@ def lr_at(step: int, schedule: Schedule) -> float:
 @dataclass
 class Trainee:
     """What a trainer trains: the optimizer's tensors by name (the names key their moments in a
-    checkpoint), the tensors a checkpoint keeps (``state``, names prefixed as the trainer's
-    checkpoints always were) and how they go back (``load``)."""
+    checkpoint), the tensors a checkpoint keeps (``state``, names prefixed as in every checkpoint
+    the trainer has written) and how they go back (``load``)."""
 
     params: dict[str, torch.nn.Parameter]
     state: Callable[[], dict[str, torch.Tensor]]
@@ -172,7 +172,7 @@ def save_checkpoint(work: Path, trainee: Trainee, opt: torch.optim.Optimizer, pr
 
 def load_checkpoint(work: Path, trainee: Trainee, opt: torch.optim.Optimizer) -> dict:
     """The progress of the checkpoint in ``work``, its tensors and moments put back; ``{"step": 0}``
-    when there is none (a checkpoint from before progress rode in the metadata needs its JSON)."""
+    when there is none (a checkpoint whose metadata carries no progress needs its JSON)."""
     weights, meta = checkpoint_paths(work)
     if not weights.exists():
         return {"step": 0}
