@@ -9,7 +9,7 @@ new ones, so none is in the prefix cache or the suffix drafter's memory before i
 - a long prompt (hundreds of tokens, prefilled in chunks) is no exception.
 
 Eager and compiled steps, and one rank against two, are held to the same bits in
-tests/decoders/engine/test_compiled.py and test_parallel.py.
+tests/decoders/engine/compile/test_compiled.py and tests/decoders/engine/test_parallel.py.
 """
 
 from __future__ import annotations
