@@ -22,8 +22,8 @@ import time
 import torch
 
 from dualserve.decoders.engine import kv_budget
-from dualserve.decoders.engine.compiled import PaddedPagedAttention
-from dualserve.decoders.engine.paged_attention import AttentionMetadata, KVCache, SeqAttention, flash_fits
+from dualserve.decoders.engine.compile.compiled import PaddedPagedAttention
+from dualserve.decoders.engine.attention.paged_attention import AttentionMetadata, KVCache, SeqAttention, flash_fits
 from dualserve.models import formats
 from dualserve.models.quant import Int4Linear, W8A8Linear, cuda_int4_inner_k_tiles, quantize_int4
 
@@ -123,8 +123,8 @@ def flash_stand_in() -> str:
     """The CUDA-shaped profile's PyTorch ``flash_attn_with_kvcache`` against flash-attn's own where it
     is importable (else against SDPA over the same pool): a prefill appended through ``k``/``v``
     across a block boundary, then a decode batch reading the cache alone."""
-    from dualserve.decoders.engine.cuda_shaped import flash_attn_with_kvcache as stand_in
-    from dualserve.decoders.engine.paged_attention import flash_available
+    from dualserve.decoders.engine.compile.cuda_shaped import flash_attn_with_kvcache as stand_in
+    from dualserve.decoders.engine.attention.paged_attention import flash_available
 
     torch.manual_seed(2)
     bf16, block = torch.bfloat16, 256

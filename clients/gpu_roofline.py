@@ -8,7 +8,7 @@ bf16 on a GPU (fp32 on a CPU), built on the meta device and filled on the target
 Every forward goes through the serving path: ``ModelRunner`` over a paged KV pool (blocks of 256
 tokens on CUDA, as the server uses, so flash-attn's paged kernel runs where it is installed), with
 the ``ForwardItem``s the decoders build. ``--steps compiled`` runs the same cases through the
-runner's compiled step (``engine/compiled.py``: torch.compile'd, paged attention inside the graph),
+runner's compiled step (``engine/compile/compiled.py``: torch.compile'd, paged attention inside the graph),
 compiled on first use, as a server without a compile thread would; a step whose graph failed to
 compile is reported as ``eager-fallback``. The runner captures no CUDA graphs, so none are timed.
 
@@ -50,7 +50,7 @@ import torch
 from dualserve.decoders.eagle.decoder import CPU_TREE, GPU_TREE
 from dualserve.decoders.eagle.head_graph import HeadGraph, draft_tree, fed_nodes
 from dualserve.decoders.eagle.tree import DraftTree, TreeConfig
-from dualserve.decoders.engine.compiled import ROWS_MAX, StepShape
+from dualserve.decoders.engine.compile.compiled import ROWS_MAX, StepShape
 from dualserve.decoders.engine.runner import ForwardItem, ModelRunner
 from dualserve.models.config import ModelConfig
 

@@ -42,11 +42,11 @@ from dualserve.models.pooling import Pooling
 
 from .ar import ARDecoder
 from .pooling import register_pooling
-from .engine.compile_worker import CompileWorker
+from .engine.compile.compile_worker import CompileWorker
 from .engine import kv_budget
 from .engine.engine import Engine, EngineConfig
 from dualserve.models.heap import trim_heap
-from .engine.paged_attention import KVCache
+from .engine.attention.paged_attention import KVCache
 from .engine.parallel import ParallelGroup, TensorParallelRunner
 from .engine.runner import ModelRunner
 

@@ -138,7 +138,7 @@ def load_deployment(settings: Settings, parallel: ParallelGroup | None = None, e
     each rank loads onto its group's device (``tensor_parallel.init``: its own GPU). ``engine``: join
     that running engine and its block pool (a model loaded on first use)."""
     from dualserve.decoders.deployment import ServedSpec, build_deployment, kv_dtype_of, kv_models
-    from dualserve.decoders.engine.paged_attention import KVCache
+    from dualserve.decoders.engine.attention.paged_attention import KVCache
     from dualserve.models.assets import default_datastore, default_eagle_head, default_twin
     from dualserve.models.loader import load_model, load_twin
 
@@ -397,7 +397,7 @@ def block_bytes(spec: ModelSpec, block_size: int) -> int:
     without converting it), at the KV dtype it may take (the compute dtype: never less)."""
     import json
 
-    from dualserve.decoders.engine.paged_attention import KVCache
+    from dualserve.decoders.engine.attention.paged_attention import KVCache
     from dualserve.models.config import ModelConfig
 
     _, path = resolve_model(spec.model, spec.cache_dir)
@@ -646,7 +646,7 @@ def run_command(args: argparse.Namespace) -> int:
     """``serve`` or ``generate`` with the settings of its flags, after the process-wide profile they name."""
     settings = Settings.from_args(args)
     if settings.cuda_shaped:
-        from dualserve.decoders.engine import cuda_shaped
+        from dualserve.decoders.engine.compile import cuda_shaped
 
         cuda_shaped.activate()
     return args.func(settings)

@@ -86,7 +86,7 @@ def startup_lines(dep, served: dict, url: str, device: str, threads: int, shutdo
 
 
 def compile_note(dep) -> str | None:
-    """The compiled graphs still queued at start-up and what they cost (``decoders/engine/compiled.py``),
+    """The compiled graphs still queued at start-up and what they cost (``decoders/engine/compile/compiled.py``),
     or None when there are none."""
     spec = dep.compile
     pending = spec.worker.pending if spec is not None and spec.background else 0

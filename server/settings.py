@@ -16,7 +16,7 @@ here and nowhere else, and everything below receives its own object:
 The environment is read here as well, for its documented knobs alone: ``DUALSERVE_CACHE`` (the
 model cache, through ``models.hub.default_cache_dir``), ``DUALSERVE_ATTEND_KERNEL=0`` (compiled
 steps keep inductor's attention loops, for comparison), ``DUALSERVE_CUDA_SHAPED=1`` (tests: the
-CPU makes the CUDA path's choices, ``decoders/engine/cuda_shaped.py``; the CLI applies it, once,
+CPU makes the CUDA path's choices, ``decoders/engine/compile/cuda_shaped.py``; the CLI applies it, once,
 before any model loads) and torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``. Nothing under
 ``decoders/`` or ``server/`` reads it elsewhere.
 

@@ -97,7 +97,8 @@ def server_url(default_gguf: Path, cache_dir: Path, tmp_path_factory: pytest.Tem
                       block_size=4, mask_token_id=0, dtype=torch.float16)
     args = ["--cache-dir", str(cache_dir),
            # Eager: building the default model's compiled graphs takes minutes of CPU on a cold cache, which
-           # would compete with the tests; tests/decoders/engine/test_compiled.py covers the compiled step.
+           # would compete with the tests; tests/decoders/engine/compile/test_compiled.py covers the compiled
+           # step.
            "--no-compile", "--router-policy", str(policy), "--dflash", str(dflash),
            # The format `auto` picks on a quiet AVX-512 host, pinned: a table measured beside the
            # suite would otherwise decide it, and the greedy answers the tests read depend on it.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dualserve.decoders.engine.paged_attention import AttentionMetadata, SeqAttention
+from dualserve.decoders.engine.attention.paged_attention import AttentionMetadata, SeqAttention
 from dualserve.models.checkpoint import build
 from dualserve.models.config import ModelConfig
 from dualserve.models.transformer import Transformer

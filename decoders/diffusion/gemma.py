@@ -64,7 +64,7 @@ from dualserve.models.loader import LoadedModel
 
 from ..ar import pending_tokens
 from ..engine.blocks import BlockPool
-from ..engine.windowed import window_pattern
+from ..engine.attention.windowed import window_pattern
 from ..engine.request import DecoderState, Request
 from ..engine.runner import ForwardItem, ModelRunner
 from ..engine.sampling import SamplingParams, make_generator, token_logprobs, truncated_probs

@@ -39,7 +39,7 @@ from dualserve.models.dflash import DFlashDrafter
 from dualserve.models.eagle import EagleHead
 
 from ..engine.blocks import BlockPool
-from ..engine.paged_attention import AttentionMetadata, SeqAttention
+from ..engine.attention.paged_attention import AttentionMetadata, SeqAttention
 from ..engine.request import Request
 from ..engine.runner import ModelRunner
 from .budget import NO_REACH, Reach, Source

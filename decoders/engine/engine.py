@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .admission import Member, RunEstimator, StepSample, WaitEstimator
-from .aoti import TRACING
 from .blocks import BlockPool
+from .compile.aoti import TRACING
 from .decoder import Decoder
 from .detokenize import TextStream
 from .grammar import Constraint, GrammarCompiler

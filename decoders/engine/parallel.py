@@ -50,7 +50,7 @@ from torch import nn
 from dualserve.models.sharding import Shard
 from dualserve.models.transformer import Transformer
 
-from .paged_attention import AttentionMetadata, SeqAttention
+from .attention.paged_attention import AttentionMetadata, SeqAttention
 from .runner import ForwardItem, ModelRunner
 
 log = logging.getLogger("dualserve.parallel")

@@ -38,12 +38,12 @@ from dualserve.models.attention import AttentionBackend
 from dualserve.models.diffusion_gemma import DiffusionGemma
 from dualserve.models.transformer import Transformer
 
-from . import cuda_shaped
-from .compile_worker import CompileWorker
-from .compiled import ROWS_MAX, CompiledStep
-from .paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache, SdpaPagedAttention, SeqAttention,
-                              SeqMask, flash_available, flash_fits)
-from .windowed import WindowedPagedAttention
+from .attention.paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache, SdpaPagedAttention,
+                                        SeqAttention, SeqMask, flash_available, flash_fits)
+from .attention.windowed import WindowedPagedAttention
+from .compile import cuda_shaped
+from .compile.compile_worker import CompileWorker
+from .compile.compiled import ROWS_MAX, CompiledStep
 
 log = logging.getLogger(__name__)
 

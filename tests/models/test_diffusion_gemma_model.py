@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dualserve.decoders.diffusion.gemma import DenseCache
-from dualserve.decoders.engine.paged_attention import KVCache
+from dualserve.decoders.engine.attention.paged_attention import KVCache
 from dualserve.decoders.engine.runner import ForwardItem, ModelRunner
 from dualserve.models.diffusion_gemma import DiffusionGemmaConfig, load_diffusion_gemma, read_state
 from tiny_checkpoints import write_tiny_diffusion_gemma

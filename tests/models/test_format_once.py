@@ -19,7 +19,7 @@ import pytest
 import torch
 from tiny_twin import write_tiny_llama
 
-from dualserve.decoders.engine import aoti
+from dualserve.decoders.engine.compile import aoti
 from dualserve.models import formats
 from dualserve.models.formats import FormatTable, HostProbe
 from dualserve.models.loader import load_model

@@ -1,6 +1,6 @@
 """The CUDA path's choices, run on the CPU through the real server and the real openai SDK.
 
-``DUALSERVE_CUDA_SHAPED=1`` (``decoders/engine/cuda_shaped.py``) makes the server choose as it does
+``DUALSERVE_CUDA_SHAPED=1`` (``decoders/engine/compile/cuda_shaped.py``) makes the server choose as it does
 on CUDA: none of the project's kernels, ``torch.compile`` on the compile thread (not AOTInductor
 packages), and eager attention through ``FlashPagedAttention`` over a PyTorch stand-in for
 flash-attn's ``flash_attn_with_kvcache``. With bf16 weights, 256-token blocks and an EAGLE-3 head

@@ -11,7 +11,7 @@ new ones, so none is in the prefix cache or the suffix drafter's memory before i
   program holds a core (decoders/engine/openmp.py), and the log-probabilities are the same bits.
 
 Eager and compiled steps, and one rank against two, are held to the same bits in
-tests/decoders/engine/test_compiled.py and test_parallel.py.
+tests/decoders/engine/compile/test_compiled.py and tests/decoders/engine/test_parallel.py.
 """
 
 from __future__ import annotations

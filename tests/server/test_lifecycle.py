@@ -28,7 +28,7 @@ import torch
 from server_fixture import free_port, log_tail, wait_healthy
 
 from dualserve.decoders.deployment import CompileSpec
-from dualserve.decoders.engine.compile_worker import CompileWorker
+from dualserve.decoders.engine.compile.compile_worker import CompileWorker
 from dualserve.decoders.engine.engine import EngineConfig
 from dualserve.server.lifecycle import compile_note, startup_lines
 

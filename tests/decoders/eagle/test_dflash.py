@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dualserve.decoders.engine.paged_attention import AttentionMetadata, KVCache, SdpaPagedAttention, SeqAttention
+from dualserve.decoders.engine.attention.paged_attention import (AttentionMetadata, KVCache, SdpaPagedAttention,
+                                                                 SeqAttention)
 from dualserve.decoders.eagle.tree import TreeConfig
 from dualserve.decoders.engine.sampling import SamplingParams
 from dualserve.models.attention import DenseAttention

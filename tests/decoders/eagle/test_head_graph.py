@@ -11,7 +11,7 @@ import torch
 
 from dualserve.decoders.eagle.head_graph import HeadGraph
 from dualserve.decoders.eagle.tree import TreeConfig
-from dualserve.decoders.engine.paged_attention import SeqAttention
+from dualserve.decoders.engine.attention.paged_attention import SeqAttention
 from dualserve.decoders.engine.runner import ModelRunner
 from dualserve.models import kernels
 from dualserve.models.attention import DenseAttention

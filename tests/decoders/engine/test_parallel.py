@@ -18,7 +18,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from dualserve.decoders.engine.paged_attention import AttentionMetadata, SeqAttention
+from dualserve.decoders.engine.attention.paged_attention import AttentionMetadata, SeqAttention
 from dualserve.decoders.engine.parallel import RankFailure, decode_forward, encode_forward
 from dualserve.decoders.engine.sampling import SamplingParams
 from dualserve.models.quant import Int4Linear, Int8Linear

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from dualserve.decoders.engine.blocks import slot_of
-from dualserve.decoders.engine.paged_attention import AttentionMetadata, KVCache, SdpaPagedAttention, SeqAttention
+from dualserve.decoders.engine.attention.paged_attention import (AttentionMetadata, KVCache, SdpaPagedAttention,
+                                                                 SeqAttention)
 from dualserve.decoders.engine.runner import ForwardItem, ModelRunner
 from dualserve.models.attention import DenseAttention
 from dualserve.models.config import ModelConfig

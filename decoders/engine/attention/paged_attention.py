@@ -43,7 +43,7 @@ import torch
 from dualserve.models.kernels import ops as kernel_ops
 from dualserve.models.attention import sdpa
 
-from .blocks import slot_of
+from ..blocks import slot_of
 
 # Among a sequence's new tokens: "causal", "bidirectional" (every new token sees every other, as
 # models.attention names it), or an explicit (query, query) boolean mask (trees, block-causal).

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .blocks import slot_of
+from ..blocks import slot_of
 from .paged_attention import AttentionMetadata, KVCache, query_starts
 
 

@@ -58,7 +58,7 @@ from dualserve.models import kernels
 from dualserve.models.kernels import ops as kernel_ops
 from . import aoti, cuda_shaped
 from .compile_worker import CompileWorker
-from .paged_attention import AttentionMetadata, KVCache, SeqAttention, as_stored, padded_rows
+from ..attention.paged_attention import AttentionMetadata, KVCache, SeqAttention, as_stored, padded_rows
 
 if TYPE_CHECKING:
     from .cuda_graphs import CudaGraphs

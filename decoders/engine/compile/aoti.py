@@ -31,7 +31,7 @@ has used for ``STALE_DAYS`` (those of an older torch, model or dualserve, mostly
 
 **Built in a child process.** ``build`` saves the module (its weights included) and the example
 step (the KV pool as its shape only) to a temporary file, and a short-lived child process (``python -m
-dualserve.decoders.engine.aoti``) exports, lowers and compiles it. In the server, the export
+dualserve.decoders.engine.compile.aoti``) exports, lowers and compiles it. In the server, the export
 alone raised the default deployment's resident memory from 0.7 to 1.7 GB, and glibc kept what it
 freed: its first start held 1.5 GB after building its four packages, its later starts 0.65 GB.
 In a child all of it goes back to the machine when the child exits.

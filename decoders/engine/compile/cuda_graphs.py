@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 import torch
 
 from .compiled import ROWS_MAX, PaddedPagedAttention, PaddedSizes
-from .paged_attention import AttentionMetadata, KVCache
+from ..attention.paged_attention import AttentionMetadata, KVCache
 
 log = logging.getLogger("dualserve.compile")
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from compile_standin import Compiler
 
-from dualserve.decoders.engine import aoti
-from dualserve.decoders.engine.compile_worker import CompileWorker
+from dualserve.decoders.engine.compile import aoti
+from dualserve.decoders.engine.compile.compile_worker import CompileWorker
 
 posix = pytest.mark.skipif(os.name != "posix", reason="process groups are POSIX's")
 
@@ -31,7 +31,7 @@ SERVER = textwrap.dedent("""
     import sys, threading, time
     from pathlib import Path
     from compile_standin import Compiler
-    from dualserve.decoders.engine import aoti
+    from dualserve.decoders.engine.compile import aoti
 
     out, then = Path(sys.argv[1]), sys.argv[2]
     pidfile = out / "compiler.pid"
@@ -128,7 +128,7 @@ def test_a_build_child_leads_its_own_process_group(tmp_path):
 
 
 def test_the_compile_worker_reports_its_progress_for_the_status_page():
-    from dualserve.decoders.engine.compile_worker import CompileProgress
+    from dualserve.decoders.engine.compile.compile_worker import CompileProgress
     from dualserve.server.status import compile_status
 
     worker, seen = CompileWorker(), []

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dualserve.decoders.engine import aoti
-from dualserve.decoders.engine.compile_worker import CompileWorker
+from dualserve.decoders.engine.compile import aoti
+from dualserve.decoders.engine.compile.compile_worker import CompileWorker
 
 posix = pytest.mark.skipif(os.name != "posix", reason="process liveness is asked of POSIX only")
 
@@ -28,7 +28,7 @@ BUILDER = textwrap.dedent("""
     import sys, threading, time
     from pathlib import Path
     import torch
-    from dualserve.decoders.engine import aoti
+    from dualserve.decoders.engine.compile import aoti
 
     out, then = Path(sys.argv[1]), sys.argv[2]
     module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))

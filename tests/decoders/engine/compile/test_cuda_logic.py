@@ -11,12 +11,15 @@ import time
 import pytest
 import torch
 
-from dualserve.decoders.engine import compiled, kv_budget
-from dualserve.decoders.engine.compile_worker import CompileWorker
-from dualserve.decoders.engine.compiled import CompiledStep, ForwardWithFeatures, PaddedPagedAttention, StepShape
-from dualserve.decoders.engine.cuda_graphs import Captured, CudaGraphs, bucket, static_inputs
-from dualserve.decoders.engine.paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache,
-                                                       SdpaPagedAttention, SeqAttention, flash_available, flash_fits)
+from dualserve.decoders.engine import kv_budget
+from dualserve.decoders.engine.attention.paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache,
+                                                                 SdpaPagedAttention, SeqAttention, flash_available,
+                                                                 flash_fits)
+from dualserve.decoders.engine.compile import compiled
+from dualserve.decoders.engine.compile.compile_worker import CompileWorker
+from dualserve.decoders.engine.compile.compiled import (CompiledStep, ForwardWithFeatures, PaddedPagedAttention,
+                                                        StepShape)
+from dualserve.decoders.engine.compile.cuda_graphs import Captured, CudaGraphs, bucket, static_inputs
 from tiny_engine import BLOCK, CFG, meta_for, tiny
 
 GiB = 2**30

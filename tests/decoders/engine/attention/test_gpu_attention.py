@@ -19,10 +19,10 @@ from functools import partial
 import pytest
 import torch
 
-from dualserve.decoders.engine import cuda_shaped
-from dualserve.decoders.engine.cuda_shaped import flash_attn_with_kvcache
-from dualserve.decoders.engine.paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache,
-                                                       SdpaPagedAttention, SeqAttention)
+from dualserve.decoders.engine.compile import cuda_shaped
+from dualserve.decoders.engine.compile.cuda_shaped import flash_attn_with_kvcache
+from dualserve.decoders.engine.attention.paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache,
+                                                                 SdpaPagedAttention, SeqAttention)
 from dualserve.decoders.engine.runner import attention_backend
 from dualserve.models.attention import DenseAttention
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dualserve.decoders.ar import ARDecoder
-from dualserve.decoders.engine.compiled import ROWS_MAX, PaddedPagedAttention, StepShape
+from dualserve.decoders.engine.compile.compiled import ROWS_MAX, PaddedPagedAttention, StepShape
 from dualserve.decoders.engine.engine import Engine, EngineConfig
-from dualserve.decoders.engine.paged_attention import KVCache, SdpaPagedAttention
+from dualserve.decoders.engine.attention.paged_attention import KVCache, SdpaPagedAttention
 from dualserve.decoders.engine.runner import ModelRunner
 from dualserve.decoders.engine.sampling import SamplingParams
 from dualserve.models import kernels
@@ -182,7 +182,7 @@ def test_a_package_that_does_not_match_the_eager_forward_is_not_used(tmp_path, m
     and the shape stays eager."""
     from dataclasses import replace
 
-    from dualserve.decoders.engine import aoti
+    from dualserve.decoders.engine.compile import aoti
 
     monkeypatch.setattr(aoti, "package_key", lambda *a, **k: "pinned")
     key = (StepShape(False), ())
@@ -199,7 +199,7 @@ def test_the_engine_decodes_while_a_package_is_traced_beside_it(tmp_path) -> Non
     a step that ran while a package was traced failed (or was traced into the graph). Steps and
     traces take turns at ``aoti.TRACING``: the engine keeps decoding eagerly, token for token as
     without the build, and the packages still build."""
-    from dualserve.decoders.engine.compiled import CompileWorker
+    from dualserve.decoders.engine.compile.compiled import CompileWorker
 
     model = tiny()
     rng = random.Random(1)
@@ -222,7 +222,7 @@ def test_an_export_waits_for_the_running_step_and_holds_new_ones_back() -> None:
     import threading
     import time
 
-    from dualserve.decoders.engine.aoti import TraceGate
+    from dualserve.decoders.engine.compile.aoti import TraceGate
 
     gate, events = TraceGate(), []
     inside, release = threading.Event(), threading.Event()
@@ -261,7 +261,7 @@ def test_packages_unused_for_two_weeks_are_removed_when_another_is_used(tmp_path
     import os
     import time
 
-    from dualserve.decoders.engine import aoti
+    from dualserve.decoders.engine.compile import aoti
 
     stale, recent, used = (tmp_path / f"{n}.pt2" for n in ("stale", "recent", "used"))
     for p in (stale, recent, used):
@@ -340,8 +340,8 @@ def test_the_rows_form_gives_a_position_the_same_bits_in_any_step(tmp_path) -> N
     verify tree whose earlier nodes are new rather than cached, or beside other sequences. A form
     that reduces the cached and the new keys in two parts fails this, and so does a graph that
     keeps a new key in fp32 where the pool will round it to bf16 (inductor's default)."""
-    from dualserve.decoders.engine import aoti
-    from dualserve.decoders.engine.compiled import PACKAGE_INDUCTOR
+    from dualserve.decoders.engine.compile import aoti
+    from dualserve.decoders.engine.compile.compiled import PACKAGE_INDUCTOR
 
     torch.manual_seed(0)
     heads, kv_heads, d, n = 8, 2, 64, 70
