@@ -24,14 +24,28 @@ ratios:
   ``ar (no settle)`` row and dualserve's no-settle / settle decode ratio (the target is 0.9 or
   more: the governor should cost a request sent into a neighbour's wake little);
 - aggregate throughput at concurrency 16 (``--concurrency``) for each server, and for each server
-  its c16 / c1 gain (c1: completion tokens / summed request time of its single-stream ``ar`` run).
+  its c16 / c1 gain (c1: completion tokens / summed request time of its single-stream ``ar`` run);
+- cold time to first token for prompts of real code of about 1k and 3k tokens (``--cold-tokens``),
+  ``--cold-requests`` prompts per size and server. Each prompt (``clients/code_prompts.py``: a
+  stretch of the standard library's source cut to the size with dualserve's own ``/tokenize``,
+  ending "Explain what this code does.") is new to both servers, so neither finds any of it in a
+  prefix cache. It goes to both, one after the other, who goes first alternating, each request
+  ``--settle`` seconds after the previous one ended, as a streamed chat request (dualserve's
+  ``ar`` decoder, 4 max tokens); TTFT is the time to the first text chunk. Then each server gets
+  the same prompt with one line added (``warm``: its prefix cached, as when a user types one more
+  line), in the same order. ``--warmup`` prompts of each size go to both servers first,
+  unmeasured. The table gives the mean TTFT of each server, the prompt tokens the servers counted
+  (``usage.prompt_tokens``), and the ratio baseline / ours (above 1: dualserve answers sooner;
+  the target at 3k tokens is 1.5). Every baseline is given prompts of its own, as dualserve, which
+  serves beside all of them, keeps the earlier ones in its prefix cache.
 
 The baseline (``--baseline``) is ``cpp``, llama.cpp's own C++ ``llama-server`` (found or built by
 ``clients/llamacpp_build.py``: ``--llama-server PATH``, else ``llama-server`` on ``PATH``, else a
 build into the cache), started as ``llama-server -m GGUF -t T -tb T -np 1 -c CTX`` for the single
-stream and again with ``-np C -c C*CTX`` for concurrency C (llama-server splits its context over
-its slots; continuous batching is its default); ``python`` is llama-cpp-python's Python server,
-``python -m llama_cpp.server --model GGUF --n_threads T --n_threads_batch T --interrupt_requests
+stream (and the cold prompts: CTX is ``--ctx``, raised to the largest ``--cold-tokens`` + 256) and
+again with ``-np C -c C*CTX`` for concurrency C (llama-server splits its context over its slots;
+continuous batching is its default); ``python`` is llama-cpp-python's Python server, ``python -m
+llama_cpp.server --model GGUF --n_threads T --n_threads_batch T --n_ctx CTX --interrupt_requests
 False`` (by default it aborts a running stream when the next request arrives, which would break
 the concurrency level), a weaker second row: ``--baseline cpp,python`` measures both. Every table
 header and JSON record names the server its figures came from.
@@ -40,10 +54,10 @@ header and JSON record names the server its figures came from.
 --allow-requantize`` (into ``<cache>/llama.cpp/quantized/``, reused on later runs) and runs the
 whole comparison on each of them in turn, both servers on the same file, one report per file.
 
-Requests are chat requests (one user message each) from ``prompts/bench.jsonl``, greedy, 64 max
-tokens (``--max-tokens``), streamed through the OpenAI SDK by the load client in
-``clients/bench.py`` (same TTFT / decode tok/s definitions: decode tok/s is (tokens - 1) / time
-from the first to the last text chunk; token counts come from the servers' ``usage``).
+The other requests are chat requests (one user message each) from ``prompts/bench.jsonl``,
+greedy, 64 max tokens (``--max-tokens``). All are streamed through the OpenAI SDK by the load
+client in ``clients/bench.py`` (same TTFT / decode tok/s definitions: decode tok/s is (tokens - 1)
+/ time from the first to the last text chunk; token counts come from the servers' ``usage``).
 
 Servers this command started are stopped when it exits, also on Ctrl-C or SIGTERM. Options:
 
@@ -101,9 +115,14 @@ from dualserve.clients.bench import (
     stream_one,
     summarize_level,
 )
+from dualserve.clients.code_prompts import CodePrompt, TokenCounter, code_prompt, server_token_counter
 from dualserve.clients.llamacpp_build import Binaries, find_binaries
 
 DECODERS = ("ar", "eagle", "diffusion")
+COLD_MAX_TOKENS = 4  # the first token is what is timed; a few more show the answer is sane
+COLD_CTX_MARGIN = 256  # the chat template, the warm variant's added line and the answer, past the code
+COLD_TARGET = (3000, 1.5)  # issue 54: cold 3k-token TTFT at least 1.5x llama-server's
+WARM_LINE = "Keep the answer to one paragraph."
 BaselineKind = Literal["cpp", "python"]
 BASELINE_SERVERS: dict[BaselineKind, str] = {"cpp": "llama-server", "python": "llama-cpp-python"}
 
@@ -127,7 +146,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
                    help="comma-separated: cpp (llama.cpp's llama-server, default), python (llama-cpp-python)")
     p.add_argument("--llama-server", type=Path, default=None, help="llama-server binary (default: PATH, else build)")
     p.add_argument("--build-jobs", type=int, default=os.cpu_count() or 1, help="compile jobs if llama.cpp is built")
-    p.add_argument("--ctx", type=int, default=1024, help="llama-server context tokens per slot")
+    p.add_argument("--ctx", type=int, default=1024,
+                   help="baseline context tokens per slot (single stream: at least the largest --cold-tokens + "
+                        f"{COLD_CTX_MARGIN})")
     p.add_argument("--quantize", default="", help="comma-separated llama-quantize types, e.g. Q4_0,Q4_K_M")
     p.add_argument("--dualserve-url", help="target a running dualserve (…/v1) instead of starting one")
     p.add_argument("--llamacpp-url", help="target a running baseline server (…/v1) instead of starting one")
@@ -141,6 +162,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
                    help="seconds between one request's end and the next one's start (see the module docstring)")
     p.add_argument("--settle-compare", action="store_true",
                    help="measure single-stream ar both with --settle and with no pause, interleaved")
+    p.add_argument("--cold-tokens", default="1000,3000",
+                   help="comma-separated sizes of the cold prompts of real code, in tokens; empty skips them")
+    p.add_argument("--cold-requests", type=int, default=3, help="cold prompts per size and server")
     p.add_argument("--concurrent-requests", type=int, default=None,
                    help="requests at that level (default: 2 x concurrency)")
     p.add_argument("--concurrent-decoder", default="ar", help="dualserve decoder for the aggregate row")
@@ -165,7 +189,9 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--quantize starts both servers on each file it makes: drop --dualserve-url / --llamacpp-url")
     if args.settle_compare and "ar" not in args.decoder_list:
         p.error("--settle-compare measures the ar decoder: include ar in --decoders")
-    for name in ("threads", "requests", "ctx", "build_jobs"):
+    if any(n < 1 for n in args.cold_sizes):
+        p.error(f"--cold-tokens: sizes must be positive, got {args.cold_tokens!r}")
+    for name in ("threads", "requests", "ctx", "build_jobs", "cold_requests"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.concurrency < 0:
@@ -180,6 +206,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.decoder_list = _comma_list(args.decoders)
     args.baseline_list = _comma_list(args.baseline)
     args.quantize_list = _comma_list(args.quantize)
+    try:
+        args.cold_sizes = [int(x) for x in _comma_list(args.cold_tokens)]
+    except ValueError:
+        p.error(f"--cold-tokens: expected comma-separated integers, got {args.cold_tokens!r}")
     _check(p, args)
     if args.concurrent_requests is None:
         args.concurrent_requests = 2 * args.concurrency
@@ -197,6 +227,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def names_model(argv: Sequence[str]) -> bool:
     return any(a.split("=")[0] in ("--model", "--ar") for a in argv)
+
+
+def single_stream_ctx(args: argparse.Namespace) -> int:
+    """Context of the single-stream baseline: ``--ctx``, or room for the largest cold prompt."""
+    return max([args.ctx, *(size + COLD_CTX_MARGIN for size in args.cold_sizes)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,9 +263,9 @@ def llama_server_command(server: Path, gguf: Path, threads: int, port: int, slot
             "--port", str(port), "--host", "127.0.0.1", "-c", str(ctx * slots), *extra]
 
 
-def llama_cpp_python_command(gguf: Path, threads: int, port: int, extra: Sequence[str]) -> list[str]:
+def llama_cpp_python_command(gguf: Path, threads: int, port: int, ctx: int, extra: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf),
-            "--n_threads", str(threads), "--n_threads_batch", str(threads),
+            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(ctx),
             "--host", "127.0.0.1", "--port", str(port), "--interrupt_requests", "False", *extra]
 
 
@@ -323,20 +358,21 @@ class Baseline:
     def server(self) -> str:
         return BASELINE_SERVERS[self.kind]
 
-    def command(self, args: argparse.Namespace, port: int, slots: int) -> list[str]:
+    def command(self, args: argparse.Namespace, port: int, slots: int, ctx: int) -> list[str]:
+        """The start command for ``slots`` parallel requests of ``ctx`` tokens each."""
         assert self.gguf is not None
         if self.kind == "cpp":
             assert self.binaries is not None
-            return llama_server_command(self.binaries.server, self.gguf, args.threads, port, slots, args.ctx,
+            return llama_server_command(self.binaries.server, self.gguf, args.threads, port, slots, ctx,
                                         args.llamacpp_argv)
-        return llama_cpp_python_command(self.gguf, args.threads, port, args.llamacpp_argv)
+        return llama_cpp_python_command(self.gguf, args.threads, port, ctx, args.llamacpp_argv)
 
 
 @contextlib.contextmanager
-def baseline_server(b: Baseline, args: argparse.Namespace, slots: int, log_dir: Path,
+def baseline_server(b: Baseline, args: argparse.Namespace, slots: int, ctx: int, log_dir: Path,
                     commands: list[list[str]] | None = None) -> Iterator[str]:
-    """The baseline's …/v1 URL, started for ``slots`` parallel requests unless it is already running
-    (the command it was started with is appended to ``commands``)."""
+    """The baseline's …/v1 URL, started for ``slots`` parallel requests of ``ctx`` tokens unless it
+    is already running (the command it was started with is appended to ``commands``)."""
     if b.url:
         yield b.url
         return
@@ -348,7 +384,7 @@ def baseline_server(b: Baseline, args: argparse.Namespace, slots: int, log_dir: 
                              "to build it, or pass --llamacpp-url") from None
     port = free_port()
     ready = "/health" if b.kind == "cpp" else "/v1/models"
-    cmd = b.command(args, port, slots)
+    cmd = b.command(args, port, slots, ctx)
     if commands is not None:
         commands.append(cmd)
     with running(b.server, cmd, port, log_dir, args.startup_timeout, ready) as url:
@@ -443,6 +479,27 @@ class Aggregate:
 
 
 @dataclass
+class ColdRow:
+    """Cold prompts of one size against one baseline, and the same prompts with a line added."""
+
+    size: int  # the token budget the prompts were cut to
+    cold: SideBySide
+    warm: SideBySide  # each cold prompt plus WARM_LINE, sent right after it: the prefix is cached
+
+
+def ttft_gain(s: SideBySide) -> float | None:
+    """Baseline TTFT / ours (means over requests): above 1, dualserve reaches the first token sooner."""
+    r = s.ratios["ttft"]
+    return 1.0 / r if r else None
+
+
+def prompt_tokens(requests: Sequence[RequestResult]) -> float | None:
+    """Mean prompt tokens the server reported (``usage.prompt_tokens``)."""
+    counts = [r.prompt_tokens for r in requests if r.ok and r.prompt_tokens is not None]
+    return sum(counts) / len(counts) if counts else None
+
+
+@dataclass
 class BaselineRun:
     """Everything measured against one baseline server on one file."""
 
@@ -451,6 +508,7 @@ class BaselineRun:
     single: list[SideBySide]
     aggregate: Aggregate | None
     settle_ratio: float | None = None  # dualserve ar no-settle / settle decode tok/s (--settle-compare)
+    cold: list[ColdRow] = field(default_factory=list)
     url: str = ""
     commands: list[list[str]] = field(default_factory=list)  # the baseline's, where this command started it
 
@@ -521,6 +579,52 @@ async def settle_compare(ours, ours_spec: BenchSpec, base, base_spec: BenchSpec,
             SideBySide(f"{d} (no settle)", summarize_level(1, runs[0.0], wall[0.0]), base_sum, runs[0.0], base_runs))
 
 
+def as_prompt(p: CodePrompt) -> Prompt:
+    return Prompt(p.id, "code", p.text)
+
+
+def with_line(p: CodePrompt) -> Prompt:
+    return Prompt(f"{p.id} +line", "code", f"{p.text}\n{WARM_LINE}")
+
+
+async def cold_row(ours, ours_spec: BenchSpec, base, base_spec: BenchSpec, prompts: Sequence[CodePrompt],
+                   warmup: Sequence[CodePrompt], settle: float, base_name: str = "llama.cpp") -> ColdRow:
+    """Each prompt to both servers (who goes first alternates), then each with WARM_LINE added in the
+    same order, every request ``settle`` seconds after the previous one ended. ``warmup`` prompts go
+    to both first, unmeasured."""
+    for p in warmup:
+        for client, spec in ((ours, ours_spec), (base, base_spec)):
+            await asyncio.sleep(settle)
+            await stream_one(client, spec, as_prompt(p))
+    sides = {"ours": (ours, ours_spec), "base": (base, base_spec)}
+    runs: dict[tuple[str, str], list[RequestResult]] = {}
+    wall: dict[tuple[str, str], float] = {}
+    for i, p in enumerate(prompts):
+        for kind, prompt in (("cold", as_prompt(p)), ("warm", with_line(p))):
+            for side in (("ours", "base") if i % 2 == 0 else ("base", "ours")):
+                await asyncio.sleep(settle)
+                res, seconds = await timed(*sides[side], prompt)
+                runs.setdefault((kind, side), []).append(res)
+                wall[kind, side] = wall.get((kind, side), 0.0) + seconds
+        _cold_progress(p, runs, base_name)
+
+    def pair(kind: str) -> SideBySide:
+        o, b = runs[kind, "ours"], runs[kind, "base"]
+        return SideBySide(f"{kind} {prompts[0].size}", summarize_level(1, o, wall[kind, "ours"]),
+                          summarize_level(1, b, wall[kind, "base"]), o, b)
+
+    return ColdRow(prompts[0].size, pair("cold"), pair("warm"))
+
+
+def _cold_progress(p: CodePrompt, runs: dict[tuple[str, str], list[RequestResult]], base_name: str) -> None:
+    def ms(r: RequestResult) -> str:
+        return "err" if not r.ok else (f"{r.ttft * 1e3:.0f}" if r.ttft is not None else "-")
+
+    o, b, ow, bw = (runs[k][-1] for k in (("cold", "ours"), ("cold", "base"), ("warm", "ours"), ("warm", "base")))
+    print(f"  cold {p.id}  ours {ms(o)} ms ({o.prompt_tokens} tok), warm {ms(ow)} ms  "
+          f"{base_name} {ms(b)} ms ({b.prompt_tokens} tok), warm {ms(bw)} ms", file=sys.stderr, flush=True)
+
+
 def settle_ratio(settled: SideBySide, unsettled: SideBySide) -> float | None:
     """dualserve's no-settle / settle decode tok/s (pooled over requests)."""
     a, b = _dec(unsettled.ours), _dec(settled.ours)
@@ -586,6 +690,31 @@ def single_rows(rows: Sequence[SideBySide]) -> list[list[str]]:
     return out
 
 
+def cold_header(base: str) -> tuple[str, ...]:
+    return ("tokens", "ok", "prompt tok", "ours TTFT ms", f"{base} TTFT ms", "ratio",
+            "ours warm ms", f"{base} warm ms", "warm ratio")
+
+
+def cold_rows(rows: Sequence[ColdRow]) -> list[list[str]]:
+    out = []
+    for row in rows:
+        c, w = row.cold, row.warm
+        tokens = [_f(prompt_tokens(rs), "{:.0f}") for rs in (c.ours_requests, c.base_requests)]
+        out.append([str(row.size), f"{c.ours.n_ok}/{c.ours.n_requests} | {c.base.n_ok}/{c.base.n_requests}",
+                    " | ".join(tokens),
+                    _f(_ms(c.ours), "{:.0f}"), _f(_ms(c.base), "{:.0f}"), _x(ttft_gain(c)),
+                    _f(_ms(w.ours), "{:.0f}"), _f(_ms(w.base), "{:.0f}"), _x(ttft_gain(w))])
+    return out
+
+
+def cold_target_line(rows: Sequence[ColdRow]) -> str | None:
+    size, target = COLD_TARGET
+    row = next((r for r in rows if r.size == size), None)
+    if row is None:
+        return None
+    return f"cold {size}-token TTFT: {_x(ttft_gain(row.cold))} (target >= {target:.2f}x)"
+
+
 def aggregate_row(agg: Aggregate, ours_c1: float | None, base_c1: float | None) -> list[str]:
     def div(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
@@ -596,24 +725,31 @@ def aggregate_row(agg: Aggregate, ours_c1: float | None, base_c1: float | None) 
             _f(o), _f(b), _x(div(o, b)), _x(div(o, ours_c1)), _x(div(b, base_c1))]
 
 
-def _problems(single: Sequence[SideBySide], agg: Aggregate | None, base: str) -> list[str]:
+def _problems(single: Sequence[SideBySide], agg: Aggregate | None, base: str,
+              cold: Sequence[ColdRow] = ()) -> list[str]:
     levels = [*((f"ours {s.decoder}", s.ours) for s in single), *((f"{base} beside {s.decoder}", s.base)
                                                                  for s in single)]
     if agg:
         levels += [(f"ours c{agg.concurrency}", agg.ours), (f"{base} c{agg.concurrency}", agg.base)]
+    timed_levels = [(f"{who} {s.decoder}", lv) for row in cold for s in (row.cold, row.warm)
+                    for who, lv in (("ours", s.ours), (base, s.base))]
     problems = []
-    for label, lv in levels:
+    for label, lv in [*levels, *timed_levels]:
         if lv.errors:
             problems.append(f"{label}: {len(lv.errors)} failed, first: {lv.errors[0]}")
         if lv.usage_missing:
             problems.append(f"{label}: {lv.usage_missing} requests without usage (tokens counted as chunks)")
+    for label, lv in timed_levels:
+        if lv.n_empty:
+            problems.append(f"{label}: {lv.n_empty} requests streamed no text (no TTFT)")
     return problems
 
 
 def format_report(title: str, single: Sequence[SideBySide], agg: Aggregate | None,
                   ours_c1: float | None = None, base_c1: float | None = None, base: str = "llama.cpp",
-                  settle_ratio: float | None = None) -> str:
-    """The printed report: single-stream table (decode tok/s, TTFT) and the aggregate table."""
+                  settle_ratio: float | None = None, cold: Sequence[ColdRow] = ()) -> str:
+    """The printed report: single-stream table (decode tok/s, TTFT), the aggregate table and the
+    cold prompt table."""
     parts = [title, "", f"single stream (decode tok/s pooled: decode tokens / decode seconds over all requests; ratio = ours / {base}; ok = ours | {base}):",
              fixed_width(single_header(base), single_rows(single))]
     if settle_ratio is not None:
@@ -622,7 +758,15 @@ def format_report(title: str, single: Sequence[SideBySide], agg: Aggregate | Non
         parts += ["", f"aggregate at concurrency {agg.concurrency} (completion tokens / wall time; "
                       "c/c1 = aggregate / single-stream ar throughput, TTFT included):",
                   fixed_width(aggregate_header(base), [aggregate_row(agg, ours_c1, base_c1)])]
-    if problems := _problems(single, agg, base):
+    if cold:
+        parts += ["", f"cold prompt TTFT (a new prompt of real code each request, streamed chat, "
+                      f"max_tokens={COLD_MAX_TOKENS}; ms = mean time to the first text chunk; ratio = {base} / ours, "
+                      "above 1: dualserve answers sooner; warm = the same prompt plus one line, its prefix cached; "
+                      f"prompt tok = usage, ours | {base}):",
+                  fixed_width(cold_header(base), cold_rows(cold))]
+        if line := cold_target_line(cold):
+            parts.append(line)
+    if problems := _problems(single, agg, base, cold):
         parts += ["", *problems]
     return "\n".join(parts)
 
@@ -639,6 +783,8 @@ def baseline_record(run: BaselineRun) -> dict:
     }
     if run.settle_ratio is not None:
         record["settle_ratio"] = run.settle_ratio
+    if run.cold:
+        record["cold_ttft"] = [cold_record(row) for row in run.cold]
     agg = run.aggregate
     if agg is not None:
         ar_row = next((s for s in run.single if s.decoder == "ar"), None)
@@ -651,6 +797,16 @@ def baseline_record(run: BaselineRun) -> dict:
             "baseline_over_c1": agg.base.aggregate_tps / base_c1 if base_c1 else None,
         }
     return record
+
+
+def cold_record(row: ColdRow) -> dict:
+    """JSON for one cold prompt size: its ratios, prompt tokens and every request, cold and warm."""
+    c, w = row.cold, row.warm
+    return {"size": row.size, "max_tokens": COLD_MAX_TOKENS, "ratio": ttft_gain(c), "warm_ratio": ttft_gain(w),
+            "prompt_tokens": {"ours": prompt_tokens(c.ours_requests), "baseline": prompt_tokens(c.base_requests)},
+            "ours": level_record(c.ours, c.ours_requests), "baseline": level_record(c.base, c.base_requests),
+            "ours_warm": level_record(w.ours, w.ours_requests),
+            "baseline_warm": level_record(w.base, w.base_requests)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -692,27 +848,46 @@ async def measure_aggregate(args: argparse.Namespace, ours, ours_model: str, bas
     return Aggregate(c, o_sum, b_sum, o_res, b_res)
 
 
-async def against_baseline(args: argparse.Namespace, ours, ours_model: str, b: Baseline,
-                           log_dir: Path) -> BaselineRun:
-    """Single stream against the baseline started for one slot, then the aggregate against it
-    restarted for ``--concurrency`` slots."""
+async def measure_cold(args: argparse.Namespace, ours, ours_model: str, base, base_model: str, server: str,
+                       count_tokens: TokenCounter, baseline_index: int) -> list[ColdRow]:
+    """The cold prompt rows against one baseline. The baseline numbered ``baseline_index`` in
+    ``--baseline`` gets prompts of its own, new to dualserve too."""
+    per = args.warmup + args.cold_requests
+    ours_spec = BenchSpec(ours_model, "chat", COLD_MAX_TOKENS, args.temperature, "ar")
+    base_spec = BenchSpec(base_model, "chat", COLD_MAX_TOKENS, args.temperature, None)
+    rows = []
+    for size in args.cold_sizes:
+        print(f"cold prompts: {args.cold_requests} of about {size} tokens of code per server (and {args.warmup} "
+              f"unmeasured) vs {server}", file=sys.stderr, flush=True)
+        prompts = [code_prompt(size, baseline_index * per + i, count_tokens) for i in range(per)]
+        rows.append(await cold_row(ours, ours_spec, base, base_spec, prompts[args.warmup:], prompts[:args.warmup],
+                                   args.settle, server))
+    return rows
+
+
+async def against_baseline(args: argparse.Namespace, ours, ours_model: str, b: Baseline, log_dir: Path,
+                           count_tokens: TokenCounter, baseline_index: int = 0) -> BaselineRun:
+    """Single stream and the cold prompts against the baseline started for one slot, then the
+    aggregate against it restarted for ``--concurrency`` slots."""
     from openai import AsyncOpenAI
 
     def client(url: str) -> AsyncOpenAI:
         return AsyncOpenAI(base_url=url, api_key="EMPTY", timeout=args.timeout, max_retries=0)
 
     commands: list[list[str]] = []
-    with baseline_server(b, args, 1, log_dir, commands) as url:
+    with baseline_server(b, args, 1, single_stream_ctx(args), log_dir, commands) as url:
         async with client(url) as base:
             base_model = await resolve_model(base, None)
             single, ratio = await measure_single(args, ours, ours_model, base, _spec(args, base_model, None),
                                                  b.server)
+            cold = await measure_cold(args, ours, ours_model, base, base_model, b.server, count_tokens,
+                                      baseline_index)
     agg = None
     if args.concurrency:
-        with baseline_server(b, args, args.concurrency, log_dir, commands) as agg_url:
+        with baseline_server(b, args, args.concurrency, args.ctx, log_dir, commands) as agg_url:
             async with client(agg_url) as base:
                 agg = await measure_aggregate(args, ours, ours_model, base, _spec(args, base_model, None))
-    return BaselineRun(b.server, base_model, single, agg, ratio, url, commands)
+    return BaselineRun(b.server, base_model, single, agg, ratio, cold, url, commands)
 
 
 def _title(args: argparse.Namespace, ours_model: str, run: BaselineRun, gguf: Path | None) -> str:
@@ -732,12 +907,12 @@ async def run_bench(args: argparse.Namespace, ours_url: str, baselines: Sequence
     records = []
     async with ours:
         ours_model = await resolve_model(ours, None)
-        for b in baselines:
-            run = await against_baseline(args, ours, ours_model, b, log_dir)
+        for i, b in enumerate(baselines):
+            run = await against_baseline(args, ours, ours_model, b, log_dir, server_token_counter(ours_url), i)
             ar_row = next((s for s in run.single if s.decoder == args.concurrent_decoder), None)
             print(format_report(_title(args, ours_model, run, gguf), run.single, run.aggregate,
                                 c1_throughput(ar_row, "ours"), c1_throughput(ar_row, "base"), run.server,
-                                run.settle_ratio) + "\n", flush=True)
+                                run.settle_ratio, run.cold) + "\n", flush=True)
             records.append(baseline_record(run))
     return {"gguf": str(gguf) if gguf else None,
             "dualserve": {"url": ours_url, "model": ours_model, "args": args.dualserve_args},
@@ -777,7 +952,8 @@ def bench(args: argparse.Namespace, log_dir: Path) -> dict:
                       "has given, so start a new server for a new server's figures", file=sys.stderr, flush=True)
             files.append(asyncio.run(run_bench(args, ours_url, baselines, log_dir, gguf)))
     return {"threads": args.threads, "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "settle": args.settle, "prompts": str(args.prompts), "files": files}
+            "settle": args.settle, "prompts": str(args.prompts), "cold_tokens": args.cold_sizes,
+            "cold_requests": args.cold_requests, "files": files}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -56,6 +57,7 @@ def test_defaults():
     assert args.prompts.name == "bench.jsonl"
     assert args.baseline_list == ["cpp"] and args.quantize_list == [] and not args.settle_compare
     assert args.ctx == 1024 and args.llama_server is None
+    assert args.cold_sizes == [1000, 3000] and args.cold_requests == 3
 
 
 def test_options():
@@ -70,6 +72,15 @@ def test_options():
                           "--llama-server", "/opt/llama-server", "--ctx", "512"])
     assert args.baseline_list == ["cpp", "python"] and args.quantize_list == ["Q4_0", "Q4_K_M"]
     assert args.settle_compare and args.llama_server == Path("/opt/llama-server") and args.ctx == 512
+    args = bl.parse_args(["--cold-tokens", " 500, 6000", "--cold-requests", "5"])
+    assert args.cold_sizes == [500, 6000] and args.cold_requests == 5
+    assert bl.parse_args(["--cold-tokens", ""]).cold_sizes == []
+
+
+def test_single_stream_context_holds_the_largest_cold_prompt():
+    assert bl.single_stream_ctx(bl.parse_args([])) == 3000 + bl.COLD_CTX_MARGIN
+    assert bl.single_stream_ctx(bl.parse_args(["--cold-tokens", ""])) == 1024
+    assert bl.single_stream_ctx(bl.parse_args(["--ctx", "8192", "--cold-tokens", "6000"])) == 8192
 
 
 @pytest.mark.parametrize("argv", [
@@ -78,7 +89,8 @@ def test_options():
     ["--baseline", "cpp,python", "--llamacpp-url", "http://h:1/v1"], ["--ctx", "0"],
     ["--quantize", "Q4_0", "--dualserve-url", "http://h:2/v1"],
     ["--quantize", "Q4_0", "--dualserve-args=--model other.gguf"],
-    ["--settle-compare", "--decoders", "eagle"]])
+    ["--settle-compare", "--decoders", "eagle"], ["--cold-tokens", "3k"], ["--cold-tokens", "1000,0"],
+    ["--cold-requests", "0"]])
 def test_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit):
         bl.parse_args(argv)
@@ -89,9 +101,9 @@ def test_server_commands_use_the_same_threads():
     assert ours[1:4] == ["-m", "dualserve.server.cli", "serve"]
     assert ours[ours.index("--threads") + 1] == "2" and ours[ours.index("--port") + 1] == "9000"
     assert ours[-2:] == ["--quantization", "int4"]
-    py = bl.llama_cpp_python_command(Path("/m.gguf"), 2, 9001, [])
+    py = bl.llama_cpp_python_command(Path("/m.gguf"), 2, 9001, 4096, [])
     assert py[1:3] == ["-m", "llama_cpp.server"]
-    assert py[py.index("--model") + 1] == "/m.gguf"
+    assert py[py.index("--model") + 1] == "/m.gguf" and py[py.index("--n_ctx") + 1] == "4096"
     assert py[py.index("--n_threads") + 1] == "2" and py[py.index("--n_threads_batch") + 1] == "2"
     assert py[py.index("--interrupt_requests") + 1] == "False"
 
@@ -106,10 +118,12 @@ def test_llama_server_command_single_stream_and_concurrent():
     assert many[-1] == "--mlock"
     args = bl.parse_args(["--threads", "3", "--ctx", "256", "--llamacpp-args=--no-warmup"])
     b = bl.Baseline("cpp", Path("/m.gguf"), lb.Binaries(Path("/b/llama-server")))
-    cmd = b.command(args, 9004, 4)
+    cmd = b.command(args, 9004, 4, args.ctx)
     assert cmd[0] == "/b/llama-server" and cmd[cmd.index("-t") + 1] == "3" and cmd[cmd.index("-c") + 1] == "1024"
     assert cmd[-1] == "--no-warmup" and b.server == "llama-server"
-    assert bl.Baseline("python", Path("/m.gguf")).command(args, 9005, 4)[1:3] == ["-m", "llama_cpp.server"]
+    one = b.command(args, 9004, 1, bl.single_stream_ctx(args))
+    assert one[one.index("-c") + 1] == str(3000 + bl.COLD_CTX_MARGIN)  # room for the 3k-token cold prompt
+    assert bl.Baseline("python", Path("/m.gguf")).command(args, 9005, 4, 256)[1:3] == ["-m", "llama_cpp.server"]
 
 
 def test_dualserve_is_given_the_compared_file():
@@ -293,7 +307,7 @@ def test_c1_throughput():
 def test_servers_targets_given_urls_without_starting_anything(tmp_path):
     args = bl.parse_args(["--llamacpp-url", "http://a/v1", "--dualserve-url", "http://b/v1"])
     commands: list[list[str]] = []
-    with bl.baseline_server(bl.Baseline("cpp", None, url="http://a/v1"), args, 16, tmp_path, commands) as url:
+    with bl.baseline_server(bl.Baseline("cpp", None, url="http://a/v1"), args, 16, 1024, tmp_path, commands) as url:
         assert url == "http://a/v1"
     with bl.dualserve_server(args, None, tmp_path) as url:
         assert url == "http://b/v1"
@@ -309,6 +323,49 @@ def test_report_names_the_baseline_and_the_settle_ratio():
     assert "llama-server tok/s" in text and "llama.cpp" not in text
     assert "no-settle / settle decode tok/s: 0.90x" in text
     assert any(line.startswith("ar (no settle)") for line in text.splitlines())
+
+
+def cold_side(ms: float, prompt_tokens: int, n: int = 3) -> list[RequestResult]:
+    rs = [result(4, 0.0, ms / 1e3, ms / 1e3 + 0.03) for _ in range(n)]
+    for r in rs:
+        r.prompt_tokens = prompt_tokens
+    return rs
+
+
+def cold_pair(label: str, ours_ms: float, base_ms: float, tokens: int) -> bl.SideBySide:
+    o, b = cold_side(ours_ms, tokens), cold_side(base_ms, tokens + 1)
+    return bl.SideBySide(label, summarize_level(1, o, 1.0), summarize_level(1, b, 1.0), o, b)
+
+
+def test_cold_table_ratio_is_baseline_over_ours():
+    rows = [bl.ColdRow(1000, cold_pair("cold 1000", 1700, 4100, 1012), cold_pair("warm 1000", 60, 80, 1020)),
+            bl.ColdRow(3000, cold_pair("cold 3000", 6900, 17800, 3011), cold_pair("warm 3000", 120, 200, 3019))]
+    assert bl.ttft_gain(rows[1].cold) == pytest.approx(17800 / 6900)
+    text = bl.format_report("t", [bl.SideBySide("ar", level(20.0, 0.05), level(80.0, 0.1))], None,
+                            base="llama-server", cold=rows)
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("tokens"))
+    assert header.split()[:4] == ["tokens", "ok", "prompt", "tok"] and "llama-server TTFT ms" in header
+    assert "ratio = llama-server / ours, above 1: dualserve answers sooner" in text
+    row = next(line for line in lines if line.startswith("3000 "))
+    # ok, prompt tokens (usage) ours | baseline, TTFT ms, ratio, warm ms, warm ratio
+    assert row.split()[1:] == ["3/3", "|", "3/3", "3011", "|", "3012", "6900", "17800", "2.58x", "120", "200",
+                               "1.67x"]
+    assert len(row) == len(header)
+    assert "cold 3000-token TTFT: 2.58x (target >= 1.50x)" in lines
+    record = bl.cold_record(rows[0])
+    assert record["ratio"] == pytest.approx(4100 / 1700) and record["prompt_tokens"] == {"ours": 1012, "baseline": 1013}
+    assert record["baseline_warm"]["n_requests"] == 3 and record["max_tokens"] == bl.COLD_MAX_TOKENS
+
+
+def test_cold_table_without_the_target_size_or_a_first_token():
+    empty = [RequestResult("p", "code", t_start=0.0, completion_tokens=4, usage_reported=True,
+                           finish_reason="length")]
+    silent = bl.SideBySide("cold 500", summarize_level(1, empty, 1.0), summarize_level(1, empty, 1.0), empty, empty)
+    text = bl.format_report("t", [], None, cold=[bl.ColdRow(500, silent, cold_pair("warm 500", 50, 60, 500))])
+    row = next(line for line in text.splitlines() if line.startswith("500 "))
+    assert row.split()[7:10] == ["-", "-", "-"]  # no TTFT on either side, no ratio
+    assert "target" not in text and "ours cold 500: 1 requests streamed no text (no TTFT)" in text
 
 
 def alive(pid: int) -> bool:
@@ -383,14 +440,24 @@ def chat_events(words: list[str]) -> bytes:
     return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
 
+def words(text: str) -> int:
+    """A stand-in tokenizer: words and punctuation marks."""
+    return len(re.findall(r"\w+|[^\w\s]", text))
+
+
 def canned_chat_server(name: str, log: list[tuple[str, dict]]):
+    """Streams four words to every chat request (logged), lists one model, and counts tokens with ``words``."""
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             self._send("application/json", json.dumps({"object": "list", "data": [
                 {"id": name, "object": "model", "created": 0, "owned_by": "test"}]}).encode())
 
         def do_POST(self) -> None:
-            log.append((name, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/tokenize":
+                self._send("application/json", json.dumps({"tokens": [0] * words(body["content"])}).encode())
+                return
+            log.append((name, body))
             self._send("text/event-stream", chat_events(["a", "b", "c", "d"]))
 
         def _send(self, ctype: str, body: bytes) -> None:
@@ -414,7 +481,7 @@ async def test_run_bench_against_canned_servers(tmp_path, capsys):
     base, base_url = canned_chat_server("/models/x.gguf", log)
     try:
         args = bl.parse_args(["--threads", "2", "--requests", "3", "--decoders", "ar,eagle", "--concurrency", "4",
-                              "--concurrent-requests", "5", "--warmup", "0", "--settle", "0",
+                              "--concurrent-requests", "5", "--warmup", "0", "--settle", "0", "--cold-tokens", "",
                               "--dualserve-url", ours_url, "--llamacpp-url", base_url])
         report = await bl.run_bench(args, ours_url, [bl.Baseline("cpp", None, url=base_url)], tmp_path)
     finally:
@@ -443,7 +510,7 @@ async def test_settle_compare_interleaves_request_by_request(tmp_path, capsys):
     base, base_url = canned_chat_server("/models/x.gguf", log)
     try:
         args = bl.parse_args(["--requests", "2", "--decoders", "ar", "--concurrency", "0", "--warmup", "0",
-                              "--settle", "0.05", "--settle-compare", "--dualserve-url", ours_url,
+                              "--settle", "0.05", "--settle-compare", "--cold-tokens", "", "--dualserve-url", ours_url,
                               "--llamacpp-url", base_url])
         report = await bl.run_bench(args, ours_url, [bl.Baseline("cpp", None, url=base_url)], tmp_path)
     finally:
@@ -458,6 +525,39 @@ async def test_settle_compare_interleaves_request_by_request(tmp_path, capsys):
     assert rows[0]["ours"]["n_requests"] == 2 and rows[1]["ours"]["n_requests"] == 2
     assert rows[0]["baseline"]["n_requests"] == 4 and run["settle_ratio"] is not None
     assert "no-settle / settle" in capsys.readouterr().out
+
+
+async def test_cold_prompts_alternate_and_are_new_to_every_server(tmp_path, capsys):
+    log: list[tuple[str, dict]] = []
+    ours, ours_url = canned_chat_server("ours-model", log)
+    base, base_url = canned_chat_server("/models/x.gguf", log)
+    try:
+        args = bl.parse_args(["--requests", "1", "--decoders", "ar", "--concurrency", "0", "--warmup", "1",
+                              "--settle", "0", "--cold-tokens", "200,300", "--cold-requests", "2",
+                              "--dualserve-url", ours_url, "--llamacpp-url", base_url])
+        baselines = [bl.Baseline("cpp", None, url=base_url), bl.Baseline("python", None, url=base_url)]
+        report = await bl.run_bench(args, ours_url, baselines, tmp_path)
+    finally:
+        for s in (ours, base):
+            s.shutdown()
+            s.server_close()
+    cold = [(who, body) for who, body in log if body["max_tokens"] == bl.COLD_MAX_TOKENS]
+    # per baseline: 2 sizes x (1 warm-up + 2 prompts cold + 2 prompts warm) x 2 servers
+    assert len(cold) == 2 * 2 * 5 * 2
+    text = [body["messages"][0]["content"] for _, body in cold]
+    first_size = [who for who, _ in cold[2:10]]
+    # after the warm-up pair: prompt 0 cold, then warm, ours first; prompt 1 the other way round
+    assert first_size == ["ours-model", "/models/x.gguf"] * 2 + ["/models/x.gguf", "ours-model"] * 2
+    assert text[4] == text[2] + "\n" + bl.WARM_LINE and text[3] == text[2]
+    assert all(body.get("decoder") == ("ar" if who == "ours-model" else None) for who, body in cold)
+    ours_cold = [t for (who, _), t in zip(cold, text) if who == "ours-model" and not t.endswith(bl.WARM_LINE)]
+    assert len(ours_cold) == len(set(ours_cold)) == 12  # dualserve never sees a cold prompt twice
+    assert all(words(t) <= 300 for t in ours_cold)
+    for run in report["baselines"]:
+        assert [c["size"] for c in run["cold_ttft"]] == [200, 300]
+        assert run["cold_ttft"][0]["ours"]["n_requests"] == 2 and run["cold_ttft"][0]["prompt_tokens"]["ours"] == 3
+    printed = capsys.readouterr().out
+    assert printed.count("cold prompt TTFT") == 2 and "target" not in printed
 
 
 def installed_llama_server() -> Path | None:
@@ -479,7 +579,7 @@ def test_real_llama_server_answers(tmp_path):
     args = bl.parse_args(["--threads", "1", "--ctx", "256", "--startup-timeout", "300"])
     b = bl.Baseline("cpp", gguf, lb.siblings(server))
     commands: list[list[str]] = []
-    with bl.baseline_server(b, args, 2, tmp_path, commands) as url:
+    with bl.baseline_server(b, args, 2, args.ctx, tmp_path, commands) as url:
         body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}).encode()
         req = urllib.request.Request(url + "/chat/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
