@@ -52,12 +52,17 @@ header and JSON record names the server its figures came from.
 
 ``--quantize Q4_0,Q4_K_M`` makes those files from the GGUF with ``llama-quantize
 --allow-requantize`` (into ``<cache>/llama.cpp/quantized/``, reused on later runs) and runs the
-whole comparison on each of them in turn, both servers on the same file, one report per file.
+whole comparison on each of them in turn, both servers on the same file, one report per file;
+``source`` in the list is the GGUF itself (``--quantize source,Q4_0,Q4_K_M``: the default file and
+both requantized ones in one run). Each dualserve server is measured once it has built or loaded
+every step graph (``/status.json``), never beside its own build children.
 
 The other requests are chat requests (one user message each) from ``prompts/bench.jsonl``,
 greedy, 64 max tokens (``--max-tokens``). All are streamed through the OpenAI SDK by the load
 client in ``clients/bench.py`` (same TTFT / decode tok/s definitions: decode tok/s is (tokens - 1)
-/ time from the first to the last text chunk; token counts come from the servers' ``usage``).
+/ time from the first to the last text chunk; token counts come from the servers' ``usage``). A
+row's decode tok/s is pooled: all its requests' decode tokens over their decode seconds, so a short
+reply whose chunks arrive together weighs what its length weighs.
 
 Servers this command started are stopped when it exits, also on Ctrl-C or SIGTERM. Options:
 
@@ -149,7 +154,8 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, default=1024,
                    help="baseline context tokens per slot (single stream: at least the largest --cold-tokens + "
                         f"{COLD_CTX_MARGIN})")
-    p.add_argument("--quantize", default="", help="comma-separated llama-quantize types, e.g. Q4_0,Q4_K_M")
+    p.add_argument("--quantize", default="",
+                   help="comma-separated llama-quantize types, e.g. Q4_0,Q4_K_M; 'source' is the GGUF itself")
     p.add_argument("--dualserve-url", help="target a running dualserve (…/v1) instead of starting one")
     p.add_argument("--llamacpp-url", help="target a running baseline server (…/v1) instead of starting one")
     p.add_argument("--dualserve-args", default="", help="extra arguments for 'dualserve serve', one string")
@@ -399,7 +405,33 @@ def dualserve_server(args: argparse.Namespace, gguf: Path | None, log_dir: Path)
     port = free_port()
     cmd = dualserve_command(args.threads, port, dualserve_extra(args, gguf))
     with running("dualserve", cmd, port, log_dir, args.startup_timeout) as url:
+        wait_compiled(url, args.startup_timeout)
         yield url
+
+
+def wait_compiled(url: str, timeout: float) -> None:
+    """Wait until dualserve has built or loaded every step graph (``/status.json``'s ``compile``
+    entry is gone): a server building graphs serves eagerly, and its build children take the
+    cores both servers are measured on (llama.cpp's turns beside a build read 2-7 tok/s)."""
+    root = url.rstrip("/").removesuffix("/v1")
+    t0, said = time.monotonic(), None
+    while time.monotonic() - t0 < timeout:
+        try:
+            with urllib.request.urlopen(f"{root}/status.json", timeout=10) as r:
+                compiling = json.loads(r.read()).get("compile")
+        except (OSError, ValueError):
+            return  # no status page to read: measure as it is
+        if compiling is None:
+            if said is not None:
+                print(f"dualserve: every step graph ready after {time.monotonic() - t0:.0f}s", file=sys.stderr,
+                      flush=True)
+            return
+        if said != compiling["built"]:
+            said = compiling["built"]
+            print(f"dualserve: building step graphs ({said} of {compiling['total']} ready); waiting",
+                  file=sys.stderr, flush=True)
+        time.sleep(2.0)
+    raise SystemExit(f"dualserve still building step graphs after {timeout:.0f}s")
 
 
 def default_gguf(cache_dir: str | None) -> Path:
@@ -929,9 +961,10 @@ def _files(args: argparse.Namespace, cache_dir: Path, binaries: Binaries | None,
         raise SystemExit(f"GGUF file {gguf} not found; pass --gguf (or run 'dualserve pull')")
     if not args.quantize_list:
         return [gguf]
-    if binaries is None or binaries.quantize is None:
+    if (binaries is None or binaries.quantize is None) and set(args.quantize_list) - {"source"}:
         raise SystemExit("--quantize needs llama-quantize beside llama-server")
-    return [quantized_file(binaries.quantize, cache_dir, gguf, q, args.threads, log_dir) for q in args.quantize_list]
+    return [gguf if q == "source" else quantized_file(binaries.quantize, cache_dir, gguf, q, args.threads, log_dir)
+            for q in args.quantize_list]
 
 
 def bench(args: argparse.Namespace, log_dir: Path) -> dict:
