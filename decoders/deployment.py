@@ -201,7 +201,8 @@ def register_ar(site: Site, spec: ServedSpec, runner: ModelRunner) -> None:
     drafts), embeddings and rerank, and ``diffusion`` from a twin."""
     engine, base, compile = site.engine, spec.base, site.compile
     engine.add_decoder(spec.name, ARDecoder(runner, engine.pool), base.tokenizer, base.config.vocab_size)
-    register_pooling(engine, spec.name, runner, base, spec.pooling)  # embeddings and rerank, never routed for generation
+    # Embeddings and rerank, never routed for generation.
+    register_pooling(engine, spec.name, runner, base, spec.pooling)
     if spec.eagle_head is not None or spec.dflash is not None:
         register_eagle(engine, spec, runner, site.device, compile, site.parallel, site.format_table)
     if compile is not None:

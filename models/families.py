@@ -69,7 +69,7 @@ class Family:
     # Tensors and the network.
     gguf_names: tuple[tuple[str, str], ...] = ()       # (pattern, canonical HF name), before the common table
     gguf_qk_permuted: bool = False                     # llama.cpp's convert permutes q/k rows (llama)
-    source_names: list[tuple[str, str]] | None = None  # a checkpoint's own names -> canonical HF names
+    source_names: tuple[tuple[str, str], ...] | None = None  # a checkpoint's own names -> canonical HF names
     network: type[nn.Module] = Transformer
     load: Callable[..., LoadedModel] | None = None     # a network with its own loader (None: the core's)
     # Tensor parallelism.
@@ -119,7 +119,7 @@ FAMILIES: tuple[Family, ...] = (
            ),
            chat_template=gemma3.CHAT_TEMPLATE, own_files=("models/gemma3.py",)),
     Family("llada", ("llada",), read_config=llada.read_hf, layout=Layout(mask_token_id=llada.MASK_TOKEN_ID),
-           source_names=llada.NAMES, decoders=DIFFUSION, own_files=("models/llada.py",)),
+           source_names=tuple(llada.NAMES), decoders=DIFFUSION, own_files=("models/llada.py",)),
     Family("dream", ("dream",), layout=Layout(attention_bias=True, shift_logits=True), decoders=DIFFUSION),
     # Fast-dLLM v2 (Qwen2 layout, block size in bd_size) hard-codes its [MASK] id ("|<MASK>|") in
     # generate; its config.json has none. Twins (``adapter.py``) are of this family too.

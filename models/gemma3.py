@@ -64,7 +64,8 @@ def read_hf(cfg: dict[str, Any], family: str, layout: Layout) -> ModelConfig:
         intermediate_size=cfg["intermediate_size"],
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))),
-        rope_scaling=rope_scaling_of(full if full.get("rope_type", "default") != "default" else cfg.get("rope_scaling")),
+        rope_scaling=rope_scaling_of(full if full.get("rope_type", "default") != "default"
+                                     else cfg.get("rope_scaling")),
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
         attention_bias=bool(cfg.get("attention_bias", False)),
         qk_norm=True,

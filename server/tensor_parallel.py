@@ -11,9 +11,10 @@ Two launch forms, one code path after the rendezvous:
     ``settings.ParallelSpec``); rank 0 serves, every other rank runs ``run_worker`` and exits
     with the server. Liveness then rests on the collectives and the heartbeat alone.
 
-Every rank loads the same models from the same settings (rank 0's, sent to spawned ranks),
-shards them (``models/sharding.py``: each by its family's sharder) and builds the same deployment; the ranks other than 0 then
-replay rank 0's steps (``decoders/engine/parallel.py``). The backend is NCCL on CUDA and gloo on
+Every rank loads the same models from the same settings (rank 0's, sent to spawned ranks) through
+``loading.load_deployment``, shards them (``models/sharding.py``: each by its family's sharder) and
+builds the same deployment; the ranks other than 0 then replay rank 0's steps
+(``decoders/engine/parallel.py``). The backend is NCCL on CUDA and gloo on
 the CPU; ``--tp-timeout`` bounds every collective, so a hung rank is noticed within it; meeting at
 start-up may take longer (``START_SECONDS``).
 """

@@ -215,7 +215,7 @@ def test_auto_off_the_cpu_picks_a_format_cuda_runs(monkeypatch) -> None:
 
 
 def test_an_int4_layer_gives_back_its_integers_exactly() -> None:
-    """``Int4Linear.values`` (what tensor-parallel slicing re-packs, ``sharding.int4_values``)."""
+    """``Int4Linear.values`` (what tensor-parallel slicing re-packs, ``sharding_core.int4_values``)."""
     torch.manual_seed(2)
     q, scales, zeros = quant.quantize_int4(torch.randn(96, 128))
     assert torch.equal(Int4Linear(q, scales, zeros).values(), q)
