@@ -460,10 +460,10 @@ def write_random_twin(gguf_path: Path, out: Path, seed: int = 0, rank: int = 32,
     import torch
 
     from dualserve.models.adapter import LORA_TARGETS, TwinSpec, save_twin
-    from dualserve.models.config import ModelConfig
+    from dualserve.models.families import read_gguf_config
     from dualserve.models.loader import gguf_metadata, hf_config_dict
 
-    config = ModelConfig.from_gguf(gguf_metadata(gguf.GGUFReader(str(gguf_path))))
+    config = read_gguf_config(gguf_metadata(gguf.GGUFReader(str(gguf_path))))
     shapes, gen = config.projection_shapes, torch.Generator().manual_seed(seed)
     adapter = {"mask_embedding": torch.randn(config.hidden_size, generator=gen) * STD}
     for i in range(config.num_layers):

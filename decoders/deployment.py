@@ -8,8 +8,12 @@ registered under which served name:
     draft from suffix lookup alone), plus ``diffusion`` when it has a diffusion twin
     (an adapter on its weights); ``eagle`` sizes its drafts from a verify cost curve
     seeded by the start-up format measurement, when there is one;
-  * a diffusion-family model (LLaDA, Dream, block diffusion, DiffusionGemma)
-    serves ``diffusion`` under its own name.
+  * a diffusion-family model serves ``diffusion`` under its own name, through the
+    decoder its family row names (``families.Family.decoders``: a masked canvas, or an
+    encoder-denoiser's canvas of random tokens).
+
+Which decoders a model gets and whether its runner compiles are its family row's
+answers; this module names no family.
 
 Every model's KV tensors are indexed by the same block ids, so there is no
 static split of memory between decoders or models.
@@ -30,17 +34,19 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
-from dualserve.models.families import family
+from dualserve.models.families import DecoderKind, family
 from dualserve.models.errors import InputError
 from dualserve.models.formats import FormatTable
 from dualserve.models.loader import LoadedModel
 from dualserve.models.pooling import Pooling
 
 from .ar import ARDecoder
+from .diffusion.decoder import register_diffusion
+from .diffusion.gemma import register_diffusion_gemma as register_canvas
 from .pooling import register_pooling
 from .engine.compile.compile_worker import CompileWorker
 from .engine import kv_budget
@@ -55,7 +61,7 @@ log = logging.getLogger("dualserve")
 
 @dataclass(frozen=True)
 class CompileSpec:
-    """Run every model runner through compiled graphs (``engine/compiled.py``)."""
+    """Run every model runner through compiled graphs (``engine/compile/compiled.py``)."""
 
     cache_dir: Path | None = None      # inductor's caches, kept under the model cache
     background: bool = True            # eager until each step shape's graph is ready
@@ -156,40 +162,76 @@ def runner_for(model: LoadedModel, num_blocks: int, block_size: int, device: str
     return ModelRunner(model.model, num_blocks, block_size, kv_dtype=kv_dtype_of(model), device=device)
 
 
+@dataclass(frozen=True)
+class Site:
+    """Where one served model's decoders are registered: the engine, its pool's geometry, the
+    device, and what every runner shares (the compile spec, the tensor-parallel group)."""
+
+    engine: Engine
+    num_blocks: int
+    block_size: int
+    device: str
+    runners: dict[str, ModelRunner]    # the deployment's, filled as runners are made
+    compile: CompileSpec | None = None
+    parallel: ParallelGroup | None = None
+    format_table: FormatTable | None = None
+
+    def runner(self, key: str, model: LoadedModel) -> ModelRunner:
+        self.runners[key] = runner_for(model, self.num_blocks, self.block_size, self.device, self.parallel)
+        return self.runners[key]
+
+
 def register(engine: Engine, spec: ServedSpec, num_blocks: int, block_size: int, device: str,
              runners: dict[str, ModelRunner], compile: CompileSpec | None = None,
              parallel: ParallelGroup | None = None, format_table: FormatTable | None = None) -> None:
-    base = spec.base
-    runner = runner_for(base, num_blocks, block_size, device, parallel)
-    runners[spec.name] = runner
-    if family(base.config.family).network == "diffusion_gemma":  # its own network and sampler, never compiled
-        from .diffusion.gemma import register_diffusion_gemma
+    """Register ``spec``'s decoders on ``engine``: the ones its family row names, over one runner
+    (compiled when the row says its steps compile)."""
+    row = family(spec.base.config.family)
+    site = Site(engine, num_blocks, block_size, device, runners, compile if row.compiles else None, parallel,
+                format_table)
+    runner = site.runner(spec.name, spec.base)
+    if site.compile is not None:
+        site.compile.apply(runner, prewarm=False)  # queued once the EAGLE head (if any) has named its feature layers
+    for kind in row.decoders:
+        DECODERS[kind](site, spec, runner)
 
-        register_diffusion_gemma(engine, spec.name, runner, base)
-        return
-    if compile is not None:
-        compile.apply(runner, prewarm=False)  # once the EAGLE head (if any) has named its feature layers
-    if base.config.is_diffusion:
-        from .diffusion.decoder import register_diffusion
 
-        if compile is not None:
-            compile.prewarm(runner)
-        register_diffusion(engine, spec.name, runner, base)
-        return
+def register_ar(site: Site, spec: ServedSpec, runner: ModelRunner) -> None:
+    """``ar``, with what the spec adds to it: ``eagle`` (a draft head, DFlash drafter or suffix
+    drafts), embeddings and rerank, and ``diffusion`` from a twin."""
+    engine, base, compile = site.engine, spec.base, site.compile
     engine.add_decoder(spec.name, ARDecoder(runner, engine.pool), base.tokenizer, base.config.vocab_size)
-    register_pooling(engine, spec.name, runner, base, spec.pooling)  # embeddings and rerank, never routed for generation
+    # Embeddings and rerank, never routed for generation.
+    register_pooling(engine, spec.name, runner, base, spec.pooling)
     if spec.eagle_head is not None or spec.dflash is not None:
-        register_eagle(engine, spec, runner, device, compile, parallel, format_table)
+        register_eagle(engine, spec, runner, site.device, compile, site.parallel, site.format_table)
     if compile is not None:
         compile.prewarm(runner)
     if spec.twin is not None:
-        from .diffusion.decoder import register_diffusion
-
-        twin_runner = runner_for(spec.twin, num_blocks, block_size, device, parallel)
-        runners[f"{spec.name}:diffusion"] = twin_runner
+        twin_runner = site.runner(f"{spec.name}:diffusion", spec.twin)
         if compile is not None:
             compile.apply(twin_runner)
         register_diffusion(engine, spec.name, twin_runner, spec.twin)
+
+
+def register_masked_diffusion(site: Site, spec: ServedSpec, runner: ModelRunner) -> None:
+    """``diffusion`` over a [MASK] canvas (``diffusion/decoder.py``)."""
+    if site.compile is not None:
+        site.compile.prewarm(runner)
+    register_diffusion(site.engine, spec.name, runner, spec.base)
+
+
+def register_uniform_diffusion(site: Site, spec: ServedSpec, runner: ModelRunner) -> None:
+    """``diffusion`` over a canvas of random tokens, by an encoder-denoiser network (``diffusion/gemma.py``)."""
+    register_canvas(site.engine, spec.name, runner, spec.base)
+
+
+# The decoders a family row may name (``families.DecoderKind``), and how each is registered.
+DECODERS: dict[DecoderKind, Callable[[Site, ServedSpec, ModelRunner], None]] = {
+    "ar": register_ar,
+    "masked_diffusion": register_masked_diffusion,
+    "uniform_diffusion": register_uniform_diffusion,
+}
 
 
 def register_eagle(engine: Engine, spec: ServedSpec, runner: ModelRunner, device: str, compile: CompileSpec | None,

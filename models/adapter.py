@@ -4,7 +4,7 @@ A twin directory holds two files:
 
 - ``config.json``: the base model's Hugging Face config with two more keys,
   ``"dualserve_diffusion": {"block_size", "mask_token_id", "shift_logits",
-  "base_model"}`` (read by ``ModelConfig.from_hf``) and ``"lora": {"rank",
+  "base_model"}`` (read by ``families.read_config``) and ``"lora": {"rank",
   "alpha", "targets"}``;
 - ``adapter.safetensors``: per adapted projection ``layers.N.<module>.lora_A``
   (rank, in) and ``.lora_B`` (out, rank), in our fused naming (``qkv_proj``,

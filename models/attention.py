@@ -4,7 +4,7 @@ Models never own a KV cache. Each attention layer projects q, k, v, applies RoPE
 and hands the three tensors to an ``AttentionBackend`` passed into ``forward``.
 The backend decides what the tokens see (causal, bidirectional, block-causal or a
 tree mask) and where keys and values are stored (nowhere, or a paged block pool
-owned by the engine: see ``dualserve.decoders.engine.paged_attention``).
+owned by the engine: see ``dualserve.decoders.engine.attention.paged_attention``).
 
 Token layout is *flattened*: a batch of sequences is one (tokens, ...) tensor,
 and the backend knows where each sequence starts. This keeps padding out of the

@@ -1,10 +1,10 @@
 """The bottom of loading: the loaded-model record, tensor readers, renaming, and ``build``.
 
-Every family loader (``loader.py`` for the transformer core and GGUF,
-``adapter.py`` for twins, ``eagle.py`` for draft heads, ``diffusion_gemma.py``)
-imports from here and nothing imports back, so loading runs one way: shared
-types and readers at the bottom, family loaders above, one dispatch at the top
-(``loader.load_model``).
+Every loader (``loader.py`` for the transformer core and GGUF, ``adapter.py``
+for twins, ``eagle.py`` for draft heads, a family's own loader named by its row
+in ``families.py``) imports from here and nothing imports back, so loading runs
+one way: shared types and readers at the bottom, loaders above, one dispatch at
+the top (``loader.load_model``, through the family row).
 
 A state dict here maps names to tensors, or, for a weight stored quantized in
 the model cache, to a *portable* entry ``{"qweight", "scales"[, "zeros", "scale_mult",
@@ -20,7 +20,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Union
+from typing import Iterable, Iterator, Union
 
 import torch
 from safetensors import safe_open
@@ -28,14 +28,12 @@ from torch import nn
 
 from .config import ModelConfig
 from .heap import trim_heap
+from .network import Network, NetworkConfig
 from .portable import PORTABLE_KEYS, concat_portable, dequantize_portable, portable_kind
 from .quant import DOT8_DIGITS, GROUP, QuantEmbedding, Quantization, float_to_linear, head_linear, to_linear
 from .tied_embedding import HeadRowsEmbedding, tied_embedding
 from .tokenizer import Tokenizer
 from .transformer import Transformer
-
-if TYPE_CHECKING:
-    from .diffusion_gemma import DiffusionGemma, DiffusionGemmaConfig
 
 Weight = Union[torch.Tensor, dict]  # a tensor, or a portable quantized entry
 
@@ -44,8 +42,8 @@ Weight = Union[torch.Tensor, dict]  # a tensor, or a portable quantized entry
 class LoadedModel:
     name: str
     path: Path
-    config: "ModelConfig | DiffusionGemmaConfig"
-    model: "Transformer | DiffusionGemma"
+    config: NetworkConfig
+    model: Network
     tokenizer: Tokenizer
     load_seconds: float
     quantization: Quantization = "none"

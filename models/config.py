@@ -1,13 +1,12 @@
-"""Model configuration: one frozen dataclass for every decoder-only transformer we serve.
+"""Model configuration: one frozen dataclass for every network the transformer core builds.
 
-The same shape covers Llama, Mistral, Qwen2 and SmolLM (the AR families) and the
-diffusion families built on them (LLaDA, Dream, block diffusion). Family details
-that change the math are fields here (q/k/v bias, tied embeddings, rope scaling,
-logit shift, mask token, Gemma's norms and windows); how a family is recognised and
-named lives in ``families.py``.
-
-Constructors read Hugging Face ``config.json`` dicts and GGUF metadata, so the
-loader never has to know which source a config came from.
+Every field changes the math of a layer (q/k/v bias, q/k norms, tied embeddings, rope scaling,
+windows, Gemma's norms, the logit shift and mask token of diffusion models); which family a
+checkpoint is, and which reader turns its ``config.json`` or GGUF metadata into these fields, is
+the family row's business (``families.py``). The readers here serve every family whose config
+follows the common Hugging Face keys; a family with other keys brings its own reader in its own
+file (``gemma3.py``, ``llada.py``). What a family's ``config.json`` leaves to convention (Qwen2's
+q/k/v biases, say) reaches the reader as the row's ``Layout``, so no reader names a family.
 """
 
 from __future__ import annotations
@@ -19,18 +18,21 @@ from typing import Any, Literal
 
 import torch
 
-from .families import FAMILIES, GGUF_ARCHITECTURES, HF_MODEL_TYPES, UnsupportedModel, of_gguf
+from .errors import UnsupportedModel
 
-__all__ = ["GGUF_ARCHITECTURES", "HF_MODEL_TYPES", "UnsupportedModel", "ModelConfig", "RopeScaling"]
+__all__ = ["Layout", "ModelConfig", "RopeScaling", "UnsupportedModel", "read_gguf", "read_hf", "rope_scaling_of"]
 
-Family = Literal["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "llada", "dream", "block_diffusion"]
 
-# Fast-dLLM v2 (model_type "Fast_dLLM_Qwen") hard-codes its [MASK] id ("|<MASK>|") in generate;
-# its config.json has none.
-FAST_DLLM_V2_MASK_ID = 151665
+@dataclass(frozen=True)
+class Layout:
+    """What a family's checkpoint leaves to convention, as the core's readers apply it."""
 
-# The families whose checkpoints are diffusion models (the rest are autoregressive).
-DIFFUSION_FAMILIES = frozenset(f.name for f in FAMILIES if f.diffusion and f.network == "core")
+    attention_bias: bool = False       # q/k/v biases unless config.json says otherwise (Qwen2)
+    qk_norm: bool = False              # RMSNorm over each head's queries and keys (Qwen3, SDAR)
+    window_everywhere: bool = False    # config.json's sliding_window applies to every layer (Mistral v0.1, Phi-3)
+    gguf_window: bool = False          # likewise for the GGUF's attention.sliding_window (Phi-3)
+    shift_logits: bool = False         # position i's logits predict token i+1 (Dream, Fast-dLLM v2)
+    mask_token_id: int | None = None   # a [MASK] id the code hard-codes and config.json omits
 
 
 @dataclass(frozen=True)
@@ -44,15 +46,9 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
-# Gemma 3: every sixth layer attends globally, the others within a sliding window, with their own
-# RoPE base (transformers' Gemma3TextConfig defaults, which llama.cpp hard-codes too).
-GEMMA3_PATTERN = 6
-GEMMA3_LOCAL_ROPE_THETA = 10000.0
-
-
 @dataclass(frozen=True)
 class ModelConfig:
-    family: Family
+    family: str                         # its row in ``families.FAMILIES``
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -84,7 +80,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
-    # Diffusion families: the [MASK] id, the denoising block size (block diffusion)
+    # Diffusion models: the [MASK] id, the attention block of block-causal ones (block diffusion)
     # and whether position i's logits predict token i+1 (Dream / AR-adapted twins).
     mask_token_id: int | None = None
     diffusion_block_size: int | None = None
@@ -112,125 +108,102 @@ class ModelConfig:
 
     @property
     def is_diffusion(self) -> bool:
-        return self.family in DIFFUSION_FAMILIES
+        """A core network is a diffusion model when it has a [MASK] token to denoise."""
+        return self.mask_token_id is not None
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
-    # ---- constructors ---------------------------------------------------
 
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Read a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3, LLaDA, Dream, twins)."""
-        model_type = str(cfg.get("model_type", "llama")).lower()
-        if model_type == "llada":
-            return _llada_from_hf(cfg)
-        if model_type == "gemma3_text":
-            return _gemma3_from_hf(cfg)
-        if model_type == "gemma3":
-            raise UnsupportedModel("Gemma 3 checkpoints with a vision tower (model_type 'gemma3') are not supported; "
-                                   "text-only ones (model_type 'gemma3_text': 270M, 1B) are")
-        if model_type == "sdar":
-            raise UnsupportedModel("SDAR checkpoints need per-head q/k RMSNorm (Qwen3), which the transformer "
-                                   "core lacks")
-        if model_type not in HF_MODEL_TYPES:
-            raise UnsupportedModel(f"unsupported model type {model_type!r} in config.json; supported: "
-                                   f"{', '.join(HF_MODEL_TYPES)}, and DiffusionGemma")
-        fast_dllm_v2 = model_type == "fast_dllm_qwen"  # Qwen2 layout + bd_size, shifted logits
-        family: Family
-        if model_type == "dream":
-            family = "dream"
-        elif cfg.get("dualserve_diffusion") or cfg.get("bd_size") or cfg.get("block_size"):
-            family = "block_diffusion"
-        elif model_type in ("qwen2", "qwen3", "mistral", "phi3"):
-            family = model_type  # type: ignore[assignment]
-        else:
-            family = "llama"
-        heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
-        eos = cfg.get("eos_token_id")
-        twin = cfg.get("dualserve_diffusion") or {}
-        rope = cfg.get("rope_parameters") or {}
-        if float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))) != 1.0:
-            raise UnsupportedModel(f"{model_type} checkpoints that rotate part of each head are not supported")
-        # Mistral (v0.1) and Phi-3 attend within a sliding window on every layer.
-        window = cfg.get("sliding_window") if family in ("mistral", "phi3") else None
-        return cls(
-            family=family,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=hidden,
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
-            intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            # Qwen2 always has q/k/v biases; Llama/Mistral say so with attention_bias.
-            attention_bias=bool(cfg.get("attention_bias", family in ("qwen2", "dream") or model_type == "qwen2"
-                                        or fast_dllm_v2)),
-            qk_norm=family == "qwen3",
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
-            pad_token_id=cfg.get("pad_token_id"),
-            mask_token_id=cfg.get("mask_token_id", twin.get("mask_token_id",
-                                                             FAST_DLLM_V2_MASK_ID if fast_dllm_v2 else None)),
-            diffusion_block_size=twin.get("block_size") or cfg.get("bd_size") or cfg.get("block_size"),
-            shift_logits=bool(twin.get("shift_logits", family == "dream" or fast_dllm_v2)),
-            diffusion_threshold=twin.get("threshold"),
-            sliding_window=window,
-            sliding_layers=(True,) * cfg["num_hidden_layers"] if window else (),
-            rope_factors=tuple(cfg.get("dualserve_rope_factors") or ()),
-        )
+# ---- readers -------------------------------------------------------------------------------
 
-    @classmethod
-    def from_gguf(cls, meta: dict[str, Any]) -> "ModelConfig":
-        """Read GGUF metadata (``general.architecture`` in ``GGUF_ARCHITECTURES``)."""
-        arch = of_gguf(meta["general.architecture"]).name
-        if arch == "gemma3":
-            return _gemma3_from_gguf(meta)
-
-        def key(name: str, default: Any = None) -> Any:
-            return meta.get(f"{arch}.{name}", default)
-
-        hidden = int(key("embedding_length"))
-        heads = int(key("attention.head_count"))
-        vocab = key("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
-        scaling = RopeScaling()
-        if key("rope.scaling.type") == "linear":
-            scaling = RopeScaling(kind="linear", factor=float(key("rope.scaling.factor", 1.0)))
-        eos = meta.get("tokenizer.ggml.eos_token_id")
-        window = key("attention.sliding_window") if arch == "phi3" else None
-        if key("rope.dimension_count") not in (None, int(key("attention.key_length", hidden // heads))):
-            raise UnsupportedModel(f"{arch} files that rotate part of each head are not supported")
-        return cls(
-            family=arch,
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            num_layers=int(key("block_count")),
-            num_heads=heads,
-            num_kv_heads=int(key("attention.head_count_kv", heads)),
-            head_dim=int(key("attention.key_length", hidden // heads)),
-            intermediate_size=int(key("feed_forward_length")),
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            max_position_embeddings=int(key("context_length", 4096)),
-            attention_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
-            tie_word_embeddings=False,  # the loader sets this when output.weight is absent
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=(int(eos),) if eos is not None else (),
-            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-            sliding_window=int(window) if window else None,
-            sliding_layers=(True,) * int(key("block_count")) if window else (),
-        )
+# Keys by which a config.json of an AR family declares block diffusion (a twin, or a converted
+# block-diffusion checkpoint): read then as the block-diffusion family over the AR layout.
+BLOCK_DIFFUSION_KEYS = ("dualserve_diffusion", "bd_size", "block_size")
 
 
-def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling:
+def read_hf(cfg: dict[str, Any], family: str, layout: Layout) -> ModelConfig:
+    """Read a Hugging Face ``config.json`` in the common keys (``LlamaConfig`` and its kin)."""
+    model_type = cfg.get("model_type", family)
+    heads = cfg["num_attention_heads"]
+    hidden = cfg["hidden_size"]
+    eos = cfg.get("eos_token_id")
+    twin = cfg.get("dualserve_diffusion") or {}
+    rope = cfg.get("rope_parameters") or {}
+    if float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise UnsupportedModel(f"{model_type} checkpoints that rotate part of each head are not supported")
+    window = cfg.get("sliding_window") if layout.window_everywhere else None
+    return ModelConfig(
+        family=family,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        intermediate_size=cfg["intermediate_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        rope_scaling=rope_scaling_of(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        attention_bias=bool(cfg.get("attention_bias", layout.attention_bias)),
+        qk_norm=layout.qk_norm,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+        pad_token_id=cfg.get("pad_token_id"),
+        mask_token_id=cfg.get("mask_token_id", twin.get("mask_token_id", layout.mask_token_id)),
+        diffusion_block_size=twin.get("block_size") or cfg.get("bd_size") or cfg.get("block_size"),
+        shift_logits=bool(twin.get("shift_logits", layout.shift_logits)),
+        diffusion_threshold=twin.get("threshold"),
+        sliding_window=window,
+        sliding_layers=(True,) * cfg["num_hidden_layers"] if window else (),
+        rope_factors=tuple(cfg.get("dualserve_rope_factors") or ()),
+    )
+
+
+def read_gguf(meta: dict[str, Any], family: str, layout: Layout) -> ModelConfig:
+    """Read GGUF metadata in llama.cpp's common keys (``<general.architecture>.<key>``)."""
+    arch = meta["general.architecture"]
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    vocab = key("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    scaling = RopeScaling()
+    if key("rope.scaling.type") == "linear":
+        scaling = RopeScaling(kind="linear", factor=float(key("rope.scaling.factor", 1.0)))
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    window = key("attention.sliding_window") if layout.gguf_window else None
+    if key("rope.dimension_count") not in (None, int(key("attention.key_length", hidden // heads))):
+        raise UnsupportedModel(f"{arch} files that rotate part of each head are not supported")
+    return ModelConfig(
+        family=family,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        num_layers=int(key("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", hidden // heads)),
+        intermediate_size=int(key("feed_forward_length")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(key("context_length", 4096)),
+        attention_bias=layout.attention_bias,
+        qk_norm=layout.qk_norm,
+        tie_word_embeddings=False,  # the loader sets this when output.weight is absent
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        sliding_window=int(window) if window else None,
+        sliding_layers=(True,) * int(key("block_count")) if window else (),
+    )
+
+
+def rope_scaling_of(raw: dict[str, Any] | None) -> RopeScaling:
     if not raw:
         return RopeScaling()
     kind = raw.get("rope_type") or raw.get("type") or "default"
@@ -242,118 +215,6 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling:
         low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
         high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
-    )
-
-
-def _gemma3_layers(num_layers: int, layer_types: list[str] | None) -> tuple[bool, ...]:
-    if layer_types:
-        return tuple(t == "sliding_attention" for t in layer_types)
-    return tuple((i + 1) % GEMMA3_PATTERN != 0 for i in range(num_layers))
-
-
-def _gemma3_from_hf(cfg: dict[str, Any]) -> ModelConfig:
-    """Gemma 3 text (``Gemma3TextConfig``): RoPE bases per layer type, in ``rope_parameters``
-    (transformers 5) or ``rope_theta`` / ``rope_local_base_freq`` (4.x)."""
-    params = cfg.get("rope_parameters") or {}
-    full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
-    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
-        raise UnsupportedModel("Gemma checkpoints with logit soft-capping are not supported")
-    eos = cfg.get("eos_token_id")
-    return ModelConfig(
-        family="gemma3",
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        intermediate_size=cfg["intermediate_size"],
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))),
-        rope_scaling=_rope_scaling(full if full.get("rope_type", "default") != "default" else cfg.get("rope_scaling")),
-        max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        qk_norm=True,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
-        pad_token_id=cfg.get("pad_token_id"),
-        activation="gelu_tanh",
-        sandwich_norms=True,
-        scale_embeddings=True,
-        norm_offset=float(cfg.get("dualserve_norm_offset", 1.0)),
-        sliding_window=cfg.get("sliding_window"),
-        sliding_layers=_gemma3_layers(cfg["num_hidden_layers"], cfg.get("layer_types")),
-        rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", GEMMA3_LOCAL_ROPE_THETA))),
-        attention_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
-    )
-
-
-def _gemma3_from_gguf(meta: dict[str, Any]) -> ModelConfig:
-    """llama.cpp's gemma3 keys. Its norms already hold 1 + w (``norm_offset`` 0); the attention scale
-    is 1/sqrt(hidden / heads) for the 27B shape and 1/sqrt(head_dim) otherwise, as llama.cpp sets it."""
-    def key(name: str, default: Any = None) -> Any:
-        return meta.get(f"gemma3.{name}", default)
-
-    hidden, heads, layers = int(key("embedding_length")), int(key("attention.head_count")), int(key("block_count"))
-    head_dim = int(key("attention.key_length", hidden // heads))
-    scaling = RopeScaling()
-    if key("rope.scaling.type") == "linear":
-        scaling = RopeScaling(kind="linear", factor=float(key("rope.scaling.factor", 1.0)))
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        family="gemma3",
-        vocab_size=int(key("vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])) or 262144),
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        intermediate_size=int(key("feed_forward_length")),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(key("rope.freq_base", 1_000_000.0)),
-        rope_scaling=scaling,
-        max_position_embeddings=int(key("context_length", 32768)),
-        qk_norm=True,
-        tie_word_embeddings=False,  # the loader sets this when output.weight is absent
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-        activation="gelu_tanh",
-        sandwich_norms=True,
-        scale_embeddings=True,
-        norm_offset=0.0,
-        sliding_window=int(key("attention.sliding_window", 512)),
-        sliding_layers=_gemma3_layers(layers, None),
-        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
-        attention_scale=(hidden / heads) ** -0.5 if (hidden, heads) == (5376, 32) else head_dim ** -0.5,
-    )
-
-
-def _llada_from_hf(cfg: dict[str, Any]) -> ModelConfig:
-    """LLaDA's OLMo-style config (d_model, n_heads, mlp_hidden_size, ...)."""
-    hidden = cfg["d_model"]
-    heads = cfg["n_heads"]
-    return ModelConfig(
-        family="llada",
-        vocab_size=cfg.get("embedding_size") or cfg["vocab_size"],
-        hidden_size=hidden,
-        num_layers=cfg["n_layers"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("n_kv_heads") or heads,
-        head_dim=hidden // heads,
-        intermediate_size=cfg["mlp_hidden_size"],
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-        rope_theta=cfg.get("rope_theta", 500000.0),
-        max_position_embeddings=cfg.get("max_sequence_length", 4096),
-        attention_bias=bool(cfg.get("include_bias", False) or cfg.get("include_qkv_bias", False)),
-        tie_word_embeddings=bool(cfg.get("weight_tying", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=(cfg["eos_token_id"],) if cfg.get("eos_token_id") is not None else (),
-        pad_token_id=cfg.get("pad_token_id"),
-        mask_token_id=cfg.get("mask_token_id", 126336),
     )
 
 

@@ -47,6 +47,7 @@ from .attention import AttentionBackend
 from .checkpoint import rename, to_module_names
 from .config import ModelConfig
 from .eagle import published_state, read_draft_state
+from .families import DFLASH_LAYER, read_layer
 from .transformer import RMSNorm, Rotary, SwiGLU, Transformer, apply_rope
 
 
@@ -88,7 +89,7 @@ class DFlashConfig:
         if mask is None or not 0 <= int(mask) < target.vocab_size:
             raise ValueError(f"DFlash mask_token_id {mask!r} is not a target token id")
         plain = {k: v for k, v in cfg.items() if k not in ("dflash_config", "block_size", "layer_types")}
-        layer = ModelConfig.from_hf({**plain, "model_type": "llama"})
+        layer = read_layer(plain)
         layer = layer.replace(vocab_size=target.vocab_size, tie_word_embeddings=False,
                               attention_bias=bool(cfg.get("attention_bias", False)))
         return cls(layer, ids, int(cfg.get("target_hidden_size") or target.hidden_size), int(value("block_size", 16)),
@@ -269,7 +270,7 @@ def dflash_config_dict(config: DFlashConfig, target: ModelConfig) -> dict:
         "high_freq_factor": r.high_freq_factor, "original_max_position_embeddings": r.original_max_position_embeddings}
     return {
         "rope_scaling": scaling,
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
+        "architectures": ["DFlashDraftModel"], "model_type": DFLASH_LAYER.name, "hidden_act": "silu",
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
         "num_hidden_layers": c.num_layers, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,

@@ -48,6 +48,7 @@ from torch import nn
 
 from .attention import AttentionBackend
 from .config import ModelConfig
+from .families import PLAIN, read_layer
 from .speculators import flatten_speculators_config, is_speculators
 from .checkpoint import FUSED, rename, to_module_names
 from .transformer import Attention, DecoderLayer, RMSNorm, Rotary, SwiGLU, Transformer
@@ -75,11 +76,11 @@ class EagleConfig:
     @classmethod
     def from_hf(cls, cfg: dict, kind: HeadKind, target: ModelConfig, fc_bias: bool | None = None) -> "EagleConfig":
         """Read a head's config.json; fields absent from published heads get upstream's defaults."""
-        cfg = {**cfg, "model_type": "llama"}
+        cfg = dict(cfg)
         cfg.setdefault("rope_theta", 10000.0)  # upstream EConfig: base 10000 when absent
         if isinstance(cfg.get("rope_scaling"), dict) and cfg["rope_scaling"].get("rope_type") == "llama3":
             cfg["rope_scaling"] = None  # heads use plain RoPE (upstream EConfig rejects llama3 scaling)
-        layer = ModelConfig.from_hf(cfg)
+        layer = read_layer(cfg)
         layer = layer.replace(vocab_size=target.vocab_size, attention_bias=bool(cfg.get("qkv_bias", False)),
                               tie_word_embeddings=False)
         if kind == "eagle1":
@@ -305,7 +306,7 @@ def head_config_dict(config: EagleConfig, target: ModelConfig) -> dict:
     """config.json in the published layout (EAGLE-LLaMA3-Instruct-8B / EAGLE-3 training template)."""
     c = config.layer
     out = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "architectures": [PLAIN.hf_architecture], "model_type": PLAIN.name, "hidden_act": "silu",
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
         "num_hidden_layers": c.num_layers, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,

@@ -10,8 +10,12 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .families import UnsupportedModel
 from .hub import ModelFetchError
+
+
+class UnsupportedModel(ValueError):
+    """A checkpoint of a family or format this build does not load; the message names it and what is
+    supported (the CLI prints it as one line)."""
 
 
 class InputError(ValueError):

@@ -6,7 +6,7 @@ renamed through tables kept as data, fused where the core fuses projections, and
 assigned. No pickle anywhere.
 
 Renaming happens in two steps so each table stays small and readable:
-  1. source name -> canonical Hugging Face Llama name (``GGUF_NAMES``, ``LLADA_NAMES``);
+  1. source name -> canonical Hugging Face Llama name (``GGUF_NAMES``, a family's own ``source_names``);
   2. canonical name -> our module name, fusing q/k/v and gate/up (``FUSED``).
 
 A GGUF file is slow to parse (its metadata arrays are read element by element),
@@ -32,9 +32,9 @@ from safetensors.torch import save_file
 
 from .adapter import TwinSpec, apply_twin, is_twin_dir
 from .checkpoint import LoadedModel, Weight, build, iter_weights, portable_tensors, rename, safetensors_files, stream_module_names
-from .config import ModelConfig, UnsupportedModel
-from .diffusion_gemma import load_diffusion_gemma
-from .families import family, of_hf
+from .config import ModelConfig
+from .errors import UnsupportedModel
+from .families import family, of_hf, read_config, read_gguf_config
 from .quant import GGUF_PACKED, Quantization, gguf_blocks
 from .tokenizer import Tokenizer
 
@@ -58,30 +58,15 @@ GGUF_NAMES: list[tuple[str, str]] = [
     (r"^blk\.(\d+)\.ffn_down\.weight$", r"model.layers.\1.mlp.down_proj.weight"),
 ]
 
-# LLaDA (OLMo-derived) names; ff_proj is the SwiGLU gate: act(ff_proj(x)) * up_proj(x).
-LLADA_NAMES: list[tuple[str, str]] = [
-    (r"^model\.transformer\.wte\.weight$", "model.embed_tokens.weight"),
-    (r"^model\.transformer\.ln_f\.weight$", "model.norm.weight"),
-    (r"^model\.transformer\.ff_out\.weight$", "lm_head.weight"),
-    (r"^model\.transformer\.blocks\.(\d+)\.attn_norm\.weight$", r"model.layers.\1.input_layernorm.weight"),
-    (r"^model\.transformer\.blocks\.(\d+)\.ff_norm\.weight$", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"^model\.transformer\.blocks\.(\d+)\.(q|k|v)_proj\.(weight|bias)$", r"model.layers.\1.self_attn.\2_proj.\3"),
-    (r"^model\.transformer\.blocks\.(\d+)\.attn_out\.weight$", r"model.layers.\1.self_attn.o_proj.weight"),
-    (r"^model\.transformer\.blocks\.(\d+)\.ff_proj\.weight$", r"model.layers.\1.mlp.gate_proj.weight"),
-    (r"^model\.transformer\.blocks\.(\d+)\.up_proj\.weight$", r"model.layers.\1.mlp.up_proj.weight"),
-    (r"^model\.transformer\.blocks\.(\d+)\.ff_out\.weight$", r"model.layers.\1.mlp.down_proj.weight"),
-]
-
-SOURCE_NAMES = {"gguf": GGUF_NAMES, "llada": LLADA_NAMES}
-
 
 def gguf_names(name: str) -> list[tuple[str, str]]:
     """A family's own GGUF names (``families.py``), then the common table."""
     return list(family(name).gguf_names) + GGUF_NAMES
 
+
 def load_hf_state(path: Path, config: ModelConfig) -> Iterator[tuple[str, Weight]]:
     """A checkpoint's weights under our module names, streamed tensor by tensor."""
-    table = SOURCE_NAMES.get(config.family)
+    table = family(config.family).source_names  # None: the canonical names already
 
     def canonical() -> Iterator[tuple[str, Weight]]:
         for name, tensor in iter_weights(path):
@@ -167,16 +152,11 @@ def _drop_pages(reader, tensor) -> None:
 
 def hf_config_dict(config: ModelConfig) -> dict:
     """A Hugging Face style config.json for a converted GGUF."""
-    gemma = {}
-    if config.family == "gemma3":
-        gemma = {"layer_types": ["sliding_attention" if s else "full_attention" for s in config.sliding_layers],
-                 "rope_local_base_freq": config.rope_local_theta,
-                 "query_pre_attn_scalar": config.attention_scale ** -2, "hidden_activation": "gelu_pytorch_tanh",
-                 "dualserve_norm_offset": config.norm_offset}  # GGUF norms hold 1 + w already
+    row = family(config.family)
     return {
-        "architectures": [family(config.family).hf_architecture],
-        "model_type": family(config.family).hf_model_type or config.family,
-        **gemma,
+        "architectures": [row.hf_architecture],
+        "model_type": row.hf_model_type or config.family,
+        **row.hf_keys(config),
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "num_hidden_layers": config.num_layers,
@@ -215,7 +195,7 @@ def convert_gguf(path: Path, out_dir: Path) -> Path:
         reader = gguf.GGUFReader(str(path))
     except (ValueError, IndexError, KeyError, OSError) as e:  # truncated, not GGUF, or a newer GGUF version
         raise UnsupportedModel(f"{path.name} is not a GGUF file this build reads ({type(e).__name__}: {e})") from None
-    config = ModelConfig.from_gguf(gguf_metadata(reader))
+    config = read_gguf_config(gguf_metadata(reader))
     by_name = {t.name: t for t in reader.tensors}
     if "rope_factors_long.weight" in by_name:
         raise UnsupportedModel(f"{path.name}: LongRoPE scaling (rope_factors_long) is not supported")
@@ -344,11 +324,12 @@ def load_model(path: Path | str, *, name: str | None = None, dtype: torch.dtype 
                          quantization=quantization)
     source = prepare_source(path, cache_dir)
     raw = json.loads((source / "config.json").read_text())
-    if of_hf(raw).network == "diffusion_gemma":
-        return load_diffusion_gemma(source, dtype, device, name=name)
+    row = of_hf(raw)
+    if row.load is not None:  # a network with its own loader (float weights only)
+        return row.load(source, dtype, device, name=name)
     if quantization == "auto":
         quantization = stored_quantization(source)
-    config = ModelConfig.from_hf(raw)
+    config = read_config(raw)
     # The tokenizer first: parsing a large vocabulary (Gemma's 262k tokens) briefly takes hundreds of
     # MB, which would otherwise come on top of the loaded weights at the load's peak.
     tokenizer = Tokenizer.from_hf_dir(source)

@@ -1,6 +1,6 @@
 """Tensor parallelism for DiffusionGemma (``diffusion_gemma.py``), applied from outside the model.
 
-The splits of the transformer core (``sharding.py``), for Gemma 4's layer:
+The splits of the transformer core (``sharding_core.py``), for Gemma 4's layer:
 
   * attention: this rank's query heads and the KV heads they read, then ``o_proj`` row parallel
     over the same heads. A layer with at least as many KV heads as ranks splits by KV head (the
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .diffusion_gemma import Attention, DiffusionGemma, DiffusionGemmaConfig, Experts, grouped_linear
-from .sharding import GatheredLinear, Shard, gather_last, span, split_sizes, take_cols, take_rows
+from .sharding_core import GatheredLinear, Shard, gather_last, span, split_sizes, take_cols, take_rows
 
 
 class SummedLinear(nn.Module):

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .families import PLAIN
+
 # Options of the speculators EAGLE-3 model that change the computation; ours implements none
 # of them (norm_before_residual is supported separately).
 UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
@@ -46,8 +48,8 @@ def flatten_speculators_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if on:
         raise ValueError(f"speculators EAGLE-3 options {on} are not supported")
     layer = dict(cfg["transformer_layer_config"])
-    if layer.get("model_type", "llama") != "llama":
-        raise ValueError(f"speculators draft layer of type {layer['model_type']!r}: only llama layers load")
+    if layer.get("model_type", PLAIN.name) not in PLAIN.hf_model_types:
+        raise ValueError(f"speculators draft layer of type {layer['model_type']!r}: only {PLAIN.name} layers load")
     if int(layer.get("num_hidden_layers", 1)) != 1:
         raise ValueError("speculators EAGLE-3 heads with more than one draft layer are not supported")
     if layer.get("mlp_bias"):

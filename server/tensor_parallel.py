@@ -11,9 +11,10 @@ Two launch forms, one code path after the rendezvous:
     ``settings.ParallelSpec``); rank 0 serves, every other rank runs ``run_worker`` and exits
     with the server. Liveness then rests on the collectives and the heartbeat alone.
 
-Every rank loads the same models from the same settings (rank 0's, sent to spawned ranks),
-shards them (``models/sharding.py``) and builds the same deployment; the ranks other than 0 then
-replay rank 0's steps (``decoders/engine/parallel.py``). The backend is NCCL on CUDA and gloo on
+Every rank loads the same models from the same settings (rank 0's, sent to spawned ranks) through
+``loading.load_deployment``, shards them (``models/sharding.py``: each by its family's sharder) and
+builds the same deployment; the ranks other than 0 then replay rank 0's steps
+(``decoders/engine/parallel.py``). The backend is NCCL on CUDA and gloo on
 the CPU; ``--tp-timeout`` bounds every collective, so a hung rank is noticed within it; meeting at
 start-up may take longer (``START_SECONDS``).
 """
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from dualserve.decoders.engine.parallel import ParallelGroup, serve_steps
 from dualserve.models.sharding import Shard
 
+from .loading import load_deployment
 from .settings import Settings
 
 log = logging.getLogger("dualserve.parallel")
@@ -77,30 +79,18 @@ def check_fits(settings: Settings) -> None:
     cannot be split over (a rank with no key/value head, MLP column or vocabulary row of its own)."""
     import json
 
-    from dualserve.models.config import ModelConfig
     from dualserve.models.errors import InputError
-    from dualserve.models.families import of_hf
+    from dualserve.models.families import of_hf, read_config
     from dualserve.models.hub import resolve_model
     from dualserve.models.loader import prepare_source
-    from dualserve.models.sharding import most_ranks
 
     model, world = settings.model, settings.parallel.size
     for name in (model.model, *([model.diffusion] if model.diffusion else [])):
         _, path = resolve_model(name, model.cache_dir)
         raw = json.loads((prepare_source(path, model.cache_dir) / "config.json").read_text())
-        if of_hf(raw).network == "diffusion_gemma":
-            from dualserve.models.diffusion_gemma import DiffusionGemmaConfig
-            from dualserve.models.sharding_gemma import cannot_split
-
-            reason = cannot_split(DiffusionGemmaConfig.from_hf(raw), world)
-            if reason:
-                raise InputError(f"--tensor-parallel-size {world} cannot split {path.name}: {reason}")
-            continue
-        config = ModelConfig.from_hf(raw)
-        most, limit = most_ranks(config.num_kv_heads, config.intermediate_size, config.vocab_size)
-        if world > most:
-            raise InputError(f"--tensor-parallel-size {world} is more ranks than {path.name} can be split over: "
-                             f"{limit}, so at most {most}")
+        reason = of_hf(raw).cannot_split(read_config(raw), world)
+        if reason:
+            raise InputError(f"--tensor-parallel-size {world} cannot split {path.name}: {reason}")
 
 
 def rank0_format(settings: Settings) -> Settings:
@@ -183,8 +173,6 @@ def worker_main(settings: Settings, rank: int, world: int, port: int) -> None:
 def run_worker(settings: Settings, shard: Shard, device: str) -> int:
     """Build the same deployment as rank 0 over this rank's shards (its engine never runs), then
     replay rank 0's steps on its runners, which are registered in the same order."""
-    from .cli import load_deployment
-
     try:
         dep = load_deployment(settings, ParallelGroup(shard, device, settings.parallel.heartbeat))
         serve_steps(list(dep.runners.values()), shard)

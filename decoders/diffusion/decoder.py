@@ -166,7 +166,8 @@ class DiffusionDecoder:
         self.max_batched_tokens = max_batched_tokens
         self.mask_id = cfg.mask_token_id
         self.shift = int(cfg.shift_logits)
-        self.attn_block = cfg.diffusion_block_size if cfg.family == "block_diffusion" else None
+        # A block-causal model declares its attention block; the others attend bidirectionally.
+        self.attn_block = cfg.diffusion_block_size
         # Exact block keys/values may enter the prefix cache only if every pool block ends on an
         # attention-block boundary: a pool block's keys/values then depend on its own tokens only.
         self.publish = bool(publish_blocks and self.attn_block and pool.enable_prefix_caching

@@ -2,8 +2,8 @@
 
 Rank 0 runs everything a single-process server runs (HTTP, router, scheduler, block pool,
 decoders). Its runners are ``TensorParallelRunner``s: before each call that touches the model or
-the KV tensors (``forward``, ``logits``, ``move_slots``; DiffusionGemma's ``encode`` and
-``denoise``) the runner broadcasts a step description,
+the KV tensors (``forward``, ``logits``, ``move_slots``; an encoder-denoiser network's
+``encode`` and ``denoise``) the runner broadcasts a step description,
 and every other rank (``serve_steps``) runs the same call on its shard of the weights and of the
 KV (its own KV heads of every block). The description is plain integer tensors over
 torch.distributed (gloo on the CPU, NCCL on CUDA):
@@ -14,8 +14,8 @@ torch.distributed (gloo on the CPU, NCCL on CUDA):
                            and explicit mask: ``AttentionMetadata`` rebuilt exactly on each rank
   logits   (rows, hidden)  the hidden rows rank 0 asks logits for (the head is vocab-split)
   move     (2n,) int64     EAGLE's slot moves
-  encode   as forward      DiffusionGemma's encoder over a prefix
-  denoise  as forward      DiffusionGemma's denoiser over canvases, then, when the step has them,
+  encode   as forward      an encoder-denoiser network's encoder over a prefix
+  denoise  as forward      its denoiser over canvases, then, when the step has them,
                            the self-conditioning logits (tokens, vocab) fp32 and the rows that
                            have them (tokens,) int64 (``SC_NONE`` / ``SC_ALL`` / ``SC_ROWS``)
 
@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dualserve.models.sharding import Shard
+from dualserve.models.network import Network
+from dualserve.models.sharding import Shard, Sharder
 from dualserve.models.transformer import Transformer
 
 from .attention.paged_attention import AttentionMetadata, SeqAttention
@@ -247,11 +248,10 @@ class ParallelGroup:
 
     # ---- models ----
 
-    def shard_models(self, models: Sequence[Transformer], keep_head_for: Sequence[Transformer] = ()) -> None:
-        """Shard ``models`` in place (shared modules once); ``keep_head_for`` keep an unsharded view
-        of their embedding and head for an EAGLE head drafting on rank 0."""
-        from dualserve.models.sharding import Sharder
-
+    def shard_models(self, models: Sequence[Network], keep_head_for: Sequence[Transformer] = ()) -> None:
+        """Shard ``models`` in place, each by its family's sharder (shared modules once);
+        ``keep_head_for`` keep an unsharded view of their embedding and head for an EAGLE head
+        drafting on rank 0."""
         if self.shard.rank == 0:  # only rank 0 drafts
             for model in keep_head_for:
                 self.head_views[id(model)] = head_view(model)
@@ -274,7 +274,7 @@ def head_view(model: Transformer) -> Transformer:
 class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: broadcasts each call, then makes it on its own shard (see module docstring)."""
 
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
+    def __init__(self, model: Network, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
                  device: torch.device | str = "cpu", use_flash: bool | None = None, *, group: ParallelGroup):
         super().__init__(model, num_blocks, block_size, kv_dtype, device, use_flash)
         self.group = group

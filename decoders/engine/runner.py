@@ -17,11 +17,12 @@ Tokens that must not be stored (a diffusion canvas still being denoised) are
 written to a scratch block that no request owns, so one batch can mix stored
 and unstored sequences without a second kernel path.
 
-DiffusionGemma runs through the same runner: its KV cache has one shape per
-layer (``KVCache.of_layers``) and its backend is ``WindowedPagedAttention``
-(sliding layers, the model's own attention kernel). Its encoder and denoiser
-are two entry points rather than one ``forward``: the runner's ``encode`` and
-``denoise``. It is never compiled.
+Every family's network runs through the same runner, by what it declares
+(``models/network.py``): one that brings its own attention kernel gets a KV
+cache with one shape per layer (``KVCache.of_layers``) and the
+``WindowedPagedAttention`` backend over that kernel; an encoder-denoiser network
+is run through the runner's ``encode`` and ``denoise`` instead of ``forward``.
+Only a family whose row says it compiles is compiled.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from typing import Callable, Sequence
 import torch
 
 from dualserve.models.attention import AttentionBackend
-from dualserve.models.diffusion_gemma import DiffusionGemma
-from dualserve.models.transformer import Transformer
+from dualserve.models.families import family
+from dualserve.models.network import Network, attention_kernel
 
 from .attention.paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache, SdpaPagedAttention,
                                         SeqAttention, SeqMask, flash_available, flash_fits)
@@ -72,7 +73,7 @@ def attention_backend(dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer | DiffusionGemma, num_blocks: int, block_size: int,
+    def __init__(self, model: Network, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
                  use_flash: bool | None = None):
         cfg = model.config
@@ -83,8 +84,8 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.backend: Callable[[KVCache, AttentionMetadata], AttentionBackend]
         # One extra block at the end is scratch space for tokens that are not stored.
-        kernel = getattr(model, "attention_kernel", None)
-        if kernel is not None:  # a network with its own attention and per-layer KV shapes (DiffusionGemma)
+        kernel = attention_kernel(model)
+        if kernel is not None:  # a network with its own attention and per-layer KV shapes
             self.kv = KVCache.of_layers(cfg.kv_shapes, num_blocks + 1, block_size, kv_dtype or self.dtype, self.device)
             self.backend = partial(WindowedPagedAttention, windows=cfg.windows, kernel=kernel)
         else:
@@ -101,8 +102,8 @@ class ModelRunner:
         """Run steps through compiled graphs (``compiled.py``) once each shape's graph is built: on
         ``worker``'s thread (eager until then), or, with no worker, on first use. ``attend_kernel``:
         graph attention as the project's kernel where it is built (``compiled.ROWS_MAX``'s note)."""
-        if not isinstance(self.model, Transformer):
-            raise TypeError("compiled steps run the transformer core's forward only")
+        if not family(self.config.family).compiles:
+            raise TypeError(f"{self.config.family}'s steps are not compiled (its family row says so)")
         if any(w is not None for w in self.config.windows):
             log.info("%s has sliding-window layers, which compiled steps do not take yet: it runs eager",
                      self.config.family)
@@ -177,14 +178,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def encode(self, items: Sequence[ForwardItem]) -> None:
-        """DiffusionGemma's encoder over ``items``: it writes their keys and values."""
+        """An encoder-denoiser network's encoder over ``items``: it writes their keys and values."""
         ids, pos, meta = self.describe(items)
         self.model.encode(ids, pos, self.attention(self.kv, meta))
 
     @torch.inference_mode()
     def denoise(self, items: Sequence[ForwardItem], sc_logits: torch.Tensor | None = None,
                 sc_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """DiffusionGemma's denoiser logits (tokens, vocab) over ``items`` (``DiffusionGemma.denoise``)."""
+        """An encoder-denoiser network's denoiser logits (tokens, vocab) over ``items``
+        (``network.EncoderDenoiser.denoise``)."""
         ids, pos, meta = self.describe(items)
         return self.model.denoise(ids, pos, self.attention(self.kv, meta), sc_logits, sc_rows)
 

@@ -13,7 +13,7 @@ from dualserve.models.adapter import (ADAPTER_FILE, DEFAULT_TWIN_DIR, TwinSpec, 
                                       save_twin)
 from dualserve.models import kernels
 from dualserve.models.attention import DenseAttention
-from dualserve.models.config import ModelConfig
+from dualserve.models.families import read_config
 from dualserve.models.loader import hf_config_dict, load_model, load_twin
 from tiny_twin import write_tiny_llama
 
@@ -70,7 +70,7 @@ def test_twin_config_is_block_diffusion(base_dir: Path, tmp_path: Path) -> None:
         "block_diffusion", 4, MASK_ID, True)
     assert cfg.is_diffusion and twin.model.config == cfg
     # The same keys read from config.json alone, as any loader of the directory would.
-    from_json = ModelConfig.from_hf(json.loads((tmp_path / "twin" / "config.json").read_text()))
+    from_json = read_config(json.loads((tmp_path / "twin" / "config.json").read_text()))
     assert (from_json.family, from_json.diffusion_block_size, from_json.mask_token_id, from_json.shift_logits) == (
         "block_diffusion", 4, MASK_ID, True)
 
@@ -111,7 +111,7 @@ def test_relative_base_path_and_detection(base_dir: Path, tmp_path: Path) -> Non
 def test_default_twin_is_committed() -> None:
     cfg = json.loads((DEFAULT_TWIN_DIR / "config.json").read_text())
     assert cfg["dualserve_diffusion"]["base_model"] == "SmolLM2-135M-Instruct"
-    assert ModelConfig.from_hf(cfg).family == "block_diffusion"
+    assert read_config(cfg).family == "block_diffusion"
     assert (DEFAULT_TWIN_DIR / ADAPTER_FILE).stat().st_size < 64 * 2**20
 
 
@@ -146,12 +146,12 @@ def test_recorded_threshold_is_the_decoders_default() -> None:
     spec = TwinSpec(block_size=4, mask_token_id=4, base_model="m", rank=2, alpha=2.0, threshold=0.7)
     base = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
             "num_attention_heads": 4, "intermediate_size": 48}
-    cfg = ModelConfig.from_hf(base | spec.config_keys())
+    cfg = read_config(base | spec.config_keys())
     assert TwinSpec.from_config(base | spec.config_keys()) == spec
     assert cfg.diffusion_threshold == 0.7 and default_config(cfg).policy.tau == 0.7
     plain = TwinSpec(block_size=4, mask_token_id=4, base_model="m", rank=2, alpha=2.0)
     assert "threshold" not in plain.config_keys()["dualserve_diffusion"]
-    assert default_config(ModelConfig.from_hf(base | plain.config_keys())).policy.tau == 0.9
+    assert default_config(read_config(base | plain.config_keys())).policy.tau == 0.9
 
 
 @pytest.mark.parametrize("fmt", ["int4", "w4a8"])

@@ -23,6 +23,7 @@ import torch
 from dualserve.clients.write_gguf import PRESETS
 from dualserve.models import formats, quant
 from dualserve.models.config import ModelConfig
+from dualserve.models.families import read_config
 from dualserve.models.errors import InputError
 from dualserve.models.quant import (GROUP, Int4Linear, W8A8Linear, cuda_int4_inner_k_tiles, int4_runs, pack_int4,
                                     padded_int_mm)
@@ -70,7 +71,7 @@ def shards(cfg: ModelConfig, world: int) -> set[tuple[int, int]]:
 
 
 def bundled_configs() -> dict[str, ModelConfig]:
-    configs = {p.parent.name: ModelConfig.from_hf(json.loads(p.read_text())) for p in ASSETS.glob("*/config.json")}
+    configs = {p.parent.name: read_config(json.loads(p.read_text())) for p in ASSETS.glob("*/config.json")}
     for name, s in PRESETS.items():
         configs[name] = ModelConfig(family="llama", vocab_size=32000, hidden_size=s.hidden, num_layers=s.layers,
                                     num_heads=s.heads, num_kv_heads=s.kv_heads, head_dim=s.head_dim,
@@ -214,7 +215,7 @@ def test_auto_off_the_cpu_picks_a_format_cuda_runs(monkeypatch) -> None:
 
 
 def test_an_int4_layer_gives_back_its_integers_exactly() -> None:
-    """``Int4Linear.values`` (what tensor-parallel slicing re-packs, ``sharding.int4_values``)."""
+    """``Int4Linear.values`` (what tensor-parallel slicing re-packs, ``sharding_core.int4_values``)."""
     torch.manual_seed(2)
     q, scales, zeros = quant.quantize_int4(torch.randn(96, 128))
     assert torch.equal(Int4Linear(q, scales, zeros).values(), q)

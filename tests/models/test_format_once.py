@@ -171,9 +171,9 @@ def test_a_start_with_real_probes_keeps_its_first_decision(model_dir, tmp_path, 
 def formats_config(model_dir: Path):
     import json
 
-    from dualserve.models.config import ModelConfig
+    from dualserve.models.families import read_config
 
-    return ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    return read_config(json.loads((model_dir / "config.json").read_text()))
 
 
 def recorded(model_dir: Path, cache: Path, host: Host) -> formats.FormatChoice:

@@ -30,6 +30,7 @@ import torch
 from dualserve.models import loader
 from dualserve.models.attention import DenseAttention
 from dualserve.models.config import ModelConfig, RopeScaling
+from dualserve.models.families import read_config
 from dualserve.models.loader import LoadedModel, load_model
 
 GGUF_BOUND = 1e-3
@@ -234,7 +235,7 @@ def test_gemma3_with_sliding_layers_and_sandwich_norms(tmp_path: Path) -> None:
     assert cfg.family == "gemma3" and cfg.windows == (8, 8, None) and cfg.norm_offset == 1.0
     assert cfg.rope_local_theta == 10000.0 and cfg.rope_theta == 1000000.0 and cfg.tie_word_embeddings
     written = json.loads(json.dumps(loader.hf_config_dict(cfg.replace(norm_offset=0.0))))
-    assert ModelConfig.from_hf(written) == cfg.replace(norm_offset=0.0)
+    assert read_config(written) == cfg.replace(norm_offset=0.0)
 
 
 @pytest.mark.parametrize("family", ["mistral", "phi3"])
@@ -245,7 +246,7 @@ def test_sliding_window_families(tmp_path: Path, family: str) -> None:
     ours = compare(tmp_path, ref)
     assert ours.config.family == family and ours.config.windows == (12, 12)
     written = json.loads(json.dumps(loader.hf_config_dict(ours.config)))
-    assert ModelConfig.from_hf(written) == ours.config
+    assert read_config(written) == ours.config
 
 
 def test_llama_untied_with_llama3_rope(tmp_path: Path) -> None:
@@ -317,7 +318,7 @@ _BASE = dict(vocab_size=100, hidden_size=64, num_layers=2, num_heads=4, num_kv_h
 def test_converted_config_round_trips(config: ModelConfig) -> None:
     """A GGUF is served from its conversion, so config.json must carry everything from_gguf read."""
     written = json.loads(json.dumps(loader.hf_config_dict(config)))
-    assert ModelConfig.from_hf(written) == config
+    assert read_config(written) == config
 
 
 def test_gguf_conversion_logs_its_progress(tmp_path: Path, monkeypatch, caplog) -> None:
@@ -365,7 +366,7 @@ def test_gguf_rope_freqs_give_llama3_scaling() -> None:
     assert 1.0 < max(factors) and min(factors) == 1.0
     torch.testing.assert_close(rope_inv_freq(from_file), rope_inv_freq(scaled), rtol=1e-6, atol=0)
     written = json.loads(json.dumps(loader.hf_config_dict(from_file)))
-    assert ModelConfig.from_hf(written) == from_file
+    assert read_config(written) == from_file
 
 
 @pytest.mark.parametrize("content", [b"GGUF", b"not a model at all", b""], ids=["magic only", "text", "empty"])

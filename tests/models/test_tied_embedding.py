@@ -121,12 +121,12 @@ def test_rows_are_the_heads_rows_for_every_packed_type(kind) -> None:
 def test_tensor_parallel_ranks_read_their_rows_of_the_head_shard(monkeypatch) -> None:
     """Each rank's embedding reads its vocabulary rows from the head's shard (one module for both);
     the ranks' lookups add up to the whole lookup (the all-reduce, done here by hand)."""
-    from dualserve.models import sharding
+    from dualserve.models import sharding_core
     from dualserve.models.config import ModelConfig
-    from dualserve.models.sharding import Shard, Sharder
+    from dualserve.models.sharding_core import CoreSharder, Shard
     from dualserve.models.transformer import Transformer
 
-    monkeypatch.setattr(sharding.dist, "all_reduce", lambda x, group=None: x)
+    monkeypatch.setattr(sharding_core.dist, "all_reduce", lambda x, group=None: x)
     vocab, hidden = 100, 256
     table = gguf_blocks(random_rows("Q8_0", vocab, hidden, seed=6), "Q8_0")
     config = ModelConfig(family="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=512,
@@ -140,7 +140,7 @@ def test_tensor_parallel_ranks_read_their_rows_of_the_head_shard(monkeypatch) ->
         model.lm_head = Dot8Linear.from_portable(table, digits=2)
         model.embed_tokens = HeadRowsEmbedding(model.lm_head)
         whole = model.embed_tokens(ids)
-        sharder = Sharder(Shard(rank, 2))
+        sharder = CoreSharder(Shard(rank, 2))
         model.embed_tokens = sharder.embedding(model.embed_tokens, vocab)
         model.lm_head = sharder.head(model)
         local = model.embed_tokens.local

@@ -20,6 +20,7 @@ import torch
 
 from dualserve.models.attention import DenseAttention, block_causal_mask
 from dualserve.models.config import ModelConfig, RopeScaling, rope_inv_freq
+from dualserve.models.families import read_config
 from dualserve.models.transformer import Transformer, apply_rope
 
 MODES = ["causal", "bidirectional", "block_causal"]
@@ -273,7 +274,7 @@ def test_rope_inv_freq_matches_transformers(name: str) -> None:
 
     rope, head_dim, theta = SCALINGS[name]
     hf = hf_llama_config(rope, head_dim, theta)
-    ours = ModelConfig.from_hf(hf.to_dict())
+    ours = read_config(hf.to_dict())
     assert ours.rope_theta == theta and ours.head_dim == head_dim
     assert ours.rope_scaling.kind == rope["rope_type"]
     if rope["rope_type"] == "default":
@@ -301,7 +302,7 @@ def test_legacy_rope_scaling_key_is_read() -> None:
     """Older config.json files keep the scaling under ``rope_scaling`` with ``rope_theta`` at top level."""
     legacy = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
               "num_attention_heads": 4, "intermediate_size": 64, "rope_theta": 500000.0, "rope_scaling": LLAMA31}
-    cfg = ModelConfig.from_hf(legacy)
+    cfg = read_config(legacy)
     assert cfg.rope_theta == 500000.0
     assert cfg.rope_scaling == RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)
@@ -314,7 +315,7 @@ def test_rotary_matches_transformers(name: str) -> None:
 
     rope, head_dim, theta = SCALINGS[name]
     hf = hf_llama_config(rope, head_dim, theta)
-    model = Transformer(ModelConfig.from_hf(hf.to_dict()))
+    model = Transformer(read_config(hf.to_dict()))
     positions = torch.tensor([0, 1, 2, 17, 255, 256, 1000, 4095, 30000])
     cos, sin = model.rotary(positions, torch.float32)  # (tokens, 1, head_dim)
     x = torch.zeros(1, len(positions), head_dim)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
@@ -32,11 +33,11 @@ from dualserve.decoders.engine.engine import Engine, EngineConfig
 from dualserve.decoders.engine.runner import ModelRunner
 from dualserve.decoders.engine.sampling import SamplingParams, TokenLogprob
 from dualserve.models.attention import DenseAttention
-from dualserve.models.config import ModelConfig
+from dualserve.models.families import read_config
 from dualserve.models.loader import LoadedModel, build, load_hf_state
 from dualserve.models.transformer import Transformer
-from tiny_checkpoints import (DREAM_MASK_ID, FAST_DLLM_V2_MASK_ID, LLADA_MASK_ID, write_tiny_block_diffusion,
-                              write_tiny_dream, write_tiny_llada)
+from tiny_checkpoints import (DREAM_MASK_ID, FAST_DLLM_V2_MASK_ID, LLADA_MASK_ID, SDAR_MASK_ID,
+                              write_tiny_block_diffusion, write_tiny_dream, write_tiny_llada)
 
 SMALL_VOCAB, SMALL_MASK = 512, 500  # fast fixtures: the mask id is any valid row
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
@@ -59,7 +60,7 @@ class LetterTokenizer:
 
 def load_tiny(path: Path) -> LoadedModel:
     """A tiny checkpoint through the shared loader (fp32), with the stand-in tokenizer."""
-    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    config = read_config(json.loads((path / "config.json").read_text()))
     model = build(config, load_hf_state(path, config), torch.float32, "cpu")
     return LoadedModel(path.name, path, model.config, model, LetterTokenizer(), 0.0)
 
@@ -294,25 +295,20 @@ def block_reference(model: Transformer, prompt_ids: list[int], gen_length: int, 
 # ---- families ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["llada", "dream", "fast_dllm_v2"])
+@pytest.mark.parametrize("family", ["llada", "dream", "fast_dllm_v2", "sdar"])
 def test_real_layout_checkpoints_load_and_decode(family: str, tmp_path: Path) -> None:
     writers = {"llada": (write_tiny_llada, LLADA_MASK_ID, False, None),
                "dream": (write_tiny_dream, DREAM_MASK_ID, True, None),
-               "fast_dllm_v2": (write_tiny_block_diffusion, FAST_DLLM_V2_MASK_ID, True, 8)}
+               "fast_dllm_v2": (write_tiny_block_diffusion, FAST_DLLM_V2_MASK_ID, True, 8),
+               "sdar": (partial(write_tiny_block_diffusion, flavor="sdar"), SDAR_MASK_ID, False, 4)}
     writer, mask_id, shift, block = writers[family]
     loaded = load_tiny(writer(tmp_path))
     cfg = loaded.config
     assert (cfg.mask_token_id, cfg.shift_logits, cfg.diffusion_block_size) == (mask_id, shift, block)
-    assert cfg.is_diffusion
+    assert cfg.is_diffusion and cfg.qk_norm == (family == "sdar")
     out = run(make_engine(loaded), [[11, 12, 13, 14, 15]], SamplingParams(max_tokens=6, temperature=0.0))[0]
     assert out.finish_reason == "length" and len(out.tokens) == 6 and mask_id not in out.tokens
     assert out.stats["decoder"] == "diffusion" and out.stats["forward_passes"] >= 1
-
-
-def test_sdar_is_refused_clearly(tmp_path: Path) -> None:
-    path = write_tiny_block_diffusion(tmp_path, flavor="sdar")
-    with pytest.raises(ValueError, match="q/k RMSNorm"):
-        ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
 
 
 def test_twin_config(twin: LoadedModel) -> None:

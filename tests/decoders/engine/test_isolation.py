@@ -25,6 +25,7 @@ from dualserve.decoders.engine.request import Delta, FailureKind
 from dualserve.decoders.engine.runner import ModelRunner
 from dualserve.decoders.engine.sampling import SamplingParams
 from dualserve.models.config import ModelConfig
+from dualserve.models.families import read_config
 from dualserve.models.eagle import Eagle1Head, EagleConfig
 from dualserve.models.loader import build, load_hf_state
 from dualserve.models.transformer import Transformer
@@ -77,7 +78,7 @@ class DenoiseFails(DiffusionDecoder):
 @pytest.fixture(scope="module")
 def llada(tmp_path_factory) -> Transformer:
     path = write_tiny_llada(tmp_path_factory.mktemp("llada"), vocab_size=VOCAB, mask_token_id=VOCAB - 1)
-    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    config = read_config(json.loads((path / "config.json").read_text()))
     return build(config, load_hf_state(path, config), torch.float32, "cpu")
 
 
