@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 from .admission import Member, RunEstimator, StepSample, WaitEstimator
 from .blocks import BlockPool
-from .compile.aoti import TRACING
+from .compile.tracing import TRACING
 from .decoder import Decoder
 from .detokenize import TextStream
 from .grammar import Constraint, GrammarCompiler
@@ -381,7 +381,7 @@ class Engine:
                     req.deadline = time.monotonic() + self.run_bound.promise(req.params.max_tokens)
             groups.setdefault((req.model, req.decoder), []).append(s)
         sample, made = self._sample_start() if self.run_bound is not None else (None, [])
-        with TRACING.step():  # no model code runs while a step graph is being traced (aoti.py)
+        with TRACING.step():  # no model code runs while a step graph is being traced (tracing.py)
             for key, batch in groups.items():
                 began = time.perf_counter()
                 # A request that raises fails alone; its neighbours finish the step (isolation.py).

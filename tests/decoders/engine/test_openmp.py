@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dualserve.decoders.engine.compile.compiled import CompileWorker
+from dualserve.decoders.engine.compile.compile_worker import CompileWorker
 from dualserve.decoders.engine.openmp import SpinGovernor, run_on_own_thread
 
 
