@@ -22,8 +22,8 @@ import time
 import torch
 
 from dualserve.decoders.engine import kv_budget
-from dualserve.decoders.engine.compile.compiled import PaddedPagedAttention
 from dualserve.decoders.engine.attention.paged_attention import AttentionMetadata, KVCache, SeqAttention, flash_fits
+from dualserve.decoders.engine.attention.padded import PaddedPagedAttention
 from dualserve.models import formats
 from dualserve.models.quant import Int4Linear, W8A8Linear, cuda_int4_inner_k_tiles, quantize_int4
 

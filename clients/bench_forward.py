@@ -109,7 +109,7 @@ def measure(model: torch.nn.Module, *, context: int = 128, tokens: Sequence[int]
     the KV pool in ``kv_dtype`` (default: the model's dtype).
 
     Returns (ms by mode and T, compile seconds by graph). Compiled rows are absent if compiling failed."""
-    from dualserve.decoders.engine.compile.compiled import StepShape
+    from dualserve.decoders.engine.attention.padded import StepShape
     from dualserve.decoders.engine.runner import ForwardItem, ModelRunner
 
     total = context + max(tokens)

@@ -35,7 +35,7 @@ from torch import nn
 from dualserve.models.attention import DenseAttention
 from dualserve.models.transformer import Transformer
 
-from .eval_fidelity import Corpus, Scores
+from .fidelity_scores import Corpus, Scores, markdown
 
 LAYER_KINDS = {"qkv_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj",
                "gate_up_proj": "mlp.gate_up_proj", "down_proj": "mlp.down_proj"}
@@ -151,8 +151,6 @@ def analyse(ref_loaded, loaded: dict, corpus: Corpus, ctx: int, layer_tokens: in
 
 
 def format_layers(result: dict) -> str:
-    from .eval_fidelity import markdown
-
     labels = list(result["formats"])
     if not labels:
         return "where the error enters: no quantized format to analyse"

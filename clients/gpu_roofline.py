@@ -50,7 +50,7 @@ import torch
 from dualserve.decoders.eagle.decoder import CPU_TREE, GPU_TREE
 from dualserve.decoders.eagle.head_graph import HeadGraph, draft_tree, fed_nodes
 from dualserve.decoders.eagle.tree import DraftTree, TreeConfig
-from dualserve.decoders.engine.compile.compiled import ROWS_MAX, StepShape
+from dualserve.decoders.engine.attention.padded import ROWS_MAX, StepShape
 from dualserve.decoders.engine.runner import ForwardItem, ModelRunner
 from dualserve.models.config import ModelConfig
 

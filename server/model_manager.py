@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from .errors import APIError, ErrorKind, overloaded
 from .model_pool import ModelPool, ModelState
-from .service import ServedModel
+from .served import ServedModel
 
 log = logging.getLogger("dualserve.server")
 

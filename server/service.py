@@ -19,8 +19,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from dualserve.decoders.engine.engine import Engine
 from dualserve.decoders.engine.grammar import Constraint, GrammarError
@@ -29,11 +28,10 @@ from dualserve.decoders.engine.sampling import DRAFT_CHOICES, SamplingParams, To
 from dualserve.decoders.engine.scheduler import QueueFull
 
 from .errors import APIError, ErrorKind, bad_request, engine_error, overloaded
+from .model_manager import ModelManager
 from .protocol import SamplingFields
-from .router import DecoderTraits, RequestTraits, Route, Router
-
-if TYPE_CHECKING:
-    from .model_manager import ModelManager
+from .router import RequestTraits, Route, Router
+from .served import ServedModel
 
 
 # repetition_penalty divides positive logits and multiplies negative ones (CTRL): far outside
@@ -42,24 +40,6 @@ MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
 # Retry-After (seconds) when the estimated wait is too long: the excess over the bound, at most this.
 MAX_RETRY_AFTER = 30
-
-
-@dataclass
-class ServedModel:
-    name: str
-    tokenizer: Any
-    max_model_len: int
-    decoders: list[str]
-    traits: dict[str, DecoderTraits] = field(default_factory=dict)  # by decoder; absent: the defaults
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @cached_property
-    def max_prompt_chars(self) -> int:
-        """Characters beyond which a text cannot fit the context, whatever it says: no token spells more
-        than the longest vocabulary entry (doubled for normalizers that fold several characters into
-        one). Checked before tokenizing, so an 8 MB prompt is refused at once."""
-        longest = max((len(t) for t in self.tokenizer.backend.get_vocab()), default=1)
-        return self.max_model_len * (2 * longest + 1)
 
 
 @dataclass(frozen=True)

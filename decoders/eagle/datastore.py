@@ -15,10 +15,11 @@ one ``searchsorted`` range. A lookup tries the longest key first; it reads at mo
 ``TokenIndex`` does for a request's own text. A lookup costs microseconds whatever the corpus
 size; the index about 56 bytes a token (52 MB for the bundled 921k tokens).
 
-``Datastore`` has ``TokenIndex``'s two reads (``match``, ``continuation``). Suffix lookup
-(``suffix.py``) drafts from it where its match is ``DATASTORE_LEAD`` tokens longer than the
-request's text and the cache reach, and says so (``Reach.lookup``), so the budget weighs those
-drafts by the datastore's own acceptance by match length.
+``Datastore`` has ``TokenIndex``'s two reads (``match``, ``continuation``): both are a ``Corpus``
+(``matching.py``). Suffix lookup (``suffix.py``) drafts from it where its match is
+``DATASTORE_LEAD`` tokens longer than the request's text and the cache reach, and says so
+(``Reach.lookup``), so the budget weighs those drafts by the datastore's own acceptance by match
+length.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 
 from dualserve.models.errors import InputError
 
-from .suffix import NO_MATCH, Match, SuffixConfig
+from .matching import NO_MATCH, Match, SuffixConfig
 
 KEYS = (8, 4, 2, 1)  # key lengths indexed, longest first; a match extends past its key backwards
 SEPARATOR = -1       # between answers: no token id, so no context matches across it

@@ -3,7 +3,7 @@
 Run eagerly op by op, a level of the head costs some 40 small ops (0.7 ms on the default
 model's head, 2 cores) plus a gather of the prefix's keys per level, and a step drafts two or
 three levels and one catch-up. Here the head's forward is the target step's ``rows`` form
-(``engine.compile.compiled``): padded rows, a context of KV slots per sequence and a mask over
+(``engine.attention.padded``): padded rows, a context of KV slots per sequence and a mask over
 [context | new rows], attention read straight from the head's paged cache, new keys and values
 returned for the caller to store. The two uses differ only in their inputs:
 
@@ -33,9 +33,10 @@ from torch import nn
 
 from dualserve.models import kernels
 
-from ..engine.compile import aoti, cuda_shaped
-from ..engine.compile.compiled import PACKAGE_INDUCTOR, PaddedPagedAttention, StepShape
+from ..engine.attention.padded import PaddedPagedAttention, StepShape
 from ..engine.attention.paged_attention import AttentionMetadata, KVCache, SeqAttention, padded_rows
+from ..engine.compile import aoti, cuda_shaped
+from ..engine.compile.step_graph import PACKAGE_INDUCTOR
 from .tree import DraftTree, TreeConfig, grow_tree
 
 log = logging.getLogger("dualserve.compile")

@@ -38,14 +38,12 @@ from __future__ import annotations
 import math
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from ..engine.request import Request
 from .budget import NO_REACH, Reach, Source
+from .matching import NO_MATCH, Corpus, Match, SuffixConfig
 from .tree import DraftTree
-
-if TYPE_CHECKING:
-    from .datastore import Datastore
 
 # Key lengths indexed, longest first: a hit on a long key starts a long match without a scan
 # over every position of a frequent token.
@@ -63,34 +61,9 @@ MAX_NODES = 16
 DATASTORE_LEAD = 1
 
 
-@dataclass(frozen=True)
-class SuffixConfig:
-    max_match: int = 24          # longest suffix compared
-    max_candidates: int = 32     # newest matching positions scanned per source and key
-    max_depth: int = 16          # longest continuation drafted
-    spec_factor: float = 2.0     # draft depth <= spec_factor * match length
-    min_prob: float = 0.1        # smallest share of matches a drafted node must carry
-    cache_entries: int = 256     # outputs kept from earlier requests
-    cache_tokens: int = 1 << 16  # and their tokens in all
-
-    def __post_init__(self) -> None:
-        if min(self.max_match, self.max_candidates, self.max_depth, self.cache_entries, self.cache_tokens) < 1:
-            raise ValueError("suffix limits must be positive")
-
-
-@dataclass(frozen=True)
-class Match:
-    """The longest match of a context in one source: its length and where continuations start."""
-
-    length: int
-    starts: tuple[int, ...]
-
-
-NO_MATCH = Match(0, ())
-
-
 class TokenIndex:
-    """A growing token sequence indexed by its short n-grams (see the module docstring)."""
+    """A growing token sequence indexed by its short n-grams (see the module docstring); a
+    ``Corpus``."""
 
     def __init__(self, ids: Sequence[int] = ()):
         self.tokens: list[int] = []
@@ -253,7 +226,7 @@ class SuffixSource:
 
     name: Source = "suffix"
 
-    def __init__(self, config: SuffixConfig | None = None, datastore: "Datastore | None" = None):
+    def __init__(self, config: SuffixConfig | None = None, datastore: Corpus | None = None):
         """``datastore``: answers to other prompts (``datastore.py``), drafted from where they match the
         context ``DATASTORE_LEAD`` tokens longer than the request's text and the cache do."""
         self.config = config or SuffixConfig()

@@ -32,15 +32,15 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping, Sequence
 
 from .admission import Member, RunEstimator, StepSample, WaitEstimator
 from .blocks import BlockPool
-from .compile.aoti import TRACING
+from .compile.tracing import TRACING
 from .decoder import Decoder
 from .detokenize import TextStream
-from .grammar import Constraint, GrammarCompiler
+from .grammar import Constraint, GrammarCompiler, GrammarCompilers
 from .isolation import internal_error, run_isolated
 from .request import Delta, FailureKind, Request, Status
 from .sampling import SamplingParams
@@ -84,58 +84,174 @@ class EngineSnapshot:
     busy_seconds: float                 # seconds spent in steps since the engine started
 
 
-class Engine:
-    def __init__(self, config: EngineConfig, pool: BlockPool | None = None):
-        self.config = config
-        self.pool = pool or BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_batched_tokens, config.max_waiting)
-        self.decoders: dict[tuple[str, str], Decoder] = {}
-        self.tokenizers: dict[str, object] = {}
-        self.vocab_sizes: dict[str, int] = {}
-        self.kv_namespaces: dict[tuple[str, str], str] = {}
-        self._grammars: dict[str, GrammarCompiler] = {}  # per model; warmed off-thread by start()
-        self._grammar_lock = threading.Lock()
-        self.stats = EngineStats()
-        # ("add" | "abort", a request) or ("call", work for the engine thread: ``remove_model``)
-        self._inbox: deque[tuple[str, Request | Callable[[], object]]] = deque()
-        self._wake = threading.Condition()
-        self._ids = itertools.count()
-        self._thread: threading.Thread | None = None
-        self._stop = False
-        self._requests: dict[str, list[Request]] = {}
-        # n > 1: choices 1..n-1 wait until choice 0 has its prompt in the prefix cache,
-        # then join and share those blocks instead of recomputing the prompt.
-        self._held: dict[str, list[Request]] = {}
-        self._num_held = 0
-        self._unplanned: list[tuple[Request, str]] = []  # requests whose plan raised this step
-        self._current: Request | None = None  # the request the scheduler is serving, while it schedules
-        # Choices not yet running (waiting or held), as of the last step plus what the inbox took
-        # in since; guarded by ``_wake``, so the server's thread never reads the scheduler's queues.
-        self._num_queued = 0
-        self._num_running = 0       # published with _num_queued, for estimated_wait
-        self._freed = 0             # running choices finished this step (each freed a place)
-        self.admission = WaitEstimator()  # guarded by ``_wake``
-        self.run_bound = (RunEstimator(config.max_run_time, config.min_token_rate, config.max_batched_tokens)
-                          if config.max_run_time else None)  # engine thread only
-        self._held_back = False     # the run bound kept the queue's head waiting this step
-        self._capacity = config.max_num_seqs  # places the engine lets run, for estimated_wait
-        self._before_step: Callable[[], None] = lambda: None  # on the engine's thread (pace_with)
+@dataclass(frozen=True)
+class Registered:
+    """What the engine serves: each (model, decoder name)'s decoder and prefix-cache namespace, and
+    each model's tokenizer and vocabulary size.
 
-    # ---- registration and lifecycle ------------------------------------------
+    Frozen: registering or removing a model makes a new value, swapped in by one assignment, so the
+    engine thread and the server's threads always read one whole set, even while a model loads on
+    first use."""
 
-    def add_decoder(self, model: str, decoder: Decoder, tokenizer, vocab_size: int | None = None) -> None:
-        """Register ``decoder`` for ``model``; safe while the engine thread runs (a model loaded on
-        first use): each map is replaced by a new one, never changed in place, so the engine thread
-        and the server's threads always read a whole map."""
+    decoders: Mapping[tuple[str, str], Decoder] = field(default_factory=dict)
+    namespaces: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    tokenizers: Mapping[str, object] = field(default_factory=dict)
+    vocab_sizes: Mapping[str, int] = field(default_factory=dict)  # for structured output alone
+
+    def with_decoder(self, model: str, decoder: Decoder, tokenizer, vocab_size: int | None) -> Registered:
+        key = (model, decoder.name)
         # Prefix-cache namespace: decoders that read the same KV tensors (ar and eagle on one
         # runner) share cached blocks; another model's blocks are never a hit.
         kv_owner = decoder.kv_owner
         namespace = f"{model}/{type(kv_owner).__name__}@{id(kv_owner):x}"
-        self.kv_namespaces = {**self.kv_namespaces, (model, decoder.name): namespace}
-        self.tokenizers = {**self.tokenizers, model: tokenizer}
-        # Only structured output needs it; a minimal tokenizer (tests, offline tools) may lack it.
-        self.vocab_sizes = {**self.vocab_sizes, model: vocab_size or getattr(tokenizer, "vocab_size", 0)}
-        self.decoders = {**self.decoders, (model, decoder.name): decoder}  # last: submit checks it first
+        # A minimal tokenizer (tests, offline tools) may lack a vocabulary size.
+        vocab = vocab_size or getattr(tokenizer, "vocab_size", 0)
+        return Registered({**self.decoders, key: decoder}, {**self.namespaces, key: namespace},
+                          {**self.tokenizers, model: tokenizer}, {**self.vocab_sizes, model: vocab})
+
+    def without(self, model: str) -> Registered:
+        return Registered({k: d for k, d in self.decoders.items() if k[0] != model},
+                          {k: n for k, n in self.namespaces.items() if k[0] != model},
+                          {m: t for m, t in self.tokenizers.items() if m != model},
+                          {m: v for m, v in self.vocab_sizes.items() if m != model})
+
+    def namespaces_of(self, model: str) -> set[str]:
+        return {n for k, n in self.namespaces.items() if k[0] == model}
+
+    def decoders_for(self, model: str) -> list[str]:
+        return [d for (m, d) in self.decoders if m == model]
+
+
+@dataclass
+class Door:
+    """What the server's threads and the engine thread share, all of it guarded by ``lock``.
+
+    Inward, the inbox: ("add" | "abort", a request) or ("call", work that must run on the engine
+    thread: ``remove_model``), and ``stop``. Outward, the counts the server reads to refuse work at
+    the door (``submit``, ``estimated_wait``, ``snapshot``), as of the last step plus what the inbox
+    took in since, so no server thread reads the scheduler's queues."""
+
+    lock: threading.Condition = field(default_factory=threading.Condition)  # the engine thread sleeps on it
+    inbox: deque[tuple[str, Request | Callable[[], object]]] = field(default_factory=deque)
+    stop: bool = False
+    queued: int = 0                     # choices not yet running: waiting, in the inbox, or held
+    running: int = 0
+    capacity: int = 0                   # places the engine lets run now (``Engine.capacity``)
+    admission: WaitEstimator = field(default_factory=WaitEstimator)  # the wait for a place (admission.py)
+    freed: int = 0                      # running choices finished since the last busy step (engine thread)
+
+    def post(self, *items: tuple[str, Request | Callable[[], object]]) -> None:
+        """Hand ``items`` to the engine thread and wake it; the caller holds ``lock``."""
+        self.inbox.extend(items)
+        self.lock.notify()
+
+    def take(self) -> list[tuple[str, Request | Callable[[], object]]]:
+        with self.lock:
+            items = list(self.inbox)
+            self.inbox.clear()
+        return items
+
+    def adds_posted(self) -> int:
+        return sum(1 for kind, _ in self.inbox if kind == "add")
+
+
+@dataclass
+class Choices:
+    """Every request's choices by request id, and the n > 1 choices held back: choices 1..n-1 wait
+    until choice 0 has its prompt in the prefix cache, then join and share those blocks instead of
+    recomputing the prompt. ``submit`` adds to ``by_id`` under the door's lock; the rest belongs to
+    the engine thread."""
+
+    by_id: dict[str, list[Request]] = field(default_factory=dict)
+    held: dict[str, list[Request]] = field(default_factory=dict)
+    num_held: int = 0
+    ids: Iterator[int] = field(default_factory=itertools.count)  # request ids made here
+
+    def hold(self, req: Request) -> None:
+        self.held.setdefault(req.request_id, []).append(req)
+        self.num_held += 1
+
+    def unhold(self, req: Request) -> None:
+        held = self.held.get(req.request_id, [])
+        if req in held:
+            held.remove(req)
+            self.num_held -= 1
+
+    def release(self, request_id: str) -> list[Request]:
+        """The held choices of ``request_id``, no longer held."""
+        held = self.held.pop(request_id)
+        self.num_held -= len(held)
+        return held
+
+    def release_all(self) -> list[Request]:
+        held = [r for rs in self.held.values() for r in rs]
+        self.held.clear()
+        self.num_held = 0
+        return held
+
+    def held_of(self, model: str) -> list[Request]:
+        return [r for rs in self.held.values() for r in rs if r.model == model]
+
+    def drop_held_of(self, model: str) -> None:
+        for rid in [rid for rid, rs in self.held.items() if rs and rs[0].model == model]:
+            self.release(rid)
+
+    def delivered(self, req: Request) -> None:
+        """``req`` has finished: forget its request once every choice has."""
+        if all(r.finished for r in self.by_id.get(req.request_id, [])):
+            self.by_id.pop(req.request_id, None)
+
+
+@dataclass
+class StepNotes:
+    """What the running step notes as it schedules (engine thread)."""
+
+    serving: Request | None = None      # the request the scheduler serves: the culprit if it breaks
+    unplanned: list[tuple[Request, str]] = field(default_factory=list)  # plans that raised, and why
+    held_back: bool = False             # the run bound kept the queue's head waiting
+
+
+class Engine:
+    """The engine's state, in parts each with one owner:
+
+      scheduler    the queues and the block pool (``pool``): engine thread
+      registered   the decoders served, and each model's tokenizer (``Registered``): swapped whole
+      grammars     each model's structured-output index (``GrammarCompilers``): any thread
+      door         the inbox and the counts the server reads (``Door``): under its lock
+      choices      requests by id and the choices held for prefix sharing (``Choices``): engine thread
+      run_bound    the run bound's model of step times (``admission.RunEstimator``): engine thread
+      notes        what the running step notes as it schedules (``StepNotes``): engine thread
+      stats        steps run and seconds busy, for the server's metrics
+    """
+
+    def __init__(self, config: EngineConfig, pool: BlockPool | None = None):
+        self.config = config
+        pool = pool or BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(pool, config.max_num_seqs, config.max_batched_tokens, config.max_waiting)
+        self.registered = Registered()
+        self.grammars = GrammarCompilers()  # warmed off-thread by start()
+        self.door = Door(capacity=config.max_num_seqs)
+        self.choices = Choices()
+        self.run_bound = (RunEstimator(config.max_run_time, config.min_token_rate, config.max_batched_tokens)
+                          if config.max_run_time else None)
+        self.notes = StepNotes()
+        self.stats = EngineStats()
+        self._thread: threading.Thread | None = None
+        self._before_step: Callable[[], None] = lambda: None  # on the stepping thread (pace_with)
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.scheduler.pool
+
+    @property
+    def decoders(self) -> Mapping[tuple[str, str], Decoder]:
+        return self.registered.decoders
+
+    # ---- registration and lifecycle ------------------------------------------
+
+    def add_decoder(self, model: str, decoder: Decoder, tokenizer, vocab_size: int | None = None) -> None:
+        """Register ``decoder`` for ``model``; safe while the engine thread runs (``Registered``)."""
+        self.registered = self.registered.with_decoder(model, decoder, tokenizer, vocab_size)
 
     def remove_model(self, model: str) -> None:
         """Take ``model``'s decoders out of the engine and drop its prefix-cache entries, so that its
@@ -153,48 +269,39 @@ class Engine:
             finally:
                 done.set()
 
-        with self._wake:
-            self._inbox.append(("call", work))
-            self._wake.notify()
+        with self.door.lock:
+            self.door.post(("call", work))
         while not done.wait(timeout=1.0):
             if not self._thread.is_alive():  # it stopped without taking the work: no step runs any more
                 self._remove_model(model)
                 return
 
     def _remove_model(self, model: str) -> None:
-        held = [r for rs in self._held.values() for r in rs if r.model == model]
+        held = self.choices.held_of(model)
         for req in [r for r in list(self.scheduler.running) + list(self.scheduler.waiting) + held if r.model == model]:
             if not req.finished:
                 self._finish(req, "abort")
-        for rid in [rid for rid, rs in self._held.items() if rs and rs[0].model == model]:
-            self._num_held -= len(self._held.pop(rid))
-        keys = [key for key in self.decoders if key[0] == model]
-        namespaces = {self.kv_namespaces[key] for key in keys}
-        self.decoders = {k: d for k, d in self.decoders.items() if k[0] != model}
-        self.kv_namespaces = {k: n for k, n in self.kv_namespaces.items() if k[0] != model}
-        self.tokenizers = {m: t for m, t in self.tokenizers.items() if m != model}
-        self.vocab_sizes = {m: v for m, v in self.vocab_sizes.items() if m != model}
-        with self._grammar_lock:
-            self._grammars.pop(model, None)
+        self.choices.drop_held_of(model)
+        namespaces = self.registered.namespaces_of(model)
+        self.registered = self.registered.without(model)
+        self.grammars.drop(model)
         self.pool.drop_namespaces(namespaces)
 
     def grammar_compiler(self, model: str) -> GrammarCompiler:
-        with self._grammar_lock:
-            if model not in self._grammars:
-                self._grammars[model] = GrammarCompiler(self.tokenizers[model], self.vocab_sizes[model])
-            return self._grammars[model]
+        registered = self.registered
+        return self.grammars.get(model, registered.tokenizers[model], registered.vocab_sizes[model])
 
     def _warm_grammars(self) -> None:
         """Index every model's vocabulary for structured output (about a second each) before the
         first structured request, off the server's event loop."""
-        for model in list(self.tokenizers):
+        for model in list(self.registered.tokenizers):
             try:
                 self.grammar_compiler(model)
             except Exception:  # noqa: BLE001 - a tokenizer llguidance cannot index: built (and refused) on use
                 log.debug("no grammar index for %s", model, exc_info=True)
 
     def decoders_for(self, model: str) -> list[str]:
-        return [d for (m, d) in self.decoders if m == model]
+        return self.registered.decoders_for(model)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="dualserve-engine", daemon=True)
@@ -202,9 +309,9 @@ class Engine:
         threading.Thread(target=self._warm_grammars, name="dualserve-grammars", daemon=True).start()
 
     def shutdown(self) -> None:
-        with self._wake:
-            self._stop = True
-            self._wake.notify()
+        with self.door.lock:
+            self.door.stop = True
+            self.door.lock.notify()
         if self._thread:
             self._thread.join(timeout=10)
 
@@ -222,7 +329,8 @@ class Engine:
         ValueError for an empty prompt, a negative max_tokens or n < 1. max_tokens 0 prefills the
         prompt into the prefix cache and finishes with no output (llama.cpp's ``n_predict: 0``).
         """
-        if (model, decoder) not in self.decoders:
+        registered = self.registered
+        if (model, decoder) not in registered.decoders:
             raise KeyError(f"model {model!r} has no decoder {decoder!r}")
         if not prompt_ids or params.max_tokens < 0 or n < 1:
             raise ValueError("a request needs a non-empty prompt, max_tokens >= 0 and n >= 1")
@@ -230,8 +338,8 @@ class Engine:
             raise QueueFull("the waiting queue is full")
         if params.grammar and constraint is None:
             constraint = self.grammar_compiler(model).constraint(params.grammar)
-        rid = request_id or f"req-{next(self._ids)}"
-        tok = self.tokenizers[model]
+        rid = request_id or f"req-{next(self.choices.ids)}"
+        tok = registered.tokenizers[model]
         eos = frozenset(tok.eos_token_ids)
         reqs = []
         for i in range(n):
@@ -240,83 +348,71 @@ class Engine:
                                 stream=stream, eos_token_ids=eos, sink=sink, model=model, index=i,
                                 suffix_ids=list(suffix_ids),
                                 constraint=constraint.copy() if constraint is not None and i else constraint))
-            reqs[-1].table.namespace = self.kv_namespaces[(model, decoder)]
-        with self._wake:
-            if self._num_queued + n > self.config.max_waiting:  # rechecked: another thread may have queued
+            reqs[-1].table.namespace = registered.namespaces[(model, decoder)]
+        with self.door.lock:
+            if self.door.queued + n > self.config.max_waiting:  # rechecked: another thread may have queued
                 raise QueueFull("the waiting queue is full")
-            self._num_queued += n
-            self._requests[rid] = reqs
-            for r in reqs:
-                self._inbox.append(("add", r))
-            self._wake.notify()
+            self.door.queued += n
+            self.choices.by_id[rid] = reqs
+            self.door.post(*(("add", r) for r in reqs))
         return rid
 
     def num_queued(self) -> int:
         """Choices submitted and not yet running (waiting, in the inbox, or held); safe from any thread."""
-        with self._wake:
-            return self._num_queued
+        with self.door.lock:
+            return self.door.queued
 
     def capacity(self) -> int:
         """Choices the engine lets run now: ``max_num_seqs``, or the running count while the run
         bound holds the queue's head back; safe from any thread."""
-        with self._wake:
-            return self._capacity
+        with self.door.lock:
+            return self.door.capacity
 
     def snapshot(self) -> EngineSnapshot:
         """What the server's metrics read (``EngineSnapshot``); safe from any thread."""
-        with self._wake:
-            waiting, capacity = self._num_queued, self._capacity
+        with self.door.lock:
+            waiting, capacity = self.door.queued, self.door.capacity
         return EngineSnapshot(running=len(self.scheduler.running), waiting=waiting, capacity=capacity,
                               pool_blocks=self.pool.num_blocks, pool_usage=self.pool.usage(),
                               busy_seconds=self.stats.busy_seconds)
 
     def estimated_wait(self, n: int = 1) -> float:
         """Seconds until the last of ``n`` new choices would start (``admission.py``); any thread."""
-        with self._wake:
-            return self.admission.estimate(self._num_queued, self._num_running, self._capacity, n)
+        door = self.door
+        with door.lock:
+            return door.admission.estimate(door.queued, door.running, door.capacity, n)
 
     def abort(self, request_id: str) -> None:
-        with self._wake:
-            for r in self._requests.get(request_id, []):
-                self._inbox.append(("abort", r))
-            self._wake.notify()
+        with self.door.lock:
+            self.door.post(*(("abort", r) for r in self.choices.by_id.get(request_id, [])))
 
     # ---- the engine thread ---------------------------------------------------
 
     def _drain_inbox(self) -> None:
-        with self._wake:
-            items = list(self._inbox)
-            self._inbox.clear()
-        for kind, req in items:
+        for kind, req in self.door.take():
             if kind == "call":  # work that must run on the engine thread (remove_model)
                 req()
             elif kind == "add" and req.index > 0 and self.pool.enable_prefix_caching:
-                self._held.setdefault(req.request_id, []).append(req)
-                self._num_held += 1
+                self.choices.hold(req)
             elif kind == "add":
                 self.scheduler.add(req, bounded=False)  # submit already checked the bound
             elif not req.finished:
-                held = self._held.get(req.request_id, [])
-                if req in held:
-                    held.remove(req)
-                    self._num_held -= 1
+                self.choices.unhold(req)
                 self._finish(req, "abort")
         self._release_held()
 
     def _release_held(self) -> None:
         """Let n > 1 choices join once choice 0 has computed (and so cached) its prompt."""
-        for rid, held in list(self._held.items()):
-            first = self._requests.get(rid, [None])[0]
+        for rid, held in list(self.choices.held.items()):
+            first = self.choices.by_id.get(rid, [None])[0]
             # Decoders that never publish prompt blocks (bidirectional diffusion) gain nothing by waiting.
             shares = first is not None and self.decoders[(first.model, first.decoder)].shares_prompt_blocks
             if (first is None or first.finished or not shares or first.num_computed >= len(first.prompt_ids)
                     or not held):
-                for r in held:
+                for r in self.choices.release(rid):
                     if first is not None and r.needs_prompt_logprobs and not first.needs_prompt_logprobs:
                         r.prompt_logprobs = list(first.prompt_logprobs or [None])  # same prompt, same values
                     self.scheduler.add(r, bounded=False)  # counted against the bound at submit
-                self._num_held -= len(held)
-                del self._held[rid]
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.remove(req)
@@ -329,12 +425,10 @@ class Engine:
 
     def _deliver(self, req: Request, delta: Delta) -> None:
         if delta.finish_reason is not None:
-            self._freed += req.admitted  # a running choice ends: its place is free (admission.py)
+            self.door.freed += req.admitted  # a running choice ends: its place is free (admission.py)
             req.status = Status.FINISHED
             delta.stats = req.decoder_stats()
-            siblings = self._requests.get(req.request_id, [])
-            if all(r.finished for r in siblings):
-                self._requests.pop(req.request_id, None)
+            self.choices.delivered(req)
         try:
             req.sink(req.index, delta)
         except Exception:  # noqa: BLE001 - a broken sink must not stop the engine
@@ -348,13 +442,13 @@ class Engine:
 
     def _plan(self, req: Request, budget: int) -> tuple[int, int]:
         """The request's decoder's plan; one that raises gives no work, and the request is failed
-        after scheduling (``_unplanned``) while the others are scheduled as usual."""
-        self._current = req  # named as the culprit if the scheduler breaks while serving it
+        after scheduling (``StepNotes.unplanned``) while the others are scheduled as usual."""
+        self.notes.serving = req
         try:
             return self.decoders[(req.model, req.decoder)].plan(req, budget)
         except Exception as e:  # noqa: BLE001 - fail this request alone
             log.exception("plan failed for request %s", req.request_id)
-            self._unplanned.append((req, internal_error(e)))
+            self.notes.unplanned.append((req, internal_error(e)))
             return 0, 0
 
     def pace_with(self, before_step: Callable[[], None]) -> None:
@@ -368,13 +462,13 @@ class Engine:
         self._drain_inbox()
         self._expire_queued()
         started = time.perf_counter()
-        self._held_back = False
+        self.notes.held_back = False
         scheduled = self.scheduler.schedule(self._plan, self._may_start if self.run_bound else None)
-        self._current = None
-        for req, error in self._unplanned:
+        self.notes.serving = None
+        for req, error in self.notes.unplanned:
             if not req.finished:
                 self._fail(req, FailureKind.INTERNAL, error)
-        self._unplanned.clear()
+        self.notes.unplanned.clear()
         groups: dict[tuple[str, str], list[Scheduled]] = {}
         for s in scheduled:
             req = s.request
@@ -388,7 +482,7 @@ class Engine:
                     req.deadline = time.monotonic() + self.run_bound.promise(req.params.max_tokens)
             groups.setdefault((req.model, req.decoder), []).append(s)
         sample, made = self._sample_start() if self.run_bound is not None else (None, [])
-        with TRACING.step():  # no model code runs while a step graph is being traced (aoti.py)
+        with TRACING.step():  # no model code runs while a step graph is being traced (tracing.py)
             for key, batch in groups.items():
                 began = time.perf_counter()
                 # A request that raises fails alone; its neighbours finish the step (isolation.py).
@@ -417,7 +511,7 @@ class Engine:
         """The scheduler asks before ``req`` (the queue's head) starts beside the running ones."""
         now = time.monotonic()
         ok = self.run_bound.admits(self._member(req, now), [self._member(r, now) for r in self.scheduler.running])
-        self._held_back |= not ok
+        self.notes.held_back |= not ok
         return ok
 
     def _sample_start(self) -> tuple[StepSample, list[tuple[Request, int]]]:
@@ -446,30 +540,30 @@ class Engine:
 
     def _count_queued(self, busy_seconds: float = 0.0) -> None:
         """Publish the queue counts and feed the step to the wait estimate."""
-        with self._wake:
-            self._num_queued = len(self.scheduler.waiting) + self._num_held + sum(
-                1 for kind, _ in self._inbox if kind == "add")
-            self._num_running = len(self.scheduler.running)
-            self._capacity = self._num_running if self._held_back else self.config.max_num_seqs
+        door = self.door
+        with door.lock:
+            door.queued = len(self.scheduler.waiting) + self.choices.num_held + door.adds_posted()
+            door.running = len(self.scheduler.running)
+            door.capacity = door.running if self.notes.held_back else self.config.max_num_seqs
             if busy_seconds:  # a step without work (aborts only) keeps its finishes for the next
-                self.admission.observe(busy_seconds, self._freed)
-                self._freed = 0
+                door.admission.observe(busy_seconds, door.freed)
+                door.freed = 0
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._inbox) or bool(self._held)
+        return self.scheduler.has_work or bool(self.door.inbox) or bool(self.choices.held)
 
     def _loop(self) -> None:
         while True:
-            with self._wake:
-                while not self._stop and not self._inbox and not self.scheduler.has_work and not self._held:
-                    self._wake.wait()
-                if self._stop:
+            with self.door.lock:
+                while not self.door.stop and not self.has_work():
+                    self.door.lock.wait()
+                if self.door.stop:
                     break
             try:
                 self.step()
             except Exception as e:  # noqa: BLE001 - the server must keep answering
                 log.exception("engine step failed")
-                culprit, self._current = self._current, None
+                culprit, self.notes.serving = self.notes.serving, None
                 if culprit is not None and not culprit.finished:
                     self._fail(culprit, FailureKind.INTERNAL, internal_error(e))  # the scheduler broke on it
                 else:  # nothing names a culprit: the scheduler's state cannot be trusted
@@ -480,9 +574,7 @@ class Engine:
     def _fail_all(self, error: str | None) -> None:
         """Finish every queued, running and held request: failed with ``error`` when a step
         broke, aborted (``error`` None) at shutdown."""
-        held = [r for rs in self._held.values() for r in rs]
-        self._held.clear()
-        self._num_held = 0
+        held = self.choices.release_all()
         for req in list(self.scheduler.running) + list(self.scheduler.waiting) + held:
             if req.finished:
                 continue

@@ -4,7 +4,7 @@ llguidance (the Low-level Guidance library) compiles a grammar against the
 model's vocabulary and answers, at each step, which tokens may come next as a
 bitmask; we turn that into -inf logits before sampling. A ``Constraint`` is
 owned by one request; the compiled ``GrammarCompiler`` (the tokenizer index,
-about a second to build) is owned by the deployment, one per model.
+about a second to build) is kept by the engine, one per model (``GrammarCompilers``).
 
 Greedy acceptance under a constraint stays exact: a decoder masks the target
 logits at each position, so the chosen token is the best *allowed* token.
@@ -22,6 +22,7 @@ takes no other keys even then.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from typing import Literal
 
@@ -226,3 +227,22 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return Constraint(matcher, self.vocab_size)
+
+
+class GrammarCompilers:
+    """Each model's ``GrammarCompiler``, built on first use and kept until its model is removed;
+    safe from any thread (the engine warms them off the server's event loop)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_model: dict[str, GrammarCompiler] = {}
+
+    def get(self, model: str, tokenizer, vocab_size: int) -> GrammarCompiler:
+        with self._lock:
+            if model not in self._by_model:
+                self._by_model[model] = GrammarCompiler(tokenizer, vocab_size)
+            return self._by_model[model]
+
+    def drop(self, model: str) -> None:
+        with self._lock:
+            self._by_model.pop(model, None)

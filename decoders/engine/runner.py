@@ -41,10 +41,11 @@ from dualserve.models.network import Network, attention_kernel
 
 from .attention.paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache, SdpaPagedAttention,
                                         SeqAttention, SeqMask, flash_available, flash_fits)
+from .attention.padded import ROWS_MAX
 from .attention.windowed import WindowedPagedAttention
 from .compile import cuda_shaped
 from .compile.compile_worker import CompileWorker
-from .compile.compiled import ROWS_MAX, CompiledStep
+from .compile.compiled import CompiledStep
 
 log = logging.getLogger(__name__)
 

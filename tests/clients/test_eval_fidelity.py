@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from dualserve.clients import eval_fidelity
-from dualserve.clients.eval_fidelity import CORPUS, REFERENCE, read_sections, tokenizer_agreement, tokenize_corpus
+from dualserve.clients.eval_fidelity import CORPUS, REFERENCE, tokenizer_agreement
+from dualserve.clients.fidelity_scores import read_sections, tokenize_corpus
 from tiny_twin import WORDS, write_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dualserve.decoders.engine.compile.compiled import PaddedPagedAttention
+from dualserve.decoders.engine.attention.padded import PaddedPagedAttention
 from dualserve.models import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler for the kernels")

@@ -87,7 +87,7 @@ def bounded(default_gguf: Path, cache_dir: Path) -> Iterator[tuple[str, Engine]]
     config = EngineConfig(max_num_seqs=4, max_queue_wait=QUEUE_WAIT, max_run_time=20.0)
     dep = build_deployment([loaded], config, pool=PoolSpec(num_blocks=256))
     dep.engine.run_bound = Modelled()
-    dep.engine.admission = WaitEstimator(min_busy=math.inf)  # no wait estimate: the run bound decides
+    dep.engine.door.admission = WaitEstimator(min_busy=math.inf)  # no wait estimate: the run bound decides
     served = {MODEL: ServedModel(MODEL, loaded.tokenizer, 2048, dep.engine.decoders_for(MODEL))}
     service = Service(dep.engine, served, Router(), ServiceLimits(), metrics=Metrics())
     dep.engine.start()
@@ -134,7 +134,7 @@ def settle(engine: Engine, seconds: float = 30.0) -> None:
 
 
 def estimator(engine: Engine, min_busy: float) -> None:
-    engine.admission = WaitEstimator(min_busy=min_busy)
+    engine.door.admission = WaitEstimator(min_busy=min_busy)
 
 
 def test_a_request_that_waits_too_long_ends_with_a_429(live) -> None:

@@ -5,7 +5,7 @@ with each other for the cores. It counts its jobs, so a job can say where it sta
 of 4") and a start-up line can say how many graphs are still to come. A job holds
 ``device_lock`` while it runs, so a CUDA graph capture never overlaps one (``cuda_graphs``).
 ``stop`` ends it for good: the jobs not started are dropped and a running package build is ended
-with its child process and compilers (``aoti.end_builds``), so none outlives the server.
+with its child process and compilers (``aoti_build.end_builds``), so none outlives the server.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Callable
 
 from dualserve.models.heap import trim_heap
 
-from . import aoti
+from . import aoti_build
 
 log = logging.getLogger("dualserve.compile")
 
@@ -76,14 +76,14 @@ class CompileWorker:
     def stop(self) -> None:
         """End the work for good (the server shuts down): drop the jobs not started and end the
         running job's package build, killing its child and the compilers under it (the job then
-        sees ``aoti.BuildCancelled``). A job that builds in this process (torch.compile) runs on."""
+        sees ``aoti_build.BuildCancelled``). A job that builds in this process (torch.compile) runs on."""
         with self._lock:
             self._stopped = True
             self._asked -= len(self._queue)
             self._queue.clear()
             thread = self._thread
         if thread is not None:
-            aoti.end_builds(thread.ident)
+            aoti_build.end_builds(thread.ident)
 
     @property
     def busy(self) -> bool:

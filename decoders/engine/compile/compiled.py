@@ -4,34 +4,10 @@ Eager PyTorch spends most of a batch-1 CPU forward in Python dispatch (about 35
 small ops per layer). Compiled by inductor, a layer becomes a few fused C++
 kernels around the weight-only GEMMs, and a forward costs about half as much.
 
-Attention must be in the graph, so ``PaddedPagedAttention`` expresses every
-step (decode batches, EAGLE trees, diffusion canvases, prefill chunks) in one
-tensor-only form: the S sequences of a step are padded to Q query rows and W
-cached slots,
-
-  rows      (S, Q)        row of each query in the flattened batch; padding -> a dummy row T
-  context   (S, W)        flat KV slot of each cached token; padding -> slot 0, masked out
-  mask      (S, Q, W + Q) what each query sees: valid cached slots, then its own new tokens
-
-and each layer attends in one of the two forms below; the graph returns every layer's
-new keys/values, stored at ``slot_mapping`` after it runs (``KVCache.store``). No
-Python runs per layer, so there is nothing to gather per sequence.
-
-Attention takes one of two forms, and a step one of two graphs (``StepShape``):
-
-  rows     every sequence brings at most ``ROWS_MAX`` new tokens (decode batches, EAGLE trees,
-           diffusion canvases, short prompts). Each query position reduces over its [cached | new]
-           keys in one pass, in position order, by the same generated loops whatever the step
-           holds: a token's keys, values and hidden state are bit for bit the same whether it is
-           decoded alone, verified in a tree, or computed beside other sequences. That is what
-           keeps speculation lossless and batching invisible in greedy output.
-  chunks   prefill chunks. Where the project's kernels build, attention is the same
-           ``attend_rows`` as the rows form's, so a prompt's rows get the bits a decode would
-           (docs/numerics.md); elsewhere two batched matmuls, whose cost grows with query rows
-           times context far slower than inductor's loops' (a chunk of hundreds of rows).
-
-A step with both kinds of sequences runs each part through its graph. Shapes are dynamic, and
-sizes of one are not specialised (``aoti.build`` exports size-obliviously), so the one
+Attention is in the graph in its padded form (``attention/padded.py``), and a step runs one of
+two graphs, rows or chunks (``StepShape``); a step with both kinds of sequences runs each part
+through its graph. The graph's module is ``step_graph.ForwardWithFeatures``. Shapes are dynamic,
+and sizes of one are not specialised (``aoti_build.build`` exports size-obliviously), so the one
 ``rows`` graph serves one sequence or many, one query row or many: a decode row runs the very code
 a verify row runs. W is padded to at least 2. On the CPU each graph is an AOTInductor package
 (``aoti.py``), built once per host and model under the model cache (minutes on 2 cores) and
@@ -47,226 +23,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch._inductor.runtime.cache_dir_utils import cache_dir as default_cache_dir
 
 from dualserve.models import kernels
-from dualserve.models.kernels import ops as kernel_ops
-from . import aoti, cuda_shaped
+from ..attention.paged_attention import AttentionMetadata, KVCache, SeqAttention
+from ..attention.padded import PaddedPagedAttention, StepShape, split
+from . import aoti, aoti_build, cuda_shaped
 from .compile_worker import CompileWorker
-from ..attention.paged_attention import AttentionMetadata, KVCache, SeqAttention, as_stored, padded_rows
-
-if TYPE_CHECKING:
-    from .cuda_graphs import CudaGraphs
+from .cuda_graphs import CudaGraphs
+from .step_graph import PACKAGE_INDUCTOR, ForwardWithFeatures, bit_exact
+from .tracing import size_oblivious
 
 log = logging.getLogger("dualserve.compile")
 
 GRAPH_LIMIT = 64  # compiled graphs per code object (dynamo's recompile_limit), see _compile
-# New tokens per sequence up to which a step runs the rows form (see the module docstring): CPU
-# verify trees (at most 21 tokens) and diffusion canvases. Above it the matmuls are cheaper (on
-# the default model, 128 cached tokens: 16 rows cost 35.9 ms as rows and 29.7 ms as matmuls).
-ROWS_MAX = 24
-# The rows form's products (query rows x positions x heads x head_dim) that an eager run materialises
-# at once; above it the sums run a few rows at a time (``PaddedPagedAttention._rows``). Graphs fuse
-# them into loops and never materialise them.
-EAGER_ROWS_ELEMENTS = 2**25
-# Graph attention runs as the project's kernel (``models.kernels``: ``attend_rows``) where it is
-# built, unless a step is made with ``attend_kernel=False`` (``CompileSpec.attend_kernel``, from
-# DUALSERVE_ATTEND_KERNEL=0: inductor's loops, for comparison).
-
-
-def bit_exact(model: torch.nn.Module, attend_kernel: bool = True) -> bool:
-    """Whether every step of ``model`` runs the project's ops alone on the CPU (dot8 layers, the
-    attention kernel, the pointwise ops), so an eager step and a compiled graph give the same bits."""
-    from dualserve.models.quant import Dot8Linear
-
-    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Dot8Linear))]
-    return (attend_kernel and kernels.available() and bool(linears)
-            and all(isinstance(m, Dot8Linear) for m in linears)
-            and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters()))
-
-
-class PaddedPagedAttention:
-    """Paged attention over a padded step; tensors only, so it traces into one graph."""
-
-    def __init__(self, stacked: torch.Tensor, slot_mapping: torch.Tensor | None, rows: torch.Tensor,
-                 context: torch.Tensor, mask: torch.Tensor, chunks: bool, attend_kernel: bool = True):
-        self.chunks = chunks                       # the form: matmuls (prefill chunks) or rows
-        self.attend_kernel = attend_kernel         # attend_rows where the kernels are built
-        self.stacked = stacked                     # (2 * layers, slots, kv_heads, head_dim): keys, then values
-        self.layers = stacked.shape[0] // 2
-        self.slot_mapping = slot_mapping           # (T,); None inside the graph (the caller stores)
-        self.rows = rows                           # (S, Q)
-        self.context = context                     # (S, W)
-        self.mask = mask                           # (S, Q, W + Q) bool
-        # Each layer's new keys and values, as stored (cache dtype), in layer order. The graph
-        # returns them and the caller writes the cache (``KVCache.store``) after the forward: a
-        # cache write inside the graph is a mutation of a graph input, which inductor may turn into
-        # a copy of the whole layer's cache on every step.
-        self.new_k: list[torch.Tensor] = []
-        self.new_v: list[torch.Tensor] = []
-
-    @classmethod
-    def build(cls, cache: KVCache, meta: AttentionMetadata, device, chunks: bool | None = None,
-              sizes: "PaddedSizes | None" = None) -> "PaddedPagedAttention":
-        """The padded form of ``meta``; ``chunks``: which attention form (default: the one
-        ``StepShape.of`` picks for these sequences); ``sizes``: pad to these (S, Q, W, T), at
-        least the step's own (a CUDA graph's bucket; the step's tokens then come first in T)."""
-        padded = None if sizes is None else (sizes.sequences, sizes.queries, sizes.context, sizes.tokens)
-        rows, context, mask = padded_rows(meta, range(len(meta.seqs)), padded)
-        slots = meta.slot_mapping
-        chunks = StepShape.of(meta).chunks if chunks is None else chunks
-        return cls(cache.stacked, slots.to(device), rows.to(device), context.to(device), mask.to(device), chunks)
-
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kc, vc = self.stacked[layer_idx], self.stacked[self.layers + layer_idx]  # (slots, kv_heads, head_dim)
-        self.new_k.append(k.to(kc.dtype))
-        self.new_v.append(v.to(vc.dtype))
-        k, v = as_stored(k, kc), as_stored(v, vc)
-        if self.attend_kernel and kernel_ops.attend_eligible(q):
-            # the same sums as ``_rows`` (each row over its visible keys alone), vectorised in C++, in
-            # both forms: a prompt's rows then get the bits an eager step or a decode would give them
-            return kernel_ops.attend_rows(q, k, v, kc, vc, self.rows, self.context, self.mask, q.shape[-1] ** -0.5)
-        S, Q = self.rows.shape
-        T, heads, d = q.shape
-        kv_heads = k.shape[1]
-        pad = q.new_zeros(1, heads, d)
-        qx = torch.cat([q, pad])[self.rows].view(S, Q, kv_heads, heads // kv_heads, d)  # (S, Q, kv, group, d)
-        kx = torch.cat([k, pad[:, :kv_heads]])[self.rows]                                # (S, Q, kv, d)
-        vx = torch.cat([v, pad[:, :kv_heads]])[self.rows]
-        kg, vg = kc[self.context].to(q.dtype), vc[self.context].to(q.dtype)              # (S, W, kv, d)
-        out = self._matmuls(qx, kx, vx, kg, vg) if self.chunks else self._rows(qx, kx, vx, kg, vg)
-        return q.new_zeros(T + 1, heads, d).index_copy_(0, self.rows.reshape(-1), out.reshape(S * Q, heads, d))[:T]
-
-    def _rows(self, qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, kg: torch.Tensor,
-              vg: torch.Tensor) -> torch.Tensor:
-        """Attention as reductions that inductor fuses into loops, each query position summing
-        over its [cached | new] keys and values in one pass: scores over the head dim, softmax,
-        output over the positions. The cached keys are read straight from the pool by slot.
-
-        Where the cached part ends and the new part begins does not enter the sums, nor does any
-        other row or sequence of the step, so a position's output is the same bits in a decode
-        step, a verify tree or a batch. (Reduced in two parts, cached then new, a token decoded
-        alone and the same token second in a verify differ in the last bits, enough to flip a
-        near-tie.) On the default model a decode step costs the same as with a separate graph
-        specialised to one query (7.4 ms at 128 cached tokens, 11.8 ms at 800, one thread of
-        loops); the loops' cost grows with rows times context, so long prefill chunks take the
-        matmuls."""
-        ks, vs = torch.cat([kg, kx], 1), torch.cat([vg, vx], 1)                            # (S, W + Q, kv, d)
-        if torch.compiler.is_compiling():
-            return self._attend(qx, ks, vs, self.mask)
-        S, Q, kv_heads, group, d = qx.shape
-        per_row = ks.shape[1] * kv_heads * group * d  # the products' elements per query row
-        if S * Q * per_row <= EAGER_ROWS_ELEMENTS:
-            return self._attend(qx, ks, vs, self.mask)
-        # Run eagerly (the EAGLE head off the CPU), the products below are materialised: a sequence
-        # and a few query rows at a time keep them bounded. Every sum is over d or over positions
-        # within one query row, so the pieces are the same bits as the whole.
-        step = max(1, EAGER_ROWS_ELEMENTS // per_row)
-        return torch.cat([torch.cat([self._attend(qx[s:s + 1, a:a + step], ks[s:s + 1], vs[s:s + 1],
-                                                  self.mask[s:s + 1, a:a + step]) for a in range(0, Q, step)], 1)
-                          for s in range(S)])
-
-    @staticmethod
-    def _attend(qx: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The rows form's sums: queries (S, Q, kv, group, d) over keys and values (S, W + Q, kv, d)
-        where ``mask`` (S, Q, W + Q) lets them see."""
-        scale = qx.shape[-1] ** -0.5
-        scores = (qx[:, :, None] * ks[:, None, :, :, None, :]).sum(-1) * scale             # (S, Q, W + Q, kv, group)
-        scores = scores.masked_fill(~mask[:, :, :, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=2)
-        return (probs[..., None] * vs[:, None, :, :, None, :]).sum(2)                      # (S, Q, kv, group, d)
-
-    def _matmuls(self, qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, kg: torch.Tensor,
-                 vg: torch.Tensor) -> torch.Tensor:
-        """Prefill chunks: attention as two batched matmuls."""
-        S, Q, kv_heads, group, d = qx.shape
-        W = kg.shape[1]
-        ks, vs = torch.cat([kg, kx], 1), torch.cat([vg, vx], 1)                              # (S, W + Q, kv, d)
-        qg = qx.permute(0, 2, 3, 1, 4).reshape(S, kv_heads, group * Q, d)
-        scores = torch.matmul(qg, ks.permute(0, 2, 3, 1)) * (d ** -0.5)                     # (S, kv, group * Q, W + Q)
-        scores = scores.view(S, kv_heads, group, Q, W + Q).masked_fill(~self.mask[:, None, None], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(vs.dtype).view(S, kv_heads, group * Q, W + Q)
-        out = torch.matmul(probs, vs.permute(0, 2, 1, 3))                                    # (S, kv, group * Q, d)
-        return out.view(S, kv_heads, group, Q, d).permute(0, 3, 1, 2, 4)                    # (S, Q, kv, group, d)
-
-
-@dataclass(frozen=True)
-class PaddedSizes:
-    """The padded step's sizes: sequences S, query rows Q, cached slots W, token rows T."""
-
-    sequences: int
-    queries: int
-    context: int
-    tokens: int
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """Which graph a step (or a part of one) runs: ``rows`` or ``chunks`` (the module docstring)."""
-
-    chunks: bool
-
-    @classmethod
-    def of(cls, meta: AttentionMetadata) -> "StepShape":
-        return cls(any(s.query_len > ROWS_MAX for s in meta.seqs))
-
-    @property
-    def name(self) -> str:
-        return "chunks" if self.chunks else "rows"
-
-    def dynamic_dims(self) -> tuple[dict[int, object], ...]:
-        """The dims of ``ForwardWithFeatures``' inputs that vary, for ``torch.export``: tokens T,
-        sequences S, query rows Q, cached slots W and the pool's slots."""
-        auto = torch.export.Dim.AUTO
-        return {0: auto}, {0: auto}, {0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 1: auto, 2: auto}, {1: auto}
-
-
-def split(meta: AttentionMetadata) -> list[tuple[StepShape, torch.Tensor | None, AttentionMetadata]]:
-    """The parts of a step by form: (shape, the part's token rows in the step or None for all of
-    them, the part's metadata). One part unless the step holds both short and long sequences."""
-    kinds = [s.query_len > ROWS_MAX for s in meta.seqs]
-    if len(set(kinds)) == 1:
-        return [(StepShape(kinds[0]), None, meta)]
-    starts = [0]
-    for s in meta.seqs:
-        starts.append(starts[-1] + s.query_len)
-    parts = []
-    for chunks in (False, True):
-        picked = [i for i, k in enumerate(kinds) if k == chunks]
-        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in picked])
-        part = AttentionMetadata([meta.seqs[i] for i in picked], meta.slot_mapping[rows.to(meta.slot_mapping.device)],
-                                 meta.block_size)
-        parts.append((StepShape(chunks), rows, part))
-    return parts
-
-
-class ForwardWithFeatures(torch.nn.Module):
-    """One step as a graph of tensors only: ``model``'s forward over a padded step, also returning
-    the residual stream after the ``aux_layers``.
-
-    Inputs: token ids (T,), positions (T,), and the padded attention's ``rows``, ``context``,
-    ``mask`` and the KV pool's ``stacked`` view (see ``PaddedPagedAttention``). Outputs, flat:
-    hidden (T, hidden), one (T, hidden) per feature layer, then the new keys and the new values
-    (layers, T, kv_heads, head_dim) for the caller to store."""
-
-    def __init__(self, model: torch.nn.Module, aux_layers: tuple[int, ...], chunks: bool = False,
-                 attend_kernel: bool = True):
-        super().__init__()
-        self.model = model
-        self.aux_layers = aux_layers
-        self.chunks = chunks
-        self.attend_kernel = attend_kernel
-
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, context: torch.Tensor,
-                mask: torch.Tensor, stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        attn = PaddedPagedAttention(stacked, None, rows, context, mask, self.chunks, self.attend_kernel)
-        hidden, aux = self.model(ids, pos, attn, aux_layers=self.aux_layers)
-        return (hidden, *aux, torch.stack(attn.new_k), torch.stack(attn.new_v))
 
 
 class CompiledStep:
@@ -281,7 +55,7 @@ class CompiledStep:
         """``cache_dir``: the compile cache (packages under its ``aoti/``, and a build child's inductor
         cache unless TORCHINDUCTOR_CACHE_DIR names one; the command line sets that once at start-up);
         ``worker``: compile in the background on it (eager until ready), None: compile on first use;
-        ``attend_kernel``: see ``ROWS_MAX``."""
+        ``attend_kernel``: see ``step_graph``'s note on the attention kernel."""
         self.model = model
         self.cache = cache
         self.scratch = scratch
@@ -293,7 +67,7 @@ class CompiledStep:
         self.cache_dir = cache_dir
         self.package_dir = Path(cache_dir or default_cache_dir()) / "aoti"
         if self.packaged:
-            aoti.sweep(self.package_dir)  # what builds of killed processes left there
+            aoti_build.sweep(self.package_dir)  # what builds of killed processes left there
         self._fns: dict[tuple[bool, tuple[int, ...]], Callable] = {}  # torch.compile: one per form and feature set
         self._graphs: dict[tuple[StepShape, tuple[int, ...]], Callable[..., Sequence[torch.Tensor]]] = {}
         self.ready: set[tuple[StepShape, tuple[int, ...]]] = set()
@@ -404,7 +178,7 @@ class CompiledStep:
         where = self._where()
         try:
             graph, how = self._package(key, where) if self.packaged else (self._torch_compile(key), "compiled")
-        except aoti.BuildCancelled:  # the process is exiting
+        except aoti_build.BuildCancelled:  # the process is exiting
             return
         except Exception:  # noqa: BLE001 - any compiler failure leaves eager mode in charge
             log.warning("compiling the %s forward failed; staying eager", shape.name, exc_info=True)
@@ -457,12 +231,10 @@ class CompiledStep:
         # Dynamo's config is per thread: the cap is raised on the thread that compiles.
         shape, aux = key
         fn = self.fn(shape, aux)
-        with torch._dynamo.config.patch(recompile_limit=GRAPH_LIMIT), aoti.size_oblivious(), torch.inference_mode():
+        with torch._dynamo.config.patch(recompile_limit=GRAPH_LIMIT), size_oblivious(), torch.inference_mode():
             for n in (3, 5):  # two sizes: the graph must be the dynamic one
                 fn(*self._inputs(shape, n))
         if self.cuda_graphs is not None and not shape.chunks:
-            from .cuda_graphs import CudaGraphs  # CUDA only; it builds on this module's padded form
-
             lock = self.worker.device_lock if self.worker is not None else None
             self.cuda_graphs[id(fn)] = CudaGraphs(fn, self.cache, lock)
         return fn
@@ -480,23 +252,3 @@ class CompiledStep:
         meta = AttentionMetadata(seqs, self.scratch(total), self.cache.block_size)
         attn = PaddedPagedAttention.build(self.cache, meta, self.device, shape.chunks)
         return ids, pos, attn.rows, attn.context, attn.mask, self.cache.stacked
-
-
-# Inductor's settings for step graphs on the CPU. The graph's wrapper is C++ (always so in a
-# package; under torch.compile, ``cpp_wrapper``): a decode step calls some 400 kernels, and their
-# Python wrapper cost about 1.5 ms of a 12 ms step. Inductor's own kernels (norms, rotary,
-# softmax: small at decode) run on one thread, so a step opens OpenMP parallel regions only in the
-# GEMMs, as in eager mode: every region is a barrier, and a barrier is what costs when OpenMP
-# cannot spin (see ``openmp``).
-#
-# Casts round where the code says they do (``emulate_precision_casts``): by default inductor keeps a
-# value in fp32 inside a fused kernel even where the code rounds it to bf16. A new token's key, which
-# the pool stores in bf16, then entered its own step's attention unrounded but every later step's
-# rounded, and a token verified in a tree (its parent's key new) differed from the same token
-# decoded after its parent (the key cached): greedy EAGLE left AR's output at near-ties.
-#
-# The wrapper (the C++ that calls the kernels: some 77,000 lines for the default model, most of them
-# checks of the weights' dtypes and strides) compiles at -O0: at inductor's -O1 it took 51 of a
-# graph's 90 s of building on 2 cores, at -O0 19 s. The kernels themselves compile at -O3 either way.
-PACKAGE_INDUCTOR: dict[str, object] = {"cpp.threads": 1, "emulate_precision_casts": True,
-                                       "aot_inductor.compile_wrapper_opt_level": "O0"}

@@ -39,8 +39,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .compiled import ROWS_MAX, PaddedPagedAttention, PaddedSizes
 from ..attention.paged_attention import AttentionMetadata, KVCache
+from ..attention.padded import ROWS_MAX, PaddedPagedAttention, PaddedSizes
 
 log = logging.getLogger("dualserve.compile")
 

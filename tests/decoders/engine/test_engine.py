@@ -228,7 +228,7 @@ def test_a_choice_that_waits_too_long_fails_as_overloaded(make_engine):
 
 def test_the_estimated_wait_follows_finished_requests(make_engine):
     engine = make_engine(max_num_seqs=2, max_queue_wait=30)
-    engine.admission.min_busy = 0.0
+    engine.door.admission.min_busy = 0.0
     client = Client(engine)
     assert engine.estimated_wait() == 0.0
     for prompt in random_prompts(4, 4, 8):
@@ -236,7 +236,7 @@ def test_the_estimated_wait_follows_finished_requests(make_engine):
     engine.step()
     assert engine.estimated_wait() == float("inf")  # two running, two queued, nothing finished yet
     engine.run_until_idle()
-    assert engine.admission.finished == pytest.approx(4, abs=0.1)
+    assert engine.door.admission.finished == pytest.approx(4, abs=0.1)
     assert engine.estimated_wait() == 0.0  # idle: a place is free
     assert 0 < engine.estimated_wait(3) < float("inf")  # one of three must wait for a finish
 

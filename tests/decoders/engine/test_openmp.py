@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from dualserve.decoders.engine.compile.compiled import CompileWorker
+from dualserve.decoders.engine.compile.compile_worker import CompileWorker
 from dualserve.decoders.engine.openmp import ThreadGovernor, governed, run_on_own_thread
 from dualserve.models.host import neighbours_running
 

@@ -11,8 +11,9 @@ import textwrap
 
 ENGINE = ["dualserve.decoders.engine." + m for m in (
     "admission", "blocks", "decoder", "detokenize", "engine", "grammar", "isolation", "openmp", "parallel",
-    "request", "runner", "sampling", "scheduler", "attention.paged_attention", "attention.windowed", "compile.aoti",
-    "compile.compile_worker", "compile.compiled", "compile.cuda_graphs", "compile.cuda_shaped")] + [
+    "request", "runner", "sampling", "scheduler", "attention.padded", "attention.paged_attention",
+    "attention.windowed", "compile.aoti", "compile.aoti_build", "compile.compile_worker", "compile.compiled",
+    "compile.cuda_graphs", "compile.cuda_shaped", "compile.step_graph", "compile.tracing")] + [
     "dualserve.decoders.deployment"]
 
 # Imports each module named on the command line in a fresh interpreter where ``fcntl`` is missing.
@@ -46,8 +47,8 @@ def imports_without_fcntl(modules: list[str]) -> subprocess.CompletedProcess:
 def test_the_engine_s_own_modules_need_no_fcntl():
     """The engine loop, scheduler, pool and compile machinery (aoti's build cleanup included)."""
     own = [m for m in ENGINE if m.removeprefix("dualserve.decoders.engine.") in (
-        "admission", "compile.aoti", "blocks", "compile.compile_worker", "decoder", "detokenize", "engine", "grammar",
-        "isolation", "request", "sampling", "scheduler")]
+        "admission", "compile.aoti", "compile.aoti_build", "blocks", "compile.compile_worker", "compile.tracing",
+        "decoder", "detokenize", "engine", "grammar", "isolation", "request", "sampling", "scheduler")]
     done = imports_without_fcntl(own)
     assert done.returncode == 0, done.stdout + done.stderr
 

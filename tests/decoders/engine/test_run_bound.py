@@ -90,13 +90,13 @@ def test_a_slow_host_starts_only_what_finishes_in_time(model) -> None:
 def test_a_choice_held_back_times_out_as_overloaded(model) -> None:
     engine = make_engine(model, max_run_time=20.0, max_queue_wait=0.2)
     engine.run_bound = Modelled(per_choice=10.0)  # nothing but a lone choice is ever in time
-    engine.admission = WaitEstimator(min_busy=0.0)
-    engine.admission.observe(1.0, 1)  # one place frees a second
+    engine.door.admission = WaitEstimator(min_busy=0.0)
+    engine.door.admission.observe(1.0, 1)  # one place frees a second
     outs = submit(engine, 3, max_tokens=50)
     engine.step()
     assert len(engine.scheduler.running) == 1 and engine.capacity() == 1
     # 2 queued, no free place the bound allows: the third choice to come starts after 3 finishes.
-    assert engine.estimated_wait() == pytest.approx(3 / engine.admission.finish_rate)
+    assert engine.estimated_wait() == pytest.approx(3 / engine.door.admission.finish_rate)
     time.sleep(0.25)
     engine.run_until_idle()
     assert outs[0][-1].finish_reason == "length"

@@ -1,6 +1,6 @@
 """A package build leaves nothing behind however its process ends, and says where it stands.
 
-The builds here are real (a one-layer module through ``aoti.build``'s child process), stopped
+The builds here are real (a one-layer module through ``aoti_build.build``'s child process), stopped
 while the child runs: by the process exiting (``atexit``), or by SIGKILL, when only the child's
 watch on its parent can clean up. Leftovers of dead processes are swept at the next start.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dualserve.decoders.engine.compile import aoti
+from dualserve.decoders.engine.compile import aoti, aoti_build
 from dualserve.decoders.engine.compile.compile_worker import CompileWorker
 
 posix = pytest.mark.skipif(os.name != "posix", reason="process liveness is asked of POSIX only")
@@ -28,16 +28,16 @@ BUILDER = textwrap.dedent("""
     import sys, threading, time
     from pathlib import Path
     import torch
-    from dualserve.decoders.engine.compile import aoti
+    from dualserve.decoders.engine.compile import aoti_build
 
     out, then = Path(sys.argv[1]), sys.argv[2]
     module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
     example = (torch.randn(3, 8),)
     dims = ({0: torch.export.Dim.AUTO},)
-    threading.Thread(target=aoti.build, args=(module, example, dims, out / "step.pt2", {}), daemon=True).start()
-    while not any(child is not None for child in aoti._builds.values()):
+    threading.Thread(target=aoti_build.build, args=(module, example, dims, out / "step.pt2", {}), daemon=True).start()
+    while not any(child is not None for child in aoti_build._builds.values()):
         time.sleep(0.05)
-    work, child = next(iter(aoti._builds.items()))
+    work, child = next(iter(aoti_build._builds.items()))
     print(child.pid, work, flush=True)
     if then == "exit":
         time.sleep(0.5)
@@ -101,19 +101,19 @@ def test_the_next_start_sweeps_what_dead_processes_left(tmp_path, monkeypatch):
         (tmp_path / name).mkdir() if is_dir else (tmp_path / name).write_bytes(b"x")
     old = tmp_path / f".build-{live}-x3"  # alive, but older than any build: its pid was reused
     old.mkdir()
-    os.utime(old, (time.time() - 2 * aoti.STALE_BUILD_SECONDS,) * 2)
-    monkeypatch.setattr(aoti, "_swept", set())
-    aoti.sweep(tmp_path)
+    os.utime(old, (time.time() - 2 * aoti_build.STALE_BUILD_SECONDS,) * 2)
+    monkeypatch.setattr(aoti_build, "_swept", set())
+    aoti_build.sweep(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f".build-{live}-x2", f".step-rows-abc.{live}.job.pt", "step-rows-abc.pt2", ".hidden"])
 
 
 def test_a_running_build_reports_its_elapsed_time(monkeypatch):
-    monkeypatch.setattr(aoti, "PROGRESS_SECONDS", 0.2)
+    monkeypatch.setattr(aoti_build, "PROGRESS_SECONDS", 0.2)
     seen: list[float] = []
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1); print('done')"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, _ = aoti._wait(child, seen.append)
+    out, _ = aoti_build._wait(child, seen.append)
     assert out.strip() == "done" and len(seen) >= 2 and seen == sorted(seen)
 
 

@@ -1,6 +1,6 @@
 """A package build's compilers end with the server, however it stops.
 
-The build is ``aoti.build``'s real child process, given a stand-in module (``compile_standin``)
+The build is ``aoti_build.build``'s real child process, given a stand-in module (``compile_standin``)
 whose unpickling starts ``sleep 300`` in the child, standing in for ``cc1plus`` under ``g++``:
 the grandchild must be gone within seconds when the compile worker is stopped, when the server
 exits (``atexit``), and when the server is killed outright (SIGKILL: only the child can act).
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from compile_standin import Compiler
 
-from dualserve.decoders.engine.compile import aoti
+from dualserve.decoders.engine.compile import aoti_build
 from dualserve.decoders.engine.compile.compile_worker import CompileWorker
 
 posix = pytest.mark.skipif(os.name != "posix", reason="process groups are POSIX's")
@@ -31,14 +31,14 @@ SERVER = textwrap.dedent("""
     import sys, threading, time
     from pathlib import Path
     from compile_standin import Compiler
-    from dualserve.decoders.engine.compile import aoti
+    from dualserve.decoders.engine.compile import aoti_build
 
     out, then = Path(sys.argv[1]), sys.argv[2]
     pidfile = out / "compiler.pid"
-    threading.Thread(target=aoti.build, args=(Compiler(pidfile), (), (), out / "step.pt2", {}), daemon=True).start()
+    threading.Thread(target=aoti_build.build, args=(Compiler(pidfile), (), (), out / "step.pt2", {}), daemon=True).start()
     while not pidfile.exists():
         time.sleep(0.05)
-    work, child = next(iter(aoti._builds.items()))
+    work, child = next(iter(aoti_build._builds.items()))
     print(pidfile.read_text(), child.pid, work, flush=True)
     if then == "exit":
         sys.exit(0)
@@ -79,8 +79,8 @@ def test_stopping_the_compile_worker_ends_the_build_and_its_compiler(tmp_path):
 
     def job() -> None:
         try:
-            aoti.build(Compiler(pidfile), (), (), tmp_path / "step.pt2", {})
-        except aoti.BuildCancelled:
+            aoti_build.build(Compiler(pidfile), (), (), tmp_path / "step.pt2", {})
+        except aoti_build.BuildCancelled:
             outcome.append("cancelled")
 
     worker.submit(job)

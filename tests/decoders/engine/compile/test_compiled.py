@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dualserve.decoders.ar import ARDecoder
-from dualserve.decoders.engine.compile.compiled import ROWS_MAX, PaddedPagedAttention, StepShape
+from dualserve.decoders.engine.attention.padded import ROWS_MAX, PaddedPagedAttention, StepShape
 from dualserve.decoders.engine.engine import Engine, EngineConfig
 from dualserve.decoders.engine.attention.paged_attention import KVCache, SdpaPagedAttention
 from dualserve.decoders.engine.runner import ModelRunner
@@ -197,9 +197,9 @@ def test_a_package_that_does_not_match_the_eager_forward_is_not_used(tmp_path, m
 def test_the_engine_decodes_while_a_package_is_traced_beside_it(tmp_path) -> None:
     """Non-strict ``torch.export`` patches ``torch.nn.Module.__call__`` for the whole process, so
     a step that ran while a package was traced failed (or was traced into the graph). Steps and
-    traces take turns at ``aoti.TRACING``: the engine keeps decoding eagerly, token for token as
+    traces take turns at ``tracing.TRACING``: the engine keeps decoding eagerly, token for token as
     without the build, and the packages still build."""
-    from dualserve.decoders.engine.compile.compiled import CompileWorker
+    from dualserve.decoders.engine.compile.compile_worker import CompileWorker
 
     model = tiny()
     rng = random.Random(1)
@@ -222,7 +222,7 @@ def test_an_export_waits_for_the_running_step_and_holds_new_ones_back() -> None:
     import threading
     import time
 
-    from dualserve.decoders.engine.compile.aoti import TraceGate
+    from dualserve.decoders.engine.compile.tracing import TraceGate
 
     gate, events = TraceGate(), []
     inside, release = threading.Event(), threading.Event()
@@ -340,8 +340,8 @@ def test_the_rows_form_gives_a_position_the_same_bits_in_any_step(tmp_path) -> N
     verify tree whose earlier nodes are new rather than cached, or beside other sequences. A form
     that reduces the cached and the new keys in two parts fails this, and so does a graph that
     keeps a new key in fp32 where the pool will round it to bf16 (inductor's default)."""
-    from dualserve.decoders.engine.compile import aoti
-    from dualserve.decoders.engine.compile.compiled import PACKAGE_INDUCTOR
+    from dualserve.decoders.engine.compile import aoti, aoti_build
+    from dualserve.decoders.engine.compile.step_graph import PACKAGE_INDUCTOR
 
     torch.manual_seed(0)
     heads, kv_heads, d, n = 8, 2, 64, 70
@@ -371,7 +371,7 @@ def test_the_rows_form_gives_a_position_the_same_bits_in_any_step(tmp_path) -> N
     module = _Attention()
     auto = torch.export.Dim.AUTO
     path = tmp_path / "attention.pt2"
-    aoti.build(module, step([(5, [5, 6], torch.ones(2, 2).tril().bool()), (9, [9, 10, 11], torch.ones(3, 3).tril().bool())]),
+    aoti_build.build(module, step([(5, [5, 6], torch.ones(2, 2).tril().bool()), (9, [9, 10, 11], torch.ones(3, 3).tril().bool())]),
                ({0: auto}, {0: auto}, {0: auto}, {0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 1: auto, 2: auto},
                 {1: auto}), path, PACKAGE_INDUCTOR)
     graph = aoti.PackagedGraph(path, module)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from dualserve.decoders.ar import ARDecoder
-from dualserve.decoders.engine.compile.compiled import ForwardWithFeatures, PaddedPagedAttention, PaddedSizes, StepShape
+from dualserve.decoders.engine.attention.padded import PaddedPagedAttention, PaddedSizes, StepShape
 from dualserve.decoders.engine.compile.cuda_graphs import CONTEXT_MIN, bucket
+from dualserve.decoders.engine.compile.step_graph import ForwardWithFeatures
 from dualserve.decoders.engine.engine import Engine, EngineConfig
 from dualserve.decoders.engine.attention.paged_attention import KVCache
 from dualserve.decoders.engine.runner import ModelRunner

@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from dualserve.decoders.engine import kv_budget
+from dualserve.decoders.engine.attention import padded
+from dualserve.decoders.engine.attention.padded import PaddedPagedAttention, StepShape
 from dualserve.decoders.engine.attention.paged_attention import (AttentionMetadata, FlashPagedAttention, KVCache,
                                                                  SdpaPagedAttention, SeqAttention, flash_available,
                                                                  flash_fits)
-from dualserve.decoders.engine.compile import compiled
 from dualserve.decoders.engine.compile.compile_worker import CompileWorker
-from dualserve.decoders.engine.compile.compiled import (CompiledStep, ForwardWithFeatures, PaddedPagedAttention,
-                                                        StepShape)
+from dualserve.decoders.engine.compile.compiled import CompiledStep
 from dualserve.decoders.engine.compile.cuda_graphs import Captured, CudaGraphs, bucket, static_inputs
+from dualserve.decoders.engine.compile.step_graph import ForwardWithFeatures
 from tiny_engine import BLOCK, CFG, meta_for, tiny
 
 GiB = 2**30
@@ -186,7 +187,7 @@ def test_the_rows_form_in_bounded_pieces_is_the_same_bits(monkeypatch, bound: in
     whole = PaddedPagedAttention.build(cache, meta_for(seqs), "cpu", False)
     whole.attend_kernel = False  # the sums below are what CUDA runs eagerly
     want = whole(0, q, k, v)
-    monkeypatch.setattr(compiled, "EAGER_ROWS_ELEMENTS", bound)  # a query row's products: 4 * 16 * (W + Q)
+    monkeypatch.setattr(padded, "EAGER_ROWS_ELEMENTS", bound)  # a query row's products: 4 * 16 * (W + Q)
     pieces = PaddedPagedAttention.build(cache, meta_for(seqs), "cpu", False)
     pieces.attend_kernel = False
     assert torch.equal(pieces(0, q, k, v), want)
