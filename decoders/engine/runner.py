@@ -100,9 +100,9 @@ class ModelRunner:
 
     def compile(self, cache_dir: Path | None = None, worker: CompileWorker | None = None,
                 attend_kernel: bool = True) -> CompiledStep | None:
-        """Run steps through compiled graphs (``compiled.py``) once each shape's graph is built: on
+        """Run steps through compiled graphs (``compile/compiled.py``) once each shape's graph is built: on
         ``worker``'s thread (eager until then), or, with no worker, on first use. ``attend_kernel``:
-        graph attention as the project's kernel where it is built (``compiled.ROWS_MAX``'s note)."""
+        graph attention as the project's kernel where it is built (``attention/padded.py``'s ``ROWS_MAX`` note)."""
         if not family(self.config.family).compiles:
             raise TypeError(f"{self.config.family}'s steps are not compiled (its family row says so)")
         if any(w is not None for w in self.config.windows):

@@ -130,7 +130,7 @@ def available() -> bool:
 
 def disable(reason: str) -> None:
     """Report the kernels unavailable in this process, whatever the host could build: a choice made
-    once at start-up, before anything asks (the CUDA-shaped profile, ``decoders/engine/cuda_shaped``)."""
+    once at start-up, before anything asks (the CUDA-shaped profile, ``decoders/engine/compile/cuda_shaped``)."""
     global _loaded, _error
     if _loaded:
         raise RuntimeError("the kernels are loaded already: disable them before the first model loads")
