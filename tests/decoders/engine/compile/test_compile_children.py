@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -131,9 +132,10 @@ def test_the_compile_worker_reports_its_progress_for_the_status_page():
     from dualserve.decoders.engine.compile.compile_worker import CompileProgress
     from dualserve.server.status import compile_status
 
-    worker, seen = CompileWorker(), []
-    worker.submit(lambda: seen.append(worker.progress()), name="rows-8")
+    worker, seen, both_asked = CompileWorker(), [], threading.Event()
+    worker.submit(lambda: (both_asked.wait(10), seen.append(worker.progress())), name="rows-8")
     worker.submit(lambda: seen.append(worker.progress()), name="rows-16")
+    both_asked.set()  # the first job reads its progress once both are asked for, however busy the host
     assert until(lambda: not worker.busy, 10)
     assert seen == [CompileProgress(0, 2, "rows-8"), CompileProgress(1, 2, "rows-16")]
     assert compile_status(seen[1]) == {"built": 1, "total": 2, "building": "rows-16"}
