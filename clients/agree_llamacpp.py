@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from .bench_llamacpp import dualserve_command, free_port, start_server, wait_ready
+from .bench_servers import dualserve_command, free_port, start_server, wait_ready
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "SELECT name, email FROM users WHERE"]
