@@ -1,6 +1,6 @@
 // dualserve::attend_rows: paged attention for a padded step of few query rows per sequence
 // (decode, an EAGLE verify tree, a diffusion block), the form of
-// decoders/engine/compile/compiled.py:PaddedPagedAttention._rows.
+// decoders/engine/attention/padded.py:PaddedPagedAttention._rows.
 //
 // Each query row attends to the keys its mask shows: the sequence's cached keys (read from
 // the pool by slot) then the step's new ones. A row's result depends only on the keys it
