@@ -99,7 +99,7 @@ class ThreadGovernor:
     """
 
     def __init__(self, interval: float = 0.1, margin: float = 0.6, smoothing: float = 0.5,
-                 poll: float = 0.01, calm: int = 3):
+                 poll: float = 0.01, calm: int = 5):
         self.interval = interval
         self.margin = margin
         self.poll = poll

@@ -52,7 +52,7 @@ def test_team_shrinks_to_the_cores_neighbours_leave():
 
 
 def test_team_on_a_larger_host():
-    g = rule(8, 4, smoothing=0.1)
+    g = rule(8, 4, smoothing=0.1, calm=3)
     g.observe(3.0)                     # 5 free cores for 4 threads
     assert g.team == 4
     g.observe(4.7)                     # 3.3 free: short of 4 by more than the margin
