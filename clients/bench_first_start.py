@@ -26,6 +26,7 @@ graph was built. The temporary cache is removed afterwards (``--keep-cache`` kee
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -39,7 +40,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from openai import OpenAI
+from openai import AsyncOpenAI, OpenAI
+
+from dualserve.clients.bench import BenchSpec, Prompt, stream_one
 
 TOPICS = ["a lighthouse", "copper wire", "a bakery", "the moons of Jupiter", "a chess opening", "tide pools",
           "a violin maker", "solar panels", "a mountain railway", "honey bees", "a night market", "glaciers",
@@ -86,19 +89,19 @@ def get_json(url: str) -> dict | None:
         return None
 
 
-def decode_tps(client: OpenAI, model: str, decoder: str, text: str, max_tokens: int) -> tuple[int, float | None]:
-    times: list[float] = []
-    tokens = 0
-    stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"decoder": decoder})
-    for chunk in stream:
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-        if chunk.choices and chunk.choices[0].delta.content:
-            times.append(time.perf_counter())
-    span = times[-1] - times[0] if len(times) > 1 else 0.0
-    return tokens, ((tokens - 1) / span if span > 0 and tokens > 1 else None)
+def decode_tps(base_url: str, model: str, decoder: str, text: str, max_tokens: int) -> tuple[int, float | None]:
+    """One streamed chat request timed by the load client (``bench.stream_one``): its completion
+    tokens and decode tok/s."""
+    spec = BenchSpec(model=model, endpoint="chat", max_tokens=max_tokens, temperature=0.0, decoder=decoder)
+
+    async def one():
+        async with AsyncOpenAI(base_url=base_url, api_key="unused", timeout=300) as client:
+            return await stream_one(client, spec, Prompt(decoder, "first-start", text))
+
+    res = asyncio.run(one())
+    if res.error is not None:
+        raise SystemExit(f"request failed: {res.error}")
+    return res.tokens, res.decode_tps
 
 
 def measure(args: argparse.Namespace, cache: Path, log_path: Path) -> FirstStart:
@@ -117,8 +120,7 @@ def measure(args: argparse.Namespace, cache: Path, log_path: Path) -> FirstStart
                 if get_json(f"{root}/health") is not None:
                     run.ready_s = time.monotonic() - started
                 time.sleep(0.2)
-            client = OpenAI(base_url=f"{root}/v1", api_key="unused", timeout=300)
-            model = client.models.list().data[0].id
+            model = OpenAI(base_url=f"{root}/v1", api_key="unused", timeout=30).models.list().data[0].id
             decoders = [d.strip() for d in args.decoders.split(",") if d.strip()]
             after_compiled, i = 0, 0
             while after_compiled < args.final and time.monotonic() - started < args.timeout:
@@ -128,7 +130,7 @@ def measure(args: argparse.Namespace, cache: Path, log_path: Path) -> FirstStart
                 if compiling is None and run.compiled_s is None:
                     run.compiled_s = tick - started
                 for decoder in decoders:
-                    tokens, tps = decode_tps(client, model, decoder, prompt(i), args.max_tokens)
+                    tokens, tps = decode_tps(f"{root}/v1", model, decoder, prompt(i), args.max_tokens)
                     i += 1
                     run.samples.append(Sample(round(time.monotonic() - started, 1), decoder, tokens, tps,
                                               compiling["built"] if compiling else None,
