@@ -210,7 +210,10 @@ def register_ar(site: Site, spec: ServedSpec, runner: ModelRunner) -> None:
     if spec.twin is not None:
         twin_runner = site.runner(f"{spec.name}:diffusion", spec.twin)
         if compile is not None:
-            compile.apply(twin_runner)
+            # Built on first use of ``diffusion``, not at start: the target's graphs and the EAGLE
+            # head are what a first start waits for, and two more builds would hold a core for
+            # another two minutes (docs/compiled-step.md). Until they are built, diffusion runs eager.
+            compile.apply(twin_runner, prewarm=False)
         register_diffusion(engine, spec.name, twin_runner, spec.twin)
 
 

@@ -14,6 +14,7 @@ import pytest
 from dualserve.decoders.diffusion.decoder import DiffusionConfig
 from dualserve.decoders.diffusion.cache import DualCache, NoCache
 from dualserve.decoders.diffusion.policies import LinearSchedule, LowConfidence
+from dualserve.decoders.engine.compile.compile_worker import CompileWorker
 from dualserve.decoders.engine.sampling import SamplingParams
 from dualserve.models.loader import LoadedModel
 from test_diffusion import (GREEDY, SMALL_MASK, SMALL_VOCAB, LetterTokenizer, Outcome, llada_reference, load_tiny,
@@ -232,3 +233,35 @@ def test_structured_output_survives_preemption(default_gguf, cache_dir) -> None:
     for o in tight:
         assert o.finish_reason == "stop"
         assert set(json.loads(o.text)) == {"name", "age"}
+
+
+class QueueingWorker(CompileWorker):
+    """A compile worker that records the graphs asked for and builds nothing (a real build is a
+    minute of a core per graph; what is queued, and when, is the point here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[str | None] = []
+
+    def submit(self, job, name=None) -> None:
+        self.asked.append(name)
+
+
+def test_twin_graphs_are_asked_for_by_the_first_diffusion_step(twin: LoadedModel, tmp_path) -> None:
+    """A first start queues the target's graphs; the twin's are queued by the first ``diffusion``
+    step that needs them (until built, it runs eager), not at start."""
+    from dualserve.decoders.deployment import CompileSpec, PoolSpec, ServedSpec, build_deployment
+    from dualserve.models.loader import load_model
+    from tiny_twin import write_tiny_llama
+
+    base = load_model(write_tiny_llama(tmp_path / "base"), cache_dir=tmp_path / "cache")
+    worker = QueueingWorker()
+    dep = build_deployment([ServedSpec("m", base, twin=twin)], pool=PoolSpec(block_size=4, num_blocks=64),
+                           compile=CompileSpec(worker=worker))
+    target = dep.engine.decoders[("m", "ar")].runner.compiled
+    twin_step = dep.engine.decoders[("m", "diffusion")].runner.compiled
+    assert worker.asked == ["rows", "chunks"]
+    assert {shape.name for shape, _ in target._pending} == {"rows", "chunks"} and not twin_step._pending
+    dep.engine.submit("m", "diffusion", prompt(5), replace(PARAMS, max_tokens=4), lambda *_: None)
+    dep.engine.run_until_idle()
+    assert "rows" in {shape.name for shape, _ in twin_step._pending} and worker.asked[2:]
