@@ -26,6 +26,12 @@ child starts in a session and process group of its own, and its build is ended a
 parent kills the group when a build is ended (``end_builds``: the compile worker's ``stop`` and
 ``atexit``), and a child whose parent died kills its own group: on Linux the kernel tells it at
 once (``prctl(PR_SET_PDEATHSIG)``, SIGTERM), elsewhere its watch on ``getppid`` notices.
+
+**A build yields to serving.** The child and every compiler it starts run at the lowest priority
+(``SCHED_IDLE`` on Linux, nice 19 elsewhere on POSIX): a core the engine's threads want is theirs
+at once, and a build takes what serving leaves. The thread governor does not count niced CPU time
+as a neighbour's (``openmp``), so a server that has its rows graph decodes on its full team while
+its other graphs build.
 """
 
 from __future__ import annotations
@@ -274,6 +280,7 @@ def _child(job: str, package: str, parent: str | None = None) -> None:
     work = Path(job).parent
     if parent is not None:
         _exit_with(int(parent), work)
+    _yield_to_serving()
     done = False
     try:
         spec = torch.load(job, weights_only=False)
@@ -288,6 +295,23 @@ def _child(job: str, package: str, parent: str | None = None) -> None:
         # watch is still removing the directory; interpreter exit would stop the watch half-way.
         if parent is not None and os.name == "posix" and os.getppid() != int(parent):
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _yield_to_serving() -> None:
+    """This process, and every process it starts, at the lowest priority (module docstring):
+    ``SCHED_IDLE`` where Linux offers it, and nice 19, which the thread governor reads as time
+    that yields (``/proc/stat``'s nice column)."""
+    if os.name != "posix":
+        return
+    try:
+        os.nice(19 - os.nice(0))
+    except OSError:
+        pass
+    if hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:  # not permitted here: nice 19 alone
+            pass
 
 
 def _exit_with(parent: int, work: Path) -> None:

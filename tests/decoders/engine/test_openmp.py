@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -151,3 +152,30 @@ def test_compile_worker_thread_exits_when_idle():
     assert wait_for(lambda: not any(t.name == "dualserve-compile" for t in threading.enumerate()))
     worker.submit(lambda: done.append(3))  # a later job starts a new thread
     assert wait_for(lambda: done == [1, 2, 3] and not worker.busy)
+
+
+def test_a_niced_neighbour_leaves_the_team_whole():
+    """A busy process at nice 19 (as the server's own graph builds run) yields its core: the
+    governor's reading leaves its time out, and the team stays whole."""
+    if not governed():
+        pytest.skip("no /proc or no OpenMP threads to govern")
+    g = rule(2, 2, interval=0.05, smoothing=0.1)
+    g.start()
+    hog = subprocess.Popen([sys.executable, "-c", "import os; os.nice(19)\nwhile True: pass"])
+    try:
+        time.sleep(1.0)  # twenty readings
+        assert g.team == 2 and g.switches == 0 and g.neighbour_load < 0.6
+    finally:
+        hog.kill()
+        hog.wait()
+        g.stop()
+
+
+def test_a_build_child_runs_at_the_lowest_priority():
+    """``aoti_build``'s child lowers itself before it builds; what it starts inherits it."""
+    if os.name != "posix":
+        pytest.skip("POSIX priorities")
+    code = ("import os; from dualserve.decoders.engine.compile import aoti_build as b; b._yield_to_serving(); "
+            "print(os.nice(0), os.sched_getscheduler(0) == getattr(os, 'SCHED_IDLE', -1))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "19" and (out[1] == "True" or not hasattr(os, "SCHED_IDLE"))
