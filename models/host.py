@@ -15,15 +15,12 @@ import os
 import time
 
 
-def machine_busy_ticks(niced: bool = True) -> int:
+def machine_busy_ticks() -> int:
     """Busy CPU time of the whole machine, in clock ticks: everything but idle and iowait.
-    Steal counts as busy: the hypervisor took the core. ``niced=False`` leaves out the user time
-    of processes at a lower priority (nice > 0; ``/proc/stat``'s nice column): they yield a core
-    to this process's threads (the server's own graph builds run so, ``aoti_build``)."""
+    Steal counts as busy: the hypervisor took the core."""
     with open("/proc/stat") as f:
         fields = [int(v) for v in f.readline().split()[1:]]
-    busy = sum(fields) - fields[3] - fields[4]
-    return busy if niced else busy - fields[1]
+    return sum(fields) - fields[3] - fields[4]
 
 
 def own_ticks() -> int:

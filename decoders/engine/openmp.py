@@ -88,9 +88,7 @@ class ThreadGovernor:
       to the free cores (cpus - average) when they fall short of ``threads`` by more than
       ``margin``. The average and the margin tell a CPU-bound neighbour (a core, all the time) from
       the server's own streaming clients: a client reading 60 chunks a second uses 0.3-0.7 of a
-      core in bursts, and a smaller team for it costs more than the time it takes. Niced time
-      (processes at nice > 0, the server's own graph builds among them) is not a neighbour's:
-      such a process yields its core whenever the team wants it.
+      core in bursts, and a smaller team for it costs more than the time it takes.
     - **Growing back, from what is runnable now.** While the team is short, the thread reads the
       number of other processes' runnable threads (``host.neighbours_running``) every ``poll``
       seconds, and restores ``threads`` after ``calm`` readings in a row leave a core per thread;
@@ -146,14 +144,14 @@ class ThreadGovernor:
 
     def _watch(self) -> None:
         ticks = os.sysconf("SC_CLK_TCK")
-        t, busy, own = time.monotonic(), machine_busy_ticks(niced=False), own_ticks()
+        t, busy, own = time.monotonic(), machine_busy_ticks(), own_ticks()
         while not self._stop.wait(self.poll if self.short else self.interval):
             if self.short:
                 if self.observe_now(neighbours_running()):
-                    t, busy, own = time.monotonic(), machine_busy_ticks(niced=False), own_ticks()
+                    t, busy, own = time.monotonic(), machine_busy_ticks(), own_ticks()
                 if time.monotonic() - t < self.interval:
                     continue
-            t2, busy2, own2 = time.monotonic(), machine_busy_ticks(niced=False), own_ticks()
+            t2, busy2, own2 = time.monotonic(), machine_busy_ticks(), own_ticks()
             # Clamped: the two counters are sampled a moment apart, and per-thread times are rounded.
             other = ((busy2 - busy) - (own2 - own)) / ticks / max(t2 - t, 1e-3)
             t, busy, own = t2, busy2, own2

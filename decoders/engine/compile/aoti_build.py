@@ -28,10 +28,10 @@ parent kills the group when a build is ended (``end_builds``: the compile worker
 once (``prctl(PR_SET_PDEATHSIG)``, SIGTERM), elsewhere its watch on ``getppid`` notices.
 
 **A build yields to serving.** The child and every compiler it starts run at the lowest priority
-(``SCHED_IDLE`` on Linux, nice 19 elsewhere on POSIX): a core the engine's threads want is theirs
-at once, and a build takes what serving leaves. The thread governor does not count niced CPU time
-as a neighbour's (``openmp``), so a server that has its rows graph decodes on its full team while
-its other graphs build.
+(``SCHED_IDLE`` on Linux, and nice 19): the engine's thread never waits for a build's process.
+The thread governor still counts a build as a neighbour and runs a team of one beside it: a team
+of two beside an idle-priority build decoded eagerly at 10-20 tok/s on a 2-core host, where one
+thread gave 45-55 (each parallel region's wake-up has to preempt the build).
 """
 
 from __future__ import annotations
@@ -299,8 +299,7 @@ def _child(job: str, package: str, parent: str | None = None) -> None:
 
 def _yield_to_serving() -> None:
     """This process, and every process it starts, at the lowest priority (module docstring):
-    ``SCHED_IDLE`` where Linux offers it, and nice 19, which the thread governor reads as time
-    that yields (``/proc/stat``'s nice column)."""
+    ``SCHED_IDLE`` where Linux offers it, and nice 19."""
     if os.name != "posix":
         return
     try:

@@ -154,23 +154,6 @@ def test_compile_worker_thread_exits_when_idle():
     assert wait_for(lambda: done == [1, 2, 3] and not worker.busy)
 
 
-def test_a_niced_neighbour_leaves_the_team_whole():
-    """A busy process at nice 19 (as the server's own graph builds run) yields its core: the
-    governor's reading leaves its time out, and the team stays whole."""
-    if not governed():
-        pytest.skip("no /proc or no OpenMP threads to govern")
-    g = rule(2, 2, interval=0.05, smoothing=0.1)
-    g.start()
-    hog = subprocess.Popen([sys.executable, "-c", "import os; os.nice(19)\nwhile True: pass"])
-    try:
-        time.sleep(1.0)  # twenty readings
-        assert g.team == 2 and g.switches == 0 and g.neighbour_load < 0.6
-    finally:
-        hog.kill()
-        hog.wait()
-        g.stop()
-
-
 def test_a_build_child_runs_at_the_lowest_priority():
     """``aoti_build``'s child lowers itself before it builds; what it starts inherits it."""
     if os.name != "posix":
