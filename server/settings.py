@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Literal, Mapping
 
 from dualserve.decoders.deployment import CompileSpec, PoolSpec
+from dualserve.decoders.engine.compile.compile_worker import CompileWorker, cpu_workers
 from dualserve.decoders.engine.engine import EngineConfig
 from dualserve.models.formats import check_device
 from dualserve.models.errors import InputError
@@ -169,9 +170,14 @@ class Settings:
         # flash-attn's paged kernel needs blocks of 256 tokens; small blocks share more prefix on a CPU
         block_size = args.block_size or (256 if args.device.startswith("cuda") else 16)
         pool = PoolSpec(block_size=block_size, num_blocks=args.num_blocks, memory_gb=args.kv_memory_gb)
+        # On a CPU each graph builds in a child process of its own, two at a time where there are
+        # two cores (``compile_worker``); on CUDA (or shaped like it) torch.compile builds in this
+        # process, one at a time.
+        in_process = args.device.startswith("cuda") or env.get("DUALSERVE_CUDA_SHAPED") == "1"
         compile_spec = None if args.no_compile else CompileSpec(
             cache_dir=cache / "compile", background=args.command == "serve",
-            attend_kernel=env.get("DUALSERVE_ATTEND_KERNEL", "1") != "0")
+            attend_kernel=env.get("DUALSERVE_ATTEND_KERNEL", "1") != "0",
+            worker=CompileWorker(1 if in_process else cpu_workers()))
         parallel = ParallelSpec.from_env(env, size=args.tensor_parallel_size, reduction=args.tp_reduction,
                                          timeout=args.tp_timeout, heartbeat=args.tp_heartbeat)
         server = generate = None  # the serve and generate commands' own flags, where parsed

@@ -1,16 +1,23 @@
-"""The compile thread: one background thread that builds or loads every runner's step graphs in turn.
+"""The compile threads: background threads that build or load every runner's step graphs.
 
-Shared by every runner of a deployment (``deployment.CompileSpec``), so compiles never compete
-with each other for the cores. It counts its jobs, so a job can say where it stands ("graph 2
-of 4") and a start-up line can say how many graphs are still to come. A job holds
-``device_lock`` while it runs, so a CUDA graph capture never overlaps one (``cuda_graphs``).
-``stop`` ends it for good: the jobs not started are dropped and a running package build is ended
-with its child process and compilers (``aoti_build.end_builds``), so none outlives the server.
+Shared by every runner of a deployment (``deployment.CompileSpec``). Jobs start in the order they
+were asked for, on at most ``workers`` threads at once: one where a job builds in this process
+(``torch.compile`` on CUDA), so compiles never compete with each other or with a CUDA graph
+capture; on a CPU host with two or more cores, two, each a package build in a child process of
+its own (``aoti_build``: the lowest priority, the engine's thread never waits for it), so a first
+start's graphs build side by side (on 2 cores, its three graphs took 121 s one after another).
+It counts its jobs, so a job can say where it stands ("graph 2 of 4") and a start-up line can
+say how many graphs are still to come. With one worker a job holds ``device_lock`` while it runs,
+so a CUDA graph capture never overlaps one (``cuda_graphs``). ``stop`` ends it for good: the jobs
+not started are dropped and the running package builds are ended with their child processes and
+compilers (``aoti_build.end_builds``), so none outlives the server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -24,6 +31,11 @@ from . import aoti_build
 log = logging.getLogger("dualserve.compile")
 
 
+def cpu_workers() -> int:
+    """Build threads for packages on this CPU host: two where there are two cores or more."""
+    return 2 if (os.cpu_count() or 1) >= 2 else 1
+
+
 @dataclass(frozen=True)
 class CompileProgress:
     """Where the compile thread stands since its queue last ran dry (the status page shows it)."""
@@ -34,34 +46,36 @@ class CompileProgress:
 
 
 class CompileWorker:
-    """One background thread that runs compile jobs in the order they were asked for.
+    """Background threads that run compile jobs, started in the order they were asked for, at most
+    ``workers`` at once (module docstring).
 
-    The thread exits as soon as its queue is empty (and a new one starts with the next job): a thread
+    A thread exits as soon as the queue is empty (and a new one starts with the next job): a thread
     that ran torch work keeps an OpenMP worker pool while it lives, and an extra pool throttles the
     engine's OpenMP spinning (see ``openmp``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, workers: int = 1) -> None:
+        self.workers = max(1, workers)
         self._queue: deque[tuple[Callable[[], None], str | None]] = deque()  # (job, its name)
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
-        # Held while a job runs: a CUDA graph capture on the engine thread takes it too, since a
-        # capture fails when another thread launches work meanwhile (``cuda_graphs``).
+        # Held while a job runs (one worker): a CUDA graph capture on the engine thread takes it too,
+        # since a capture fails when another thread launches work meanwhile (``cuda_graphs``).
         self.device_lock = threading.Lock()
         # Since the queue last ran dry: jobs asked for, jobs finished, and when the first was asked for.
         self._asked = 0
         self._finished = 0
         self._since = 0.0
         self._stopped = False  # set by ``stop``: no job runs past it
-        self._running: str | None = None  # the running job's name
+        self._running: list[str | None] = []  # the running jobs' names, in the order they started
 
     def __reduce__(self):
         """A worker is its process's own: a copy sent to another process (a tensor-parallel rank's
         settings) is a fresh worker there."""
-        return CompileWorker, ()
+        return CompileWorker, (self.workers,)
 
     def submit(self, job: Callable[[], None], name: str | None = None) -> None:
-        """Run ``job`` on the compile thread after the jobs before it; after ``stop``, never.
-        ``name``: what ``progress`` calls it while it runs (a graph's shape, say)."""
+        """Run ``job`` on a compile thread once the jobs before it have started; after ``stop``,
+        never. ``name``: what ``progress`` calls it while it runs (a graph's shape, say)."""
         with self._lock:
             if self._stopped:
                 return
@@ -69,59 +83,66 @@ class CompileWorker:
             if not self._asked:
                 self._since = time.monotonic()
             self._asked += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="dualserve-compile", daemon=True)
-                self._thread.start()
+            if len(self._threads) < self.workers and len(self._queue) > len(self._threads) - len(self._running):
+                thread = threading.Thread(target=self._work, name="dualserve-compile", daemon=True)
+                self._threads.append(thread)
+                thread.start()
 
     def stop(self) -> None:
         """End the work for good (the server shuts down): drop the jobs not started and end the
-        running job's package build, killing its child and the compilers under it (the job then
-        sees ``aoti_build.BuildCancelled``). A job that builds in this process (torch.compile) runs on."""
+        running jobs' package builds, killing their children and the compilers under them (each job
+        then sees ``aoti_build.BuildCancelled``). A job that builds in this process (torch.compile) runs on."""
         with self._lock:
             self._stopped = True
             self._asked -= len(self._queue)
             self._queue.clear()
-            thread = self._thread
-        if thread is not None:
+            threads = list(self._threads)
+        for thread in threads:
             aoti_build.end_builds(thread.ident)
 
     @property
     def busy(self) -> bool:
         with self._lock:
-            return self._thread is not None
+            return bool(self._threads)
 
     @property
     def pending(self) -> int:
-        """Jobs asked for and not finished (the running one included)."""
+        """Jobs asked for and not finished (the running ones included)."""
         with self._lock:
             return self._asked - self._finished
 
     def position(self) -> tuple[int, int]:
-        """(k, n): the running job is the k-th of the n asked for since the queue last ran dry."""
+        """(k, n): the latest job to start is the k-th of the n asked for since the queue last ran dry."""
         with self._lock:
-            return self._finished + 1, self._asked
+            return self._asked - len(self._queue), self._asked
 
     def progress(self) -> CompileProgress:
         with self._lock:
-            return CompileProgress(self._finished, self._asked, self._running)
+            running = ", ".join(name for name in self._running if name) or None
+            return CompileProgress(self._finished, self._asked, running)
 
     def _work(self) -> None:
+        me = threading.current_thread()
         while True:
             with self._lock:
-                job, self._running = self._queue.popleft() if self._queue else (None, None)
+                job, name = self._queue.popleft() if self._queue else (None, None)
                 if job is None:
-                    self._thread = None
+                    self._threads.remove(me)
+                    last = not self._threads
                     done, seconds = self._finished, time.monotonic() - self._since
-                    self._asked = self._finished = 0
+                    if last:
+                        self._asked = self._finished = 0
+                else:
+                    self._running.append(name)
             if job is None:
-                if done > 1:
+                if last and done > 1:
                     log.info("compile jobs done: %d graphs in %.1f s", done, seconds)
                 trim_heap()  # what tracing and code generation freed
                 return
             try:
-                with self.device_lock:
+                with self.device_lock if self.workers == 1 else contextlib.nullcontext():
                     job()
             finally:
                 with self._lock:
                     self._finished += 1
-                    self._running = None
+                    self._running.remove(name)

@@ -140,3 +140,44 @@ def test_the_compile_worker_reports_its_progress_for_the_status_page():
     assert seen == [CompileProgress(0, 2, "rows-8"), CompileProgress(1, 2, "rows-16")]
     assert compile_status(seen[1]) == {"built": 1, "total": 2, "building": "rows-16"}
     assert worker.progress() == CompileProgress(0, 0, None) and compile_status(worker.progress()) is None
+
+
+def test_two_workers_run_two_jobs_at_once_in_the_order_asked():
+    """A CPU host's worker runs two builds side by side; the third starts when one ends, and the
+    progress names both running jobs."""
+    worker, started, release = CompileWorker(2), [], threading.Event()
+
+    def job(name: str):
+        return lambda: (started.append(name), release.wait(10))
+
+    for name in ("rows", "chunks", "head"):
+        worker.submit(job(name), name=name)
+    assert until(lambda: len(started) == 2, 10)
+    time.sleep(0.1)
+    assert started == ["rows", "chunks"] and worker.progress().running == "rows, chunks"
+    assert worker.position() == (2, 3) and worker.pending == 3
+    release.set()
+    assert until(lambda: not worker.busy, 10)
+    assert started == ["rows", "chunks", "head"] and worker.pending == 0
+
+
+@posix
+def test_stopping_two_workers_ends_both_builds_and_their_compilers(tmp_path):
+    worker, outcome = CompileWorker(2), []
+    pidfiles = [tmp_path / "a.pid", tmp_path / "b.pid"]
+
+    def job(pidfile: Path):
+        def run() -> None:
+            try:
+                aoti_build.build(Compiler(pidfile), (), (), tmp_path / f"{pidfile.stem}.pt2", {})
+            except aoti_build.BuildCancelled:
+                outcome.append("cancelled")
+        return run
+
+    for pidfile in pidfiles:
+        worker.submit(job(pidfile))
+    assert until(lambda: all(p.exists() for p in pidfiles), 60), "both builds start their compilers"
+    compilers = [int(p.read_text()) for p in pidfiles]
+    worker.stop()
+    assert until(lambda: all(gone(c) for c in compilers), 5), "a compiler outlived the stopped worker"
+    assert until(lambda: not worker.busy, 10) and outcome == ["cancelled", "cancelled"]
