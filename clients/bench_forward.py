@@ -11,6 +11,11 @@ block would. Eager and compiled forwards alternate repeat by repeat, so slow dri
 machine hits both alike; each cell is the median of ``--repeats`` timed forwards after
 ``--warmup`` untimed ones.
 
+``--profile`` adds, for each T, where one compiled forward's time goes (``torch.profiler``, which
+adds its own overhead: read the parts against each other, not against the timed rows): the
+project's kernel ops (the dot8 GEMMs, ``attend_rows``, the norms, SwiGLU and rotary angles), the
+rest of the forward (the graph's own loops, its wrapper, the step's Python), and the output head.
+
 Printed: milliseconds per forward, and each T's cost relative to T=1, with T=8/T=1 against the
 1.3x target (a forward of 8 tokens, the verify and diffusion shape, should cost at most 1.3x a
 forward of one). The header names the torch threads (``--threads``, default 2, as the project's
@@ -64,13 +69,15 @@ class Report:
     rows: list[Row] = field(default_factory=list)
     compile_seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # format -> graph -> s
     notes: list[str] = field(default_factory=list)
+    parts: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)  # format -> T -> part -> ms
 
     def as_json(self) -> dict:
         return {"host": self.host, "threads": self.threads, "context": self.context, "tokens": list(self.tokens),
                 "repeats": self.repeats, "target_8_over_1": TARGET_8_OVER_1,
                 "rows": [{"format": r.format, "mode": r.mode, "ms": {str(t): round(v, 3) for t, v in r.ms.items()},
                           "ratio_to_1": {str(t): round(r.ratio(t), 3) for t in r.ms}} for r in self.rows],
-                "compile_seconds": self.compile_seconds, "notes": self.notes}
+                "compile_seconds": self.compile_seconds, "notes": self.notes,
+                "parts": {f: {str(t): parts for t, parts in by_t.items()} for f, by_t in self.parts.items()}}
 
 
 def host_capability() -> str:
@@ -101,14 +108,51 @@ def span_item(context: int, t: int, token_ids: torch.Tensor, block_table: list[i
                        block_table=block_table, slots=slots)
 
 
+KERNEL_PARTS = {"dualserve::dot8_linear": "dot8 GEMMs", "dualserve::attend_rows": "attend_rows",
+                "dualserve::rms_norm": "norms, SwiGLU, rotary", "dualserve::silu_mul": "norms, SwiGLU, rotary",
+                "dualserve::rotary": "norms, SwiGLU, rotary"}
+
+
+def forward_parts(runner, item, forwards: int = 30) -> dict[str, float]:
+    """Where one forward of ``item`` (and its head) spends its time, ms per forward, from
+    ``torch.profiler``: each kernel op's time on the calling thread (it waits for its team), the
+    rest of the forward, and the output head for the last row."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(forwards):
+            with record_function("bench.forward"):
+                hidden, _ = runner.forward([item])
+            with record_function("bench.head"):
+                runner.logits(hidden[-1:])
+    totals: dict[str, float] = {}
+    for event in prof.events():  # the forward's ops only: the head's GEMM is its own part
+        part = KERNEL_PARTS.get(event.name)
+        parent = event.cpu_parent
+        while part is not None and parent is not None and parent.name not in ("bench.forward", "bench.head"):
+            parent = parent.cpu_parent
+        if part is not None and parent is not None and parent.name == "bench.forward":
+            totals[part] = totals.get(part, 0.0) + event.cpu_time_total / 1e3
+        elif event.name in ("bench.forward", "bench.head"):
+            totals[event.name] = totals.get(event.name, 0.0) + event.cpu_time_total / 1e3
+    forward = totals.pop("bench.forward", 0.0)
+    head = totals.pop("bench.head", 0.0)
+    parts = {name: ms / forwards for name, ms in sorted(totals.items())}
+    parts["rest of the forward"] = max(0.0, forward / forwards - sum(parts.values()))
+    parts["output head"] = head / forwards
+    return {name: round(ms, 3) for name, ms in parts.items()}
+
+
 def measure(model: torch.nn.Module, *, context: int = 128, tokens: Sequence[int] = TOKENS, compiled: bool = True,
             repeats: int = 20, warmup: int = 3, block_size: int = 16, cache_dir: Path | None = None,
-            kv_dtype: torch.dtype | None = None, seed: int = 0,
-            log: Callable[[str], None] = print) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
+            kv_dtype: torch.dtype | None = None, seed: int = 0, profile: bool = False,
+            log: Callable[[str], None] = print) -> tuple[dict[str, dict[int, float]], dict[str, float],
+                                                         dict[int, dict[str, float]]]:
     """Median ms per forward (+ head for the last row) by mode ("eager", "compiled") and T, with
     the KV pool in ``kv_dtype`` (default: the model's dtype).
 
-    Returns (ms by mode and T, compile seconds by graph). Compiled rows are absent if compiling failed."""
+    Returns (ms by mode and T, compile seconds by graph, and with ``profile`` where each T's
+    compiled forward spends its time: ``forward_parts``). Compiled rows are absent if compiling failed."""
     from dualserve.decoders.engine.attention.padded import StepShape
     from dualserve.decoders.engine.runner import ForwardItem, ModelRunner
 
@@ -134,6 +178,7 @@ def measure(model: torch.nn.Module, *, context: int = 128, tokens: Sequence[int]
         else:
             steps["compiled"] = step
     samples: dict[str, dict[int, list[float]]] = {mode: {t: [] for t in tokens} for mode in steps}
+    parts: dict[int, dict[str, float]] = {}
     for t in tokens:
         item = span_item(context, t, ids, block_table, block_size)
         for i in range(warmup + repeats):
@@ -145,9 +190,12 @@ def measure(model: torch.nn.Module, *, context: int = 128, tokens: Sequence[int]
                 elapsed = time.perf_counter() - start
                 if i >= warmup:
                     samples[mode][t].append(elapsed * 1e3)
+        if profile and "compiled" in steps:
+            runner.compiled = steps["compiled"]
+            parts[t] = forward_parts(runner, item)
     runner.compiled = None
     return {mode: {t: statistics.median(v) for t, v in by_t.items()} for mode, by_t in samples.items()}, \
-        compile_seconds
+        compile_seconds, parts
 
 
 def _fmt_ratio(x: float) -> str:
@@ -192,6 +240,11 @@ def format_table(report: Report) -> str:
         gains.append(f"{fmt} " + " ".join(f"T={t} {e.ms[t] / c.ms[t]:.2f}x" for t in (1, 8) if t in e.ms and t in c.ms))
     if gains:
         lines += ["", "eager ms / compiled ms: " + "; ".join(gains)]
+    for fmt, by_t in report.parts.items():
+        names = list(next(iter(by_t.values())))
+        lines += ["", f"where a compiled {fmt} forward's time goes (ms per forward, under torch.profiler)"]
+        lines += grid(["part", ""] + [f"T={t}" for t in by_t],
+                      [[name, ""] + [f"{by_t[t].get(name, 0.0):.2f}" for t in by_t] for name in names])
     for fmt, secs in report.compile_seconds.items():
         if secs:
             lines.append(f"compile {fmt}: " + ", ".join(f"{k} {v:.1f} s" for k, v in secs.items()))
@@ -211,6 +264,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed forwards per cell first")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-compile", action="store_true", help="eager rows only")
+    p.add_argument("--profile", action="store_true",
+                   help="also print where each T's compiled forward spends its time (torch.profiler)")
     p.add_argument("--json", default=None, help="write the report here")
     args = p.parse_args(argv)
     if any(t < 1 for t in args.tokens) or args.context < 0 or args.repeats < 1 or args.warmup < 0:
@@ -233,9 +288,12 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> Report:
     for fmt in args.formats:
         log(f"{fmt}: loading {path.name}")
         model = load_format(fmt, path, name, cache)
-        by_mode, secs = measure(model, context=args.context, tokens=args.tokens, compiled=not args.no_compile,
-                                repeats=args.repeats, warmup=args.warmup, block_size=args.block_size,
-                                cache_dir=compile_dir, kv_dtype=served_kv_dtype(fmt), log=log)
+        by_mode, secs, parts = measure(model, context=args.context, tokens=args.tokens,
+                                       compiled=not args.no_compile, repeats=args.repeats, warmup=args.warmup,
+                                       block_size=args.block_size, cache_dir=compile_dir,
+                                       kv_dtype=served_kv_dtype(fmt), profile=args.profile, log=log)
+        if parts:
+            report.parts[fmt] = parts
         if secs:
             report.compile_seconds[fmt] = {k: round(v, 1) for k, v in secs.items()}
         if not args.no_compile and "compiled" not in by_mode:

@@ -74,6 +74,25 @@ def test_the_timed_item_reads_the_cached_context() -> None:
     torch.testing.assert_close(got, want[context:], rtol=1e-4, atol=1e-4)
 
 
+def test_forward_parts_add_up_to_the_forward_and_name_the_kernels() -> None:
+    """``--profile``'s parts on a tiny model in ``w4a16`` (its GEMMs are the dot8 kernel): the
+    kernel ops of the forward, the rest, and the head, each a share of one forward's time."""
+    from dualserve.models import kernels
+    from dualserve.models.quant import quantize_linears
+
+    if not kernels.available():
+        pytest.skip("no C++ compiler for the kernels")
+    model, block, context = tiny(), 4, 9
+    quantize_linears(model, "w4a16")
+    ids = torch.randint(0, CFG.vocab_size, (context + 1,), generator=torch.Generator().manual_seed(3))
+    runner = ModelRunner(model, 4, block, use_flash=False)
+    runner.forward([bench_forward.span_item(0, context, ids, list(range(4)), block)])
+    parts = bench_forward.forward_parts(runner, bench_forward.span_item(context, 1, ids, list(range(4)), block),
+                                        forwards=3)
+    assert {"dot8 GEMMs", "rest of the forward", "output head"} <= set(parts)
+    assert all(ms >= 0 for ms in parts.values()) and parts["dot8 GEMMs"] > 0 and parts["output head"] > 0
+
+
 def test_main_prints_an_eager_table_for_one_format(monkeypatch, tmp_path: Path, capsys) -> None:
     import dualserve.models.hub as hub
 
