@@ -67,6 +67,7 @@ class CompileWorker:
         self._since = 0.0
         self._stopped = False  # set by ``stop``: no job runs past it
         self._running: list[str | None] = []  # the running jobs' names, in the order they started
+        self._mine = threading.local()  # on a compile thread: its running job's place in the queue
 
     def __reduce__(self):
         """A worker is its process's own: a copy sent to another process (a tensor-parallel rank's
@@ -112,9 +113,10 @@ class CompileWorker:
             return self._asked - self._finished
 
     def position(self) -> tuple[int, int]:
-        """(k, n): the latest job to start is the k-th of the n asked for since the queue last ran dry."""
+        """(k, n): the calling job (elsewhere, the latest to start) is the k-th of the n asked for
+        since the queue last ran dry."""
         with self._lock:
-            return self._asked - len(self._queue), self._asked
+            return getattr(self._mine, "place", None) or self._asked - len(self._queue), self._asked
 
     def progress(self) -> CompileProgress:
         with self._lock:
@@ -134,6 +136,7 @@ class CompileWorker:
                         self._asked = self._finished = 0
                 else:
                     self._running.append(name)
+                    self._mine.place = self._asked - len(self._queue)
             if job is None:
                 if last and done > 1:
                     log.info("compile jobs done: %d graphs in %.1f s", done, seconds)
@@ -146,3 +149,4 @@ class CompileWorker:
                 with self._lock:
                     self._finished += 1
                     self._running.remove(name)
+                    self._mine.place = None
