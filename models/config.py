@@ -122,19 +122,12 @@ class ModelConfig:
 BLOCK_DIFFUSION_KEYS = ("dualserve_diffusion", "bd_size", "block_size")
 
 
-def read_hf(cfg: dict[str, Any], family: str, layout: Layout) -> ModelConfig:
-    """Read a Hugging Face ``config.json`` in the common keys (``LlamaConfig`` and its kin)."""
-    model_type = cfg.get("model_type", family)
-    heads = cfg["num_attention_heads"]
-    hidden = cfg["hidden_size"]
+def hf_common(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ``ModelConfig`` fields every Hugging Face ``config.json`` names alike: the shape, the
+    norm's epsilon and the special tokens (a family's own reader adds the rest)."""
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     eos = cfg.get("eos_token_id")
-    twin = cfg.get("dualserve_diffusion") or {}
-    rope = cfg.get("rope_parameters") or {}
-    if float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise UnsupportedModel(f"{model_type} checkpoints that rotate part of each head are not supported")
-    window = cfg.get("sliding_window") if layout.window_everywhere else None
-    return ModelConfig(
-        family=family,
+    return dict(
         vocab_size=cfg["vocab_size"],
         hidden_size=hidden,
         num_layers=cfg["num_hidden_layers"],
@@ -143,15 +136,29 @@ def read_hf(cfg: dict[str, Any], family: str, layout: Layout) -> ModelConfig:
         head_dim=cfg.get("head_dim") or hidden // heads,
         intermediate_size=cfg["intermediate_size"],
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+        pad_token_id=cfg.get("pad_token_id"),
+    )
+
+
+def read_hf(cfg: dict[str, Any], family: str, layout: Layout) -> ModelConfig:
+    """Read a Hugging Face ``config.json`` in the common keys (``LlamaConfig`` and its kin)."""
+    model_type = cfg.get("model_type", family)
+    twin = cfg.get("dualserve_diffusion") or {}
+    rope = cfg.get("rope_parameters") or {}
+    if float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise UnsupportedModel(f"{model_type} checkpoints that rotate part of each head are not supported")
+    window = cfg.get("sliding_window") if layout.window_everywhere else None
+    return ModelConfig(
+        family=family,
+        **hf_common(cfg),
         rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
         rope_scaling=rope_scaling_of(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         attention_bias=bool(cfg.get("attention_bias", layout.attention_bias)),
         qk_norm=layout.qk_norm,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
-        pad_token_id=cfg.get("pad_token_id"),
         mask_token_id=cfg.get("mask_token_id", twin.get("mask_token_id", layout.mask_token_id)),
         diffusion_block_size=twin.get("block_size") or cfg.get("bd_size") or cfg.get("block_size"),
         shift_logits=bool(twin.get("shift_logits", layout.shift_logits)),

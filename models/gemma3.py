@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import Layout, ModelConfig, RopeScaling, rope_scaling_of
+from .config import Layout, ModelConfig, RopeScaling, hf_common, rope_scaling_of
 from .errors import UnsupportedModel
 
 # Every sixth layer attends globally, the others within a sliding window, with their own RoPE base
@@ -48,21 +48,12 @@ def read_hf(cfg: dict[str, Any], family: str, layout: Layout) -> ModelConfig:
     (transformers 5) or ``rope_theta`` / ``rope_local_base_freq`` (4.x)."""
     params = cfg.get("rope_parameters") or {}
     full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
-    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
-    head_dim = cfg.get("head_dim") or hidden // heads
     if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
         raise UnsupportedModel("Gemma checkpoints with logit soft-capping are not supported")
-    eos = cfg.get("eos_token_id")
+    common = hf_common(cfg)
     return ModelConfig(
         family=family,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        intermediate_size=cfg["intermediate_size"],
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        **common,
         rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))),
         rope_scaling=rope_scaling_of(full if full.get("rope_type", "default") != "default"
                                      else cfg.get("rope_scaling")),
@@ -70,9 +61,6 @@ def read_hf(cfg: dict[str, Any], family: str, layout: Layout) -> ModelConfig:
         attention_bias=bool(cfg.get("attention_bias", False)),
         qk_norm=True,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
-        pad_token_id=cfg.get("pad_token_id"),
         activation="gelu_tanh",
         sandwich_norms=True,
         scale_embeddings=True,
@@ -80,7 +68,7 @@ def read_hf(cfg: dict[str, Any], family: str, layout: Layout) -> ModelConfig:
         sliding_window=cfg.get("sliding_window"),
         sliding_layers=sliding_layers(cfg["num_hidden_layers"], cfg.get("layer_types")),
         rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", LOCAL_ROPE_THETA))),
-        attention_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+        attention_scale=float(cfg.get("query_pre_attn_scalar", common["head_dim"])) ** -0.5,
     )
 
 

@@ -173,7 +173,8 @@ class Settings:
         # On a CPU each graph builds in a child process of its own, two at a time where there are
         # two cores (``compile_worker``); on CUDA (or shaped like it) torch.compile builds in this
         # process, one at a time.
-        in_process = args.device.startswith("cuda") or env.get("DUALSERVE_CUDA_SHAPED") == "1"
+        cuda_shaped = env.get("DUALSERVE_CUDA_SHAPED") == "1"
+        in_process = args.device.startswith("cuda") or cuda_shaped
         compile_spec = None if args.no_compile else CompileSpec(
             cache_dir=cache / "compile", background=args.command == "serve",
             attend_kernel=env.get("DUALSERVE_ATTEND_KERNEL", "1") != "0",
@@ -197,7 +198,7 @@ class Settings:
                              f"to {'generate' if generate is not None else 'a tensor-parallel server'}")
         return cls(command=args.command, model=model, engine=engine, pool=pool, compile=compile_spec,
                    parallel=parallel, threads=args.threads, server=server, generate=generate, catalog=catalog,
-                   cuda_shaped=env.get("DUALSERVE_CUDA_SHAPED") == "1")
+                   cuda_shaped=cuda_shaped)
 
 
 # ---- the served models ---------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 from dualserve.decoders.engine.compile.compile_worker import CompileWorker
 from dualserve.decoders.engine.openmp import ThreadGovernor, governed, run_on_own_thread
 from dualserve.models.host import neighbours_running
+from polling import until
 
 
 def test_run_on_own_thread_returns_and_raises():
@@ -21,15 +22,6 @@ def test_run_on_own_thread_returns_and_raises():
     assert run_on_own_thread(lambda a, b=0: (a + b, threading.get_ident() != caller), 2, b=3) == (5, True)
     with pytest.raises(ValueError, match="bad"):
         run_on_own_thread(lambda: (_ for _ in ()).throw(ValueError("bad")))
-
-
-def wait_for(cond, timeout=5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def rule(cpus: int, threads: int, **kw) -> ThreadGovernor:
@@ -131,11 +123,11 @@ def test_a_real_neighbour_shrinks_the_team_and_its_end_restores_it():
     g.start()
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        assert wait_for(lambda: g.team == 1, timeout=10), "a busy neighbour must shrink the team"
+        assert until(lambda: g.team == 1, 10), "a busy neighbour must shrink the team"
     finally:
         hog.kill()
         hog.wait()
-    back = wait_for(lambda: g.team == 2, timeout=5)
+    back = until(lambda: g.team == 2, 5)
     g.stop()
     if not back and neighbours_running() > 0:
         pytest.skip("other work on this host keeps a core busy: the full team cannot come back")
@@ -147,11 +139,11 @@ def test_compile_worker_thread_exits_when_idle():
     done = []
     worker.submit(lambda: (time.sleep(0.05), done.append(1)))
     worker.submit(lambda: done.append(2))
-    assert wait_for(lambda: not worker.busy)
+    assert until(lambda: not worker.busy, 5)
     assert done == [1, 2]
-    assert wait_for(lambda: not any(t.name == "dualserve-compile" for t in threading.enumerate()))
+    assert until(lambda: not any(t.name == "dualserve-compile" for t in threading.enumerate()), 5)
     worker.submit(lambda: done.append(3))  # a later job starts a new thread
-    assert wait_for(lambda: done == [1, 2, 3] and not worker.busy)
+    assert until(lambda: done == [1, 2, 3] and not worker.busy, 5)
 
 
 def test_a_build_child_runs_at_the_lowest_priority():

@@ -19,6 +19,7 @@ import torch
 
 from dualserve.decoders.engine.compile import aoti, aoti_build
 from dualserve.decoders.engine.compile.compile_worker import CompileWorker
+from polling import gone, until
 
 posix = pytest.mark.skipif(os.name != "posix", reason="process liveness is asked of POSIX only")
 
@@ -51,23 +52,6 @@ def start_builder(tmp_path: Path, then: str) -> tuple[subprocess.Popen, int, Pat
     line = proc.stdout.readline().split()
     assert line, f"the builder ended early (exit {proc.wait()})"
     return proc, int(line[0]), Path(line[1])
-
-
-def gone(pid: int) -> bool:
-    """Not running: absent, or a zombie no one has reaped yet."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def until(condition, seconds: float = 60.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
 
 
 @posix

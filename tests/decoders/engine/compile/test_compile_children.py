@@ -22,6 +22,7 @@ from compile_standin import Compiler
 
 from dualserve.decoders.engine.compile import aoti_build
 from dualserve.decoders.engine.compile.compile_worker import CompileWorker
+from polling import gone, until
 
 posix = pytest.mark.skipif(os.name != "posix", reason="process groups are POSIX's")
 
@@ -45,23 +46,6 @@ SERVER = textwrap.dedent("""
         sys.exit(0)
     time.sleep(600)
 """)
-
-
-def gone(pid: int) -> bool:
-    """Not running: absent, or a zombie no one has reaped yet."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def until(condition, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def start_server(out: Path, then: str) -> tuple[subprocess.Popen, int, int, Path]:
