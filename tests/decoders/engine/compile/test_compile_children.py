@@ -168,3 +168,11 @@ def test_stopping_two_workers_ends_both_builds_and_their_compilers(tmp_path):
     worker.stop()
     assert until(lambda: all(gone(c) for c in compilers), 5), "a compiler outlived the stopped worker"
     assert until(lambda: not worker.busy, 10) and outcome == ["cancelled", "cancelled"]
+
+
+@pytest.mark.parametrize("cores, workers", [(1, 1), (None, 1), (2, 2), (16, 2)])
+def test_a_cpu_host_builds_two_graphs_at_a_time_from_two_cores(monkeypatch, cores, workers):
+    from dualserve.decoders.engine.compile import compile_worker
+
+    monkeypatch.setattr(compile_worker.os, "cpu_count", lambda: cores)
+    assert compile_worker.cpu_workers() == workers
