@@ -374,6 +374,18 @@ Path pick_path(int64_t force) {
 #endif
 }
 
+// A thread's buffers for attend's tasks (attend sizes each before use).
+template <typename C>
+struct Workspace {
+  std::vector<int32_t> where, vis;
+  std::vector<float> all, scores;
+  Rows<C> rows_in_place;    // AVX-512: the task's rows as the cache holds them
+  Rows<float> rows_widened;  // the AVX2 and C paths (and head sizes AVX-512 does not take): fp32
+  std::vector<const float*> qrows, qall;  // qall: the task's queries (its rows' heads), scored together
+  std::vector<int64_t> scored;             // a chunk row's first query in qall
+  std::vector<float*> outs;
+};
+
 template <typename C>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
                   const at::Tensor& vc, const at::Tensor& rows, const at::Tensor& context, const at::Tensor& mask,
@@ -403,13 +415,16 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t per_chunk = (Q + chunks - 1) / chunks;
   const int64_t tasks = S * KV * chunks;
   at::parallel_for(0, tasks, threads == 1 ? tasks : 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> where(W + Q), vis(W + Q);
-    std::vector<float> all, scores(W + Q);
-    Rows<C> rows_in_place;    // AVX-512: the task's rows as the cache holds them
-    Rows<float> rows_widened;  // the AVX2 and C paths (and head sizes AVX-512 does not take): fp32
-    std::vector<const float*> qrows(group), qall;  // qall: the task's queries (its rows' heads), scored together
-    std::vector<int64_t> scored(Q);                 // a chunk row's first query in qall
-    std::vector<float*> outs(group);
+    // The thread's buffers, kept from call to call (a decode makes 30 calls a step, and allocating
+    // them anew each time showed in the step's profile); each is sized here and written before it is read.
+    thread_local Workspace<C> ws;
+    auto& [where, vis, all, scores, rows_in_place, rows_widened, qrows, qall, scored, outs] = ws;
+    where.resize(W + Q);
+    vis.resize(W + Q);
+    scores.resize(W + Q);
+    qrows.resize(group);
+    scored.resize(Q);
+    outs.resize(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / (KV * chunks), h = (task / chunks) % KV, chunk = task % chunks;
       const int64_t i0 = chunk * per_chunk, i1 = std::min(Q, i0 + per_chunk);

@@ -189,18 +189,78 @@ __attribute__((target("avx2"))) void quantize_group_digits_avx2(const T* xg, int
 }
 #endif
 
+// Scratch memory for one Quantized, taken from its thread's pool and given back when it ends. A
+// decode step quantizes 121 activations, and allocating their buffers anew each time (two of them
+// past the C library's small-chunk cache) showed in the step's profile. Each thread keeps one block per
+// nesting depth (dot8_lora holds two Quantized at once), grown to the largest asked and reused;
+// a Quantized lives on the thread that made it, within one call, so the depths unwind in order.
+// Only where the rows are kept changes, never what is computed.
+class Scratch {
+  struct Pool {
+    std::vector<std::unique_ptr<char[]>> blocks;
+    std::vector<size_t> sizes;
+    size_t depth = 0;
+  };
+  static Pool& pool() {
+    thread_local Pool p;
+    return p;
+  }
+  char* base_;
+  size_t used_ = 0;
+
+ public:
+  static constexpr size_t ALIGN = 64;
+  static size_t rounded(size_t bytes) { return (bytes + ALIGN - 1) / ALIGN * ALIGN; }
+  explicit Scratch(size_t bytes) {
+    Pool& p = pool();
+    const size_t d = p.depth++;
+    if (p.blocks.size() <= d) {
+      p.blocks.emplace_back();
+      p.sizes.push_back(0);
+    }
+    if (p.sizes[d] < bytes + ALIGN) {
+      p.blocks[d].reset(new char[bytes + ALIGN]);
+      p.sizes[d] = bytes + ALIGN;
+    }
+    const uintptr_t at = reinterpret_cast<uintptr_t>(p.blocks[d].get());
+    base_ = reinterpret_cast<char*>((at + ALIGN - 1) / ALIGN * ALIGN);
+  }
+  ~Scratch() { --pool().depth; }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  // The next n elements of type T (n may be 0), 64-byte aligned.
+  template <typename T>
+  T* take(size_t n) {
+    T* out = reinterpret_cast<T*>(base_ + used_);
+    used_ += rounded(n * sizeof(T));
+    return out;
+  }
+};
+
 // x's rows quantized to int8 groups of 32, with what every tile function reads. Row r's digit k is
 // quantized row r * digits + k: a row's digits sit side by side (the tile functions fuse them), and
 // every quantized row is
 // computed alone, so nothing depends on how many rows came together or which thread quantized it.
-// The buffers are left uninitialized: every entry read is written.
+// The buffers, from the thread's Scratch, are left uninitialized: every entry read is written.
 struct Quantized {
-  std::unique_ptr<int8_t[]> a;
-  std::unique_ptr<float[]> sx, fsum;
-  std::unique_ptr<int32_t[]> sum, sum128, half, half128;
-  std::unique_ptr<int8_t[]> a64;  // with ``interleave``: (M, G, 64), row r's group g as [a0 | a1]
-  std::unique_ptr<int8_t[]> blk;  // ``blocked`` (int4 weights), two digits on AVX-512 without ``interleave``: Acts::blk
   int64_t K, G, digits;
+  Scratch scratch;
+  int8_t* a;
+  float *sx, *fsum;
+  int32_t *sum, *sum128, *half = nullptr, *half128 = nullptr;
+  int8_t* a64 = nullptr;  // with ``interleave``: (M, G, 64), row r's group g as [a0 | a1]
+  int8_t* blk = nullptr;  // ``blocked`` (int4 weights), two digits on AVX-512 without ``interleave``: Acts::blk
+
+  // The bytes a Quantized of these arguments takes from its Scratch.
+  static size_t bytes(int64_t M, int64_t K, int64_t digits, bool halves, bool a64, bool blk) {
+    const size_t rows = size_t(M * digits), n = rows * size_t(K / GROUP);
+    size_t total = Scratch::rounded(rows * size_t(K)) + 2 * Scratch::rounded(n * sizeof(float)) +
+                   2 * Scratch::rounded(n * sizeof(int32_t));
+    if (halves) total += 2 * Scratch::rounded(2 * n * sizeof(int32_t));
+    if (a64) total += Scratch::rounded(size_t(M) * size_t(K / GROUP) * 64);
+    if (blk) total += Scratch::rounded(size_t(M) * size_t(K / GROUP) * 64);
+    return total;
+  }
 
   // M rows of x, each as ``digits`` quantized rows (quantize_digits). ``halves``: also the sums
   // of each group's two halves (read for weights stored with an offset and multipliers per half).
@@ -209,19 +269,21 @@ struct Quantized {
   template <typename T>
   Quantized(const T* x, int64_t M, int64_t K_, Quantizer how, int64_t digits_ = 1, bool halves = false,
             bool interleave = false, bool blocked = false)
-      : K(K_), G(K_ / GROUP), digits(digits_) {
+      : K(K_), G(K_ / GROUP), digits(digits_),
+        scratch(bytes(M, K_, digits_, halves, interleave && digits_ == 2,
+                      blocked && !interleave && digits_ == 2 && how == Quantizer::AVX512)) {
     const int64_t rows = M * digits, n = rows * G;
-    a.reset(new int8_t[rows * K]);
-    sx.reset(new float[n]);
-    fsum.reset(new float[n]);
-    sum.reset(new int32_t[n]);
-    sum128.reset(new int32_t[n]);
+    a = scratch.take<int8_t>(rows * K);
+    sx = scratch.take<float>(n);
+    fsum = scratch.take<float>(n);
+    sum = scratch.take<int32_t>(n);
+    sum128 = scratch.take<int32_t>(n);
     if (halves) {
-      half.reset(new int32_t[2 * n]);
-      half128.reset(new int32_t[2 * n]);
+      half = scratch.take<int32_t>(2 * n);
+      half128 = scratch.take<int32_t>(2 * n);
     }
-    if (interleave && digits == 2) a64.reset(new int8_t[M * G * 64]);
-    if (blocked && !interleave && digits == 2 && how == Quantizer::AVX512) blk.reset(new int8_t[M * G * 64]);
+    if (interleave && digits == 2) a64 = scratch.take<int8_t>(M * G * 64);
+    if (blocked && !interleave && digits == 2 && how == Quantizer::AVX512) blk = scratch.take<int8_t>(M * G * 64);
     void (*group)(const T*, int64_t, const GroupOut&) = quantize_group_digits_scalar<T>;
 #ifdef DOT8_X86
     if (how == Quantizer::AVX512) group = quantize_group_digits_avx512<T>;
@@ -234,22 +296,22 @@ struct Quantized {
     at::parallel_for(0, M * G, grain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t r = i / G, g = i % G, q = r * digits * G + g;  // digit 0's index among the scales
-        const GroupOut o{a.get() + r * digits * K + g * GROUP, sx.get() + q, fsum.get() + q, sum.get() + q,
-                         sum128.get() + q, halves ? half.get() + 2 * q : nullptr,
-                         halves ? half128.get() + 2 * q : nullptr, K, G};
+        const GroupOut o{a + r * digits * K + g * GROUP, sx + q, fsum + q, sum + q,
+                         sum128 + q, halves ? half + 2 * q : nullptr,
+                         halves ? half128 + 2 * q : nullptr, K, G};
         group(x + r * K + g * GROUP, digits, o);
         if (a64)
-          for (int64_t k = 0; k < 2; ++k) std::memcpy(a64.get() + i * 64 + k * GROUP, o.a + k * K, GROUP);
+          for (int64_t k = 0; k < 2; ++k) std::memcpy(a64 + i * 64 + k * GROUP, o.a + k * K, GROUP);
         if (blk) {  // token r in its block of MAX_ROWS: [g][token][a0 | a1]
           const int64_t b0 = r / MAX_ROWS * MAX_ROWS, tokens = std::min<int64_t>(MAX_ROWS, M - b0);
-          int8_t* at = blk.get() + (b0 * G + g * tokens + (r - b0)) * 64;
+          int8_t* at = blk + (b0 * G + g * tokens + (r - b0)) * 64;
           for (int64_t k = 0; k < 2; ++k) std::memcpy(at + k * GROUP, o.a + k * K, GROUP);
         }
       }
     });
   }
   Acts acts() const {
-    return Acts{a.get(), sx.get(), sum.get(), fsum.get(), sum128.get(), K, G,
-                half128.get(), half.get(), digits == 2, a64.get(), blk.get()};
+    return Acts{a, sx, sum, fsum, sum128, K, G,
+                half128, half, digits == 2, a64, blk};
   }
 };

@@ -119,3 +119,26 @@ def test_every_code_path_gives_the_same_bits_for_any_group_width_and_mask(heads:
            for path in (0, 1, 2)]
     assert torch.equal(out[0], out[1]) and torch.equal(out[2], out[1])
     assert out[0][2].abs().sum() == 0 and out[0][3].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_threads_reused_buffers_change_no_bits(dtype: torch.dtype) -> None:
+    """The kernel keeps each thread's buffers from call to call: a small step after a large one,
+    whose keys and scores are left in them, gets the bits it gets first and on a new thread."""
+    import threading
+
+    kc, vc = cache(dtype)
+    small, large = step(1, 40, seed=3), step(8, 240, seed=4)
+
+    def attend(args, force: int = 0) -> torch.Tensor:
+        return torch.ops.dualserve.attend_rows(*args[:3], kc, vc, *args[3:], D ** -0.5, force)
+
+    for force in (0, 1, 2):
+        first = attend(small, force)
+        attend(large, force)
+        again = attend(small, force)
+        fresh: list[torch.Tensor] = []
+        thread = threading.Thread(target=lambda: fresh.append(attend(small, force)))
+        thread.start()
+        thread.join()
+        assert torch.equal(first, again) and torch.equal(first, fresh[0]), f"path {force}"

@@ -274,3 +274,35 @@ def test_narrow_values_out_of_range_are_refused() -> None:
         kernels.pack(torch.full((16, 32), -1), torch.ones(16, 1), torch.zeros(16, 1), 5)
     assert kernels.narrowest_bits(torch.tensor([[-32, 31]]), False) == 6
     assert kernels.narrowest_bits(torch.tensor([[-33, 0]]), True) == 8
+
+
+@pytest.mark.parametrize("digits", [1, 2])
+def test_a_threads_reused_activation_buffers_change_no_bits(digits: int) -> None:
+    """Quantized activations live in buffers each thread keeps from call to call (one per nesting
+    depth: a LoRA call holds two): a small product after a large one, whose digits are left in
+    them, and a LoRA call between them give the bits they give first and on a new thread."""
+    import threading
+
+    torch.manual_seed(5)
+    q, scales, mins = quantize_int4(torch.randn(72, 96) * 0.05)
+    base = kernels.pack(q, scales, mins, 4)
+    qa, sa = int8_groups(torch.randn(32, 96) * 0.05)
+    qb, sb = int8_groups(torch.randn(72, 32) * 0.05)
+    a, b = kernels.pack(qa, sa, None, 8), kernels.pack(qb, sb, None, 8)
+    small, large = torch.randn(1, 96), torch.randn(40, 96)
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.dualserve.dot8_linear(x, *base, 72, 4, 0, digits)
+
+    def lora(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.dualserve.dot8_lora(x, *base, 72, 4, *a, 32, *b, 0, digits)
+
+    first, first_lora = linear(small), lora(small)
+    linear(large)
+    lora(large)
+    fresh: list[torch.Tensor] = []
+    thread = threading.Thread(target=lambda: fresh.extend([linear(small), lora(small)]))
+    thread.start()
+    thread.join()
+    assert torch.equal(linear(small), first) and torch.equal(lora(small), first_lora)
+    assert torch.equal(fresh[0], first) and torch.equal(fresh[1], first_lora)
