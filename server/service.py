@@ -106,6 +106,7 @@ class ChoiceResult:
 # Queue items that are not deltas, put by the service itself.
 CLOSED = (-1, None)    # end every unfinished choice now (shutdown drain)
 OVERFLOW = (-2, None)  # the reader is too slow; its engine requests were aborted
+EXPIRED = (-3, None)   # the request's time is up (its one deadline timer)
 
 
 class Service:
@@ -404,15 +405,16 @@ class Service:
         produced: dict[int, int] = {}
         done: set[int] = set()
         ended = "abort"  # the metrics status of choices that never finish: client gone, unless set below
-        deadline = None if self.limits.request_timeout is None else started + self.limits.request_timeout
+        # One timer for the whole request, not a wait_for (a task and a timer) per delta: the event
+        # loop shares the cores with the decode step's threads, and a stream makes a delta a token.
+        timer = None if self.limits.request_timeout is None else asyncio.get_running_loop().call_later(
+            self.limits.request_timeout, job.queue.put_nowait, EXPIRED)
         try:
             while remaining:
-                timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-                try:
-                    index, delta = await asyncio.wait_for(job.queue.get(), timeout)
-                except asyncio.TimeoutError:
+                index, delta = await job.queue.get()
+                if (index, delta) == EXPIRED:
                     ended = "timeout"
-                    raise APIError(ErrorKind.TIMEOUT, "the request timed out", None, "timeout") from None
+                    raise APIError(ErrorKind.TIMEOUT, "the request timed out", None, "timeout")
                 if (index, delta) == OVERFLOW:
                     raise APIError(ErrorKind.OVERLOADED, "the client read the stream too slowly; the request was "
                                    "ended", None, "slow_reader")
@@ -432,6 +434,8 @@ class Service:
                     self._observe(job, index, delta, first.get(index), produced[index], started)
                 yield index, delta
         finally:
+            if timer is not None:
+                timer.cancel()
             self.retire(job)
             if remaining:
                 self.cancel(job)
