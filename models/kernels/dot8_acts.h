@@ -196,9 +196,12 @@ __attribute__((target("avx2"))) void quantize_group_digits_avx2(const T* xg, int
 // a Quantized lives on the thread that made it, within one call, so the depths unwind in order.
 // Only where the rows are kept changes, never what is computed.
 class Scratch {
+  struct Block {
+    std::unique_ptr<char[]> bytes;
+    size_t size = 0;
+  };
   struct Pool {
-    std::vector<std::unique_ptr<char[]>> blocks;
-    std::vector<size_t> sizes;
+    std::vector<Block> blocks;  // one per nesting depth
     size_t depth = 0;
   };
   static Pool& pool() {
@@ -206,24 +209,21 @@ class Scratch {
     return p;
   }
   char* base_;
-  size_t used_ = 0;
+  size_t size_, used_ = 0;
 
  public:
   static constexpr size_t ALIGN = 64;
   static size_t rounded(size_t bytes) { return (bytes + ALIGN - 1) / ALIGN * ALIGN; }
-  explicit Scratch(size_t bytes) {
+  explicit Scratch(size_t bytes) : size_(bytes) {
     Pool& p = pool();
     const size_t d = p.depth++;
-    if (p.blocks.size() <= d) {
-      p.blocks.emplace_back();
-      p.sizes.push_back(0);
+    if (p.blocks.size() <= d) p.blocks.emplace_back();
+    Block& b = p.blocks[d];
+    if (b.size < bytes + ALIGN) {
+      b.bytes.reset(new char[bytes + ALIGN]);
+      b.size = bytes + ALIGN;
     }
-    if (p.sizes[d] < bytes + ALIGN) {
-      p.blocks[d].reset(new char[bytes + ALIGN]);
-      p.sizes[d] = bytes + ALIGN;
-    }
-    const uintptr_t at = reinterpret_cast<uintptr_t>(p.blocks[d].get());
-    base_ = reinterpret_cast<char*>((at + ALIGN - 1) / ALIGN * ALIGN);
+    base_ = reinterpret_cast<char*>(rounded(reinterpret_cast<uintptr_t>(b.bytes.get())));
   }
   ~Scratch() { --pool().depth; }
   Scratch(const Scratch&) = delete;
@@ -233,6 +233,7 @@ class Scratch {
   T* take(size_t n) {
     T* out = reinterpret_cast<T*>(base_ + used_);
     used_ += rounded(n * sizeof(T));
+    TORCH_CHECK(used_ <= size_, "dot8: a Quantized took more scratch than it sized");
     return out;
   }
 };
@@ -251,7 +252,13 @@ struct Quantized {
   int8_t* a64 = nullptr;  // with ``interleave``: (M, G, 64), row r's group g as [a0 | a1]
   int8_t* blk = nullptr;  // ``blocked`` (int4 weights), two digits on AVX-512 without ``interleave``: Acts::blk
 
-  // The bytes a Quantized of these arguments takes from its Scratch.
+  // Whether the optional interleaved (a64) and blocked (blk) copies are made.
+  static bool wants_a64(bool interleave, int64_t digits) { return interleave && digits == 2; }
+  static bool wants_blk(bool blocked, bool interleave, int64_t digits, Quantizer how) {
+    return blocked && !interleave && digits == 2 && how == Quantizer::AVX512;
+  }
+
+  // The bytes a Quantized of these arguments takes from its Scratch (``take`` checks it).
   static size_t bytes(int64_t M, int64_t K, int64_t digits, bool halves, bool a64, bool blk) {
     const size_t rows = size_t(M * digits), n = rows * size_t(K / GROUP);
     size_t total = Scratch::rounded(rows * size_t(K)) + 2 * Scratch::rounded(n * sizeof(float)) +
@@ -270,8 +277,8 @@ struct Quantized {
   Quantized(const T* x, int64_t M, int64_t K_, Quantizer how, int64_t digits_ = 1, bool halves = false,
             bool interleave = false, bool blocked = false)
       : K(K_), G(K_ / GROUP), digits(digits_),
-        scratch(bytes(M, K_, digits_, halves, interleave && digits_ == 2,
-                      blocked && !interleave && digits_ == 2 && how == Quantizer::AVX512)) {
+        scratch(bytes(M, K_, digits_, halves, wants_a64(interleave, digits_),
+                      wants_blk(blocked, interleave, digits_, how))) {
     const int64_t rows = M * digits, n = rows * G;
     a = scratch.take<int8_t>(rows * K);
     sx = scratch.take<float>(n);
@@ -282,8 +289,8 @@ struct Quantized {
       half = scratch.take<int32_t>(2 * n);
       half128 = scratch.take<int32_t>(2 * n);
     }
-    if (interleave && digits == 2) a64 = scratch.take<int8_t>(M * G * 64);
-    if (blocked && !interleave && digits == 2 && how == Quantizer::AVX512) blk = scratch.take<int8_t>(M * G * 64);
+    if (wants_a64(interleave, digits)) a64 = scratch.take<int8_t>(M * G * 64);
+    if (wants_blk(blocked, interleave, digits, how)) blk = scratch.take<int8_t>(M * G * 64);
     void (*group)(const T*, int64_t, const GroupOut&) = quantize_group_digits_scalar<T>;
 #ifdef DOT8_X86
     if (how == Quantizer::AVX512) group = quantize_group_digits_avx512<T>;
