@@ -276,8 +276,9 @@ def test_narrow_values_out_of_range_are_refused() -> None:
     assert kernels.narrowest_bits(torch.tensor([[-33, 0]]), True) == 8
 
 
+@pytest.mark.parametrize("force", [0, 1])  # the host's widest path, plain C
 @pytest.mark.parametrize("digits", [1, 2])
-def test_a_threads_reused_activation_buffers_change_no_bits(digits: int) -> None:
+def test_a_threads_reused_activation_buffers_change_no_bits(digits: int, force: int) -> None:
     """Quantized activations live in buffers each thread keeps from call to call (one per nesting
     depth: a LoRA call holds two): a small product after a large one, whose digits are left in
     them, and a LoRA call between them give the bits they give first and on a new thread."""
@@ -292,10 +293,10 @@ def test_a_threads_reused_activation_buffers_change_no_bits(digits: int) -> None
     small, large = torch.randn(1, 96), torch.randn(40, 96)
 
     def linear(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.dualserve.dot8_linear(x, *base, 72, 4, 0, digits)
+        return torch.ops.dualserve.dot8_linear(x, *base, 72, 4, force, digits)
 
     def lora(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.dualserve.dot8_lora(x, *base, 72, 4, *a, 32, *b, 0, digits)
+        return torch.ops.dualserve.dot8_lora(x, *base, 72, 4, *a, 32, *b, force, digits)
 
     first, first_lora = linear(small), lora(small)
     linear(large)
