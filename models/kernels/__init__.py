@@ -30,6 +30,7 @@ try:
     import fcntl  # the build lock; a platform without it builds without one
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
+import ctypes
 import functools
 import hashlib
 import os
@@ -46,7 +47,7 @@ from .layout import (GROUP, MAX_MULTIPLIED, TILE, multiplied_bound, narrowest_bi
                      pack, pack_multipliers, unpack, value_range)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("dot8.cpp", "attend.cpp", "pointwise.cpp"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("exp.h", "dot8_tiles.h", "dot8_tiles56.h", "dot8_acts.h", "dot8_amx.h"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("exp.h", "dot8_tiles.h", "dot8_tiles56.h", "dot8_acts.h", "dot8_amx.h", "c_shim.h"))
 _loaded: bool | None = None
 _error: str | None = None
 _build_seconds: float | None = None  # set when this process compiled the library (else it was cached)
@@ -120,7 +121,10 @@ def available() -> bool:
     if _loaded is None:
         try:
             if not hasattr(torch.ops.dualserve, "dot8_linear"):
-                torch.ops.load_library(str(build()))
+                so = str(build())
+                # Global: a compiled package calls the ops' C entry points by name (c_shims.py).
+                ctypes.CDLL(so, mode=os.RTLD_GLOBAL)
+                torch.ops.load_library(so)
                 _register_fake()
             _loaded = True
         except (RuntimeError, OSError) as e:

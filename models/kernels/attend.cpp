@@ -21,6 +21,7 @@
 // row feeds every head.
 
 #include <torch/library.h>
+#include "c_shim.h"  // the packages' direct calls, at the end
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
@@ -522,3 +523,15 @@ TORCH_LIBRARY_FRAGMENT(dualserve, lib) {
 }
 
 TORCH_LIBRARY_IMPL(dualserve, CPU, lib) { lib.impl("attend_rows", attend_rows); }
+
+// The packages' direct call (c_shim.h).
+DUALSERVE_SHIM aoti_torch_cpu_attend_rows(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle kc,
+                                          AtenTensorHandle vc, AtenTensorHandle rows, AtenTensorHandle context,
+                                          AtenTensorHandle mask, double scale, int64_t force_scalar,
+                                          AtenTensorHandle* ret0) {
+  using dualserve_shim::tensor;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    dualserve_shim::give(ret0, attend_rows(tensor(q), tensor(k), tensor(v), tensor(kc), tensor(vc), tensor(rows),
+                                           tensor(context), tensor(mask), scale, force_scalar));
+  });
+}

@@ -28,6 +28,7 @@
 // a = round(x / sx); vector paths compute dot as sum u a - offset * asum.
 
 #include <torch/library.h>
+#include "c_shim.h"  // the packages' direct calls, at the end
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -327,4 +328,31 @@ TORCH_LIBRARY(dualserve, lib) {
 TORCH_LIBRARY_IMPL(dualserve, CPU, lib) {
   lib.impl("dot8_linear", dot8_linear);
   lib.impl("dot8_lora", dot8_lora);
+}
+
+// The packages' direct calls (c_shim.h).
+using dualserve_shim::give;
+using dualserve_shim::optional;
+using dualserve_shim::tensor;
+
+DUALSERVE_SHIM aoti_torch_cpu_dot8_linear(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle d, AtenTensorHandle m,
+                                          int64_t n, int64_t bits, int64_t force_scalar, int64_t digits,
+                                          AtenTensorHandle* s, AtenTensorHandle* mn, int32_t minimum,
+                                          AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    give(ret0, dot8_linear(tensor(x), tensor(q), tensor(d), tensor(m), n, bits, force_scalar, digits, optional(s),
+                           optional(mn), minimum != 0));
+  });
+}
+
+DUALSERVE_SHIM aoti_torch_cpu_dot8_lora(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle d, AtenTensorHandle m,
+                                        int64_t n, int64_t bits, AtenTensorHandle qa, AtenTensorHandle da,
+                                        AtenTensorHandle ma, int64_t rank, AtenTensorHandle qb, AtenTensorHandle db,
+                                        AtenTensorHandle mb, int64_t force_scalar, int64_t digits, AtenTensorHandle* s,
+                                        AtenTensorHandle* mn, int32_t minimum, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    give(ret0, dot8_lora(tensor(x), tensor(q), tensor(d), tensor(m), n, bits, tensor(qa), tensor(da), tensor(ma), rank,
+                         tensor(qb), tensor(db), tensor(mb), force_scalar, digits, optional(s), optional(mn),
+                         minimum != 0));
+  });
 }

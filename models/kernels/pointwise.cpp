@@ -12,6 +12,7 @@
 // by one halving tree, and exp as exp.h's polynomial, the same bits on AVX-512, AVX2 and plain C.
 
 #include <torch/library.h>
+#include "c_shim.h"  // the packages' direct calls, at the end
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -194,4 +195,25 @@ TORCH_LIBRARY_IMPL(dualserve, CPU, lib) {
   lib.impl("rms_norm", rms_norm);
   lib.impl("silu_mul", silu_mul);
   lib.impl("rotary", rotary);
+}
+
+// The packages' direct calls (c_shim.h).
+using dualserve_shim::give;
+using dualserve_shim::tensor;
+
+DUALSERVE_SHIM aoti_torch_cpu_rms_norm(AtenTensorHandle x, AtenTensorHandle w, double eps, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({ give(ret0, rms_norm(tensor(x), tensor(w), eps)); });
+}
+
+DUALSERVE_SHIM aoti_torch_cpu_silu_mul(AtenTensorHandle gu, int64_t force_scalar, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({ give(ret0, silu_mul(tensor(gu), force_scalar)); });
+}
+
+DUALSERVE_SHIM aoti_torch_cpu_rotary(AtenTensorHandle positions, AtenTensorHandle inv_freq, AtenTensorHandle* ret0,
+                                     AtenTensorHandle* ret1) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    auto [c, s] = rotary(tensor(positions), tensor(inv_freq));
+    give(ret0, std::move(c));
+    give(ret1, std::move(s));
+  });
 }

@@ -127,10 +127,11 @@ class PackagedGraph:
 def traced_sources(module: torch.nn.Module, *extra: object) -> list[object]:
     """What a graph of ``module`` is traced from, for ``package_key``: the project's modules that
     define its submodules' classes (by name), then ``extra`` (the step's own classes)."""
-    from dualserve.models.kernels import ops  # every graph calls the kernels through it
+    from dualserve.models.kernels import c_shims, ops  # every graph calls the kernels through them
 
     return [*sorted({inspect.getmodule(type(m)) for m in module.modules()
-                     if type(m).__module__.startswith("dualserve.")} | {ops}, key=lambda m: m.__name__), *extra]
+                     if type(m).__module__.startswith("dualserve.")} | {ops, c_shims}, key=lambda m: m.__name__),
+            *extra]
 
 
 def load_or_build(module: torch.nn.Module, path: Path, inputs: Callable[[int], tuple[torch.Tensor, ...]],

@@ -263,7 +263,13 @@ def _example(saved: object) -> torch.Tensor:
 
 def build_here(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: tuple[dict[int, object], ...],
                package: Path, inductor: dict[str, object]) -> None:
-    """Export and compile in this process: the body of ``build``'s child."""
+    """Export and compile in this process: the body of ``build``'s child. The project's ops are
+    called through their C entry points (``models/kernels/c_shims.py``) where the kernels load."""
+    from dualserve.models import kernels
+    from dualserve.models.kernels import c_shims
+
+    if kernels.available():
+        inductor = {**inductor, "aot_inductor.custom_ops_to_c_shims": c_shims.declarations()}
     tensors = named_weights(module)
     names = sorted(tensors)
     wrapped = WeightsAsInputs(module, names, len(example))
