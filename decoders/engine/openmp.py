@@ -89,21 +89,34 @@ class ThreadGovernor:
       ``margin``. The average and the margin tell a CPU-bound neighbour (a core, all the time) from
       the server's own streaming clients: a client reading 60 chunks a second uses 0.3-0.7 of a
       core in bursts, and a smaller team for it costs more than the time it takes.
-    - **Growing back, from what is runnable now.** While the team is short, the thread reads the
-      number of other processes' runnable threads (``host.neighbours_running``) every ``poll``
-      seconds, and restores ``threads`` after ``calm`` readings in a row leave a core per thread;
-      the average restarts from zero. A neighbour's burst that has ended (another server's
-      request, a build step) then costs a few tens of milliseconds on a small team, not the
-      average's decay: a request sent straight after another server's turn decodes on all its
-      threads almost from its first token. A CPU-bound neighbour is runnable at every reading.
+    - **Growing back, whichever comes first** (the average then restarts from zero):
+
+      - *from what is runnable now*: while the team is short, the thread reads the number of
+        other processes' runnable threads (``host.neighbours_running``) every ``poll`` seconds,
+        and restores ``threads`` after ``calm`` readings in a row leave a core per thread. A
+        neighbour's burst that has ended (another server's request, a build step) then costs a few
+        tens of milliseconds on a small team, not the average's decay. The engine's thread takes
+        the reading too, before a step, when the last is older than ``poll`` (``apply``): a step
+        package's call holds the GIL for the whole step, so while steps run the watcher's readings
+        came about 130 ms apart (measured);
+      - *from CPU time*: an interval in which other processes used less than ``release`` of a
+        core. The runnable count is a snapshot, and a streaming server's host is full of threads
+        that are runnable for a moment (the client reading a chunk, the kernel's network work,
+        this process's own threads between the two counts): a request sent straight after
+        another server's turn found one in most runs of five readings and decoded on one thread
+        to its end (a third of such requests, measured). CPU time tells a neighbour that is gone
+        from one that is still running, within one interval.
+
+      A CPU-bound neighbour is runnable at every reading and uses a core in every interval.
     """
 
     def __init__(self, interval: float = 0.1, margin: float = 0.6, smoothing: float = 0.5,
-                 poll: float = 0.01, calm: int = 5):
+                 poll: float = 0.01, calm: int = 5, release: float = 0.4):
         self.interval = interval
         self.margin = margin
         self.poll = poll
         self.calm = calm
+        self.release = release
         self.cpus = os.cpu_count() or 1
         self.threads = torch.get_num_threads()
         self.team = self.threads          # written by the watcher, read by the engine's thread
@@ -114,6 +127,9 @@ class ThreadGovernor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._calm = 0
+        self._reading = threading.Lock()   # one runnable reading at a time: the watcher's or the engine's
+        self._last_reading = 0.0           # when the last runnable reading was taken (monotonic)
+        self.restores = 0                  # times the full team came back; the watcher restarts its interval
 
     @property
     def short(self) -> bool:
@@ -136,7 +152,11 @@ class ThreadGovernor:
                 "neighbour_load": round(self.neighbour_load, 2), "switches": self.switches}
 
     def apply(self) -> None:
-        """On the engine's thread, before a step: give the step ``team`` threads."""
+        """On the engine's thread, before a step: give the step ``team`` threads, after taking the
+        runnable reading while the team is short and the last is older than ``poll`` (class
+        docstring; about 0.1 ms, only while short)."""
+        if self.short and time.monotonic() - self._last_reading >= self.poll:
+            self.read_now()
         team = self.team
         if team != self._applied:
             torch.set_num_threads(team)
@@ -145,12 +165,16 @@ class ThreadGovernor:
     def _watch(self) -> None:
         ticks = os.sysconf("SC_CLK_TCK")
         t, busy, own = time.monotonic(), machine_busy_ticks(), own_ticks()
+        restores = self.restores
         while not self._stop.wait(self.poll if self.short else self.interval):
-            if self.short:
-                if self.observe_now(neighbours_running()):
-                    t, busy, own = time.monotonic(), machine_busy_ticks(), own_ticks()
-                if time.monotonic() - t < self.interval:
-                    continue
+            if self.short and time.monotonic() - self._last_reading >= self.poll:
+                self.read_now()
+            if self.restores != restores:  # the full team is back: the CPU-time interval starts now
+                restores = self.restores
+                t, busy, own = time.monotonic(), machine_busy_ticks(), own_ticks()
+                continue
+            if self.short and time.monotonic() - t < self.interval:
+                continue
             t2, busy2, own2 = time.monotonic(), machine_busy_ticks(), own_ticks()
             # Clamped: the two counters are sampled a moment apart, and per-thread times are rounded.
             other = ((busy2 - busy) - (own2 - own)) / ticks / max(t2 - t, 1e-3)
@@ -159,7 +183,12 @@ class ThreadGovernor:
 
     def observe(self, sample: float) -> None:
         """One interval's CPU-time reading: ``sample`` cores used by other processes. Feeds the
-        average, which shrinks the team."""
+        average, which shrinks the team; while the team is short, an interval in which the others
+        used less than ``release`` of a core restores it."""
+        if self.short and sample < self.release:
+            with self._reading:
+                self._restore(f"other processes used {sample:.1f} of {self.cpus} cores for {self.interval:g} s")
+            return
         self.neighbour_load += self._weight * (sample - self.neighbour_load)
         free = self.cpus - self.neighbour_load
         if self.threads - free > self.margin:
@@ -170,6 +199,12 @@ class ThreadGovernor:
                 log.info("other processes use %.1f of %d cores: steps run on %d of %d threads",
                          self.neighbour_load, self.cpus, team, self.threads)
 
+    def read_now(self) -> bool:
+        """Take one runnable reading (``host.neighbours_running``) and apply it: ``observe_now``."""
+        with self._reading:
+            self._last_reading = time.monotonic()
+            return self.observe_now(neighbours_running())
+
     def observe_now(self, runnable: int) -> bool:
         """One reading of other processes' runnable threads while the team is short; True when
         it restored the full team."""
@@ -178,6 +213,12 @@ class ThreadGovernor:
         self._calm = self._calm + 1 if self.cpus - runnable >= self.threads else 0
         if self._calm < self.calm:
             return False
-        self.team, self._calm, self.neighbour_load = self.threads, 0, 0.0
-        log.info("cores free again: steps run on %d threads", self.threads)
+        self._restore(f"{self.calm} readings in a row found a core per thread")
         return True
+
+    def _restore(self, why: str) -> None:
+        if not self.short:
+            return
+        self.team, self._calm, self.neighbour_load = self.threads, 0, 0.0
+        self.restores += 1
+        log.info("cores free again (%s): steps run on %d threads", why, self.threads)

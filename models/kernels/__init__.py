@@ -20,6 +20,8 @@ The sources are compiled at first use with the host's C++ compiler (about 40 s) 
 torch build, and loaded with ``torch.ops.load_library``. Without a compiler (or with
 ``DUALSERVE_NO_KERNELS=1``, or after ``disable()``) the kernels are reported unavailable: the
 formats that need them are not offered and attention keeps inductor's loops.
+A compiled step package calls the ops through C entry points that the same library defines
+(``c_shims.py``), so the library is loaded into the global namespace.
 The code path is chosen at run time from the CPU's flags, never at compile time,
 so one build serves every CPU; ``describe()`` says which, in one line for a start-up log.
 """

@@ -40,8 +40,10 @@ def test_team_shrinks_to_the_cores_neighbours_leave():
     assert g.team == 1 and g.switches == 1
     g.observe(2.0)                     # never below one thread
     assert g.team == 1
-    g.observe(0.0)                     # CPU time never grows the team: what is runnable now does
+    g.observe(0.5)                     # a streaming client's share beside the short team: stays short
     assert g.team == 1
+    g.observe(0.2)                     # an interval in which the others used under ``release``: restored
+    assert g.team == 2 and g.restores == 1 and g.neighbour_load == 0.0
 
 
 def test_team_on_a_larger_host():
@@ -112,6 +114,30 @@ def test_apply_sets_the_calling_threads_team_once_per_change():
     t.start()
     t.join()
     assert seen == [2, 1, 2]
+
+
+def test_the_engine_thread_reads_while_the_team_is_short(monkeypatch):
+    """A package call holds the GIL for its whole step, so the watcher's readings stall while steps
+    run: the engine's thread takes them before each step instead (at most one per ``poll``), and
+    restores the team with no watcher running; a full team takes no readings."""
+    from dualserve.decoders.engine import openmp
+
+    readings = []
+    monkeypatch.setattr(openmp, "neighbours_running", lambda: readings.append(1) or 0)
+    g = rule(2, 2, calm=3, poll=0.0)
+    g.apply()
+    assert readings == []                  # a full team: nothing read
+    g.team = 1
+    for _ in range(2):
+        g.apply()
+    assert g.team == 1 and len(readings) == 2
+    g.apply()                              # the third calm reading in a row
+    assert g.team == 2 and g.restores == 1 and len(readings) == 3
+    g.apply()
+    assert len(readings) == 3
+    g.team, g.poll = 1, 60.0               # a reading younger than poll is not taken again
+    g.apply()
+    assert len(readings) == 3
 
 
 def test_a_real_neighbour_shrinks_the_team_and_its_end_restores_it():
