@@ -10,8 +10,8 @@ A ``torch.compile``'d step has two costs that a CPU decode step feels:
 
 An AOTInductor package is the same inductor code, compiled into a ``.so`` with a C++ runner
 (``torch.export`` + ``torch._inductor.aoti_compile_and_package``). A call is one C++ function
-call without guards that releases the GIL, and loading a package from the cache takes a
-fraction of a second.
+call without guards (it holds the GIL throughout: torch's package runner does not release it),
+and loading a package from the cache takes a fraction of a second.
 
 **Keyed by what the code depends on** (``package_key``): torch's version, the host's CPU
 capability, the model's config, every weight's name, shape and dtype, every module's settings
