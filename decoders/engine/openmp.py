@@ -155,8 +155,7 @@ class ThreadGovernor:
         """On the engine's thread, before a step: give the step ``team`` threads, after taking the
         runnable reading while the team is short and the last is older than ``poll`` (class
         docstring; about 0.1 ms, only while short)."""
-        if self.short and time.monotonic() - self._last_reading >= self.poll:
-            self.read_now()
+        self.read_if_due()
         team = self.team
         if team != self._applied:
             torch.set_num_threads(team)
@@ -167,8 +166,7 @@ class ThreadGovernor:
         t, busy, own = time.monotonic(), machine_busy_ticks(), own_ticks()
         restores = self.restores
         while not self._stop.wait(self.poll if self.short else self.interval):
-            if self.short and time.monotonic() - self._last_reading >= self.poll:
-                self.read_now()
+            self.read_if_due()
             if self.restores != restores:  # the full team is back: the CPU-time interval starts now
                 restores = self.restores
                 t, busy, own = time.monotonic(), machine_busy_ticks(), own_ticks()
@@ -199,11 +197,14 @@ class ThreadGovernor:
                 log.info("other processes use %.1f of %d cores: steps run on %d of %d threads",
                          self.neighbour_load, self.cpus, team, self.threads)
 
-    def read_now(self) -> bool:
-        """Take one runnable reading (``host.neighbours_running``) and apply it: ``observe_now``."""
+    def read_if_due(self) -> None:
+        """While the team is short and the last runnable reading is older than ``poll``: take one
+        (``host.neighbours_running``) and apply it (``observe_now``). The watcher's and the engine's."""
+        if not self.short or time.monotonic() - self._last_reading < self.poll:
+            return
         with self._reading:
             self._last_reading = time.monotonic()
-            return self.observe_now(neighbours_running())
+            self.observe_now(neighbours_running())
 
     def observe_now(self, runnable: int) -> bool:
         """One reading of other processes' runnable threads while the team is short; True when

@@ -11,17 +11,12 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 
-#include <optional>
 #include <utility>
 
 namespace dualserve_shim {
 
 inline const at::Tensor& tensor(AtenTensorHandle handle) {
   return *torch::aot_inductor::tensor_handle_to_tensor_pointer(handle);
-}
-
-inline std::optional<at::Tensor> optional(AtenTensorHandle* handle) {
-  return handle == nullptr ? std::nullopt : std::optional<at::Tensor>(tensor(*handle));
 }
 
 inline void give(AtenTensorHandle* ret, at::Tensor&& t) { *ret = torch::aot_inductor::new_tensor_handle(std::move(t)); }

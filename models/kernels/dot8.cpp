@@ -332,7 +332,7 @@ TORCH_LIBRARY_IMPL(dualserve, CPU, lib) {
 
 // The packages' direct calls (c_shim.h).
 using dualserve_shim::give;
-using dualserve_shim::optional;
+using torch::aot_inductor::pointer_to_optional;  // Tensor? (null: None)
 using dualserve_shim::tensor;
 
 DUALSERVE_SHIM aoti_torch_cpu_dot8_linear(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle d, AtenTensorHandle m,
@@ -340,8 +340,8 @@ DUALSERVE_SHIM aoti_torch_cpu_dot8_linear(AtenTensorHandle x, AtenTensorHandle q
                                           AtenTensorHandle* s, AtenTensorHandle* mn, int32_t minimum,
                                           AtenTensorHandle* ret0) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    give(ret0, dot8_linear(tensor(x), tensor(q), tensor(d), tensor(m), n, bits, force_scalar, digits, optional(s),
-                           optional(mn), minimum != 0));
+    give(ret0, dot8_linear(tensor(x), tensor(q), tensor(d), tensor(m), n, bits, force_scalar, digits, pointer_to_optional<at::Tensor>(s),
+                           pointer_to_optional<at::Tensor>(mn), minimum != 0));
   });
 }
 
@@ -352,7 +352,7 @@ DUALSERVE_SHIM aoti_torch_cpu_dot8_lora(AtenTensorHandle x, AtenTensorHandle q, 
                                         AtenTensorHandle* mn, int32_t minimum, AtenTensorHandle* ret0) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     give(ret0, dot8_lora(tensor(x), tensor(q), tensor(d), tensor(m), n, bits, tensor(qa), tensor(da), tensor(ma), rank,
-                         tensor(qb), tensor(db), tensor(mb), force_scalar, digits, optional(s), optional(mn),
+                         tensor(qb), tensor(db), tensor(mb), force_scalar, digits, pointer_to_optional<at::Tensor>(s), pointer_to_optional<at::Tensor>(mn),
                          minimum != 0));
   });
 }
