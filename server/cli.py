@@ -189,7 +189,7 @@ def cmd_serve(settings: Settings) -> int:
     device = str(group.device) if group is not None else settings.model.device
     if device == "cpu":
         governor = ThreadGovernor().start()
-        dep.engine.pace_with(governor.apply)
+        dep.engine.pace_with(governor.apply, governor.resumed)
         app_state.threads = governor.state
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     for line in startup_lines(dep, app_state.service.models, f"http://{host}:{sock.getsockname()[1]}", device,
@@ -374,7 +374,8 @@ def cmd_generate(settings: Settings) -> int:
         raise InputError(f"{name} is served by {', '.join(dep.engine.decoders_for(name))}, not {gen.decoder}: "
                          "choose one with --decoder")
     if (str(group.device) if group is not None else settings.model.device) == "cpu":
-        dep.engine.pace_with(ThreadGovernor().start().apply)
+        governor = ThreadGovernor().start()
+        dep.engine.pace_with(governor.apply, governor.resumed)
     if gen.chat:
         text = tok.apply_chat_template([{"role": "user", "content": gen.prompt}], add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False)

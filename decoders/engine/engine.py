@@ -238,6 +238,7 @@ class Engine:
         self.stats = EngineStats()
         self._thread: threading.Thread | None = None
         self._before_step: Callable[[], None] = lambda: None  # on the stepping thread (pace_with)
+        self._resumed: Callable[[], None] = lambda: None
 
     @property
     def pool(self) -> BlockPool:
@@ -451,10 +452,11 @@ class Engine:
             self.notes.unplanned.append((req, internal_error(e)))
             return 0, 0
 
-    def pace_with(self, before_step: Callable[[], None]) -> None:
-        """Run ``before_step`` on the stepping thread before each step: the thread governor sizes
-        the step's OpenMP team there (``openmp.ThreadGovernor.apply``)."""
-        self._before_step = before_step
+    def pace_with(self, before_step: Callable[[], None], resumed: Callable[[], None] = lambda: None) -> None:
+        """Run ``before_step`` on the stepping thread before each step, and ``resumed`` before it when
+        work arrives at an idle engine: the thread governor sizes the step's OpenMP team there
+        (``openmp.ThreadGovernor.apply`` and ``resumed``)."""
+        self._before_step, self._resumed = before_step, resumed
 
     def step(self) -> None:
         """One scheduling step; public so tests can drive the engine without its thread."""
@@ -554,12 +556,16 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
+            idle = False
             with self.door.lock:
                 while not self.door.stop and not self.has_work():
+                    idle = True
                     self.door.lock.wait()
                 if self.door.stop:
                     break
             try:
+                if idle:
+                    self._resumed()
                 self.step()
             except Exception as e:  # noqa: BLE001 - the server must keep answering
                 log.exception("engine step failed")

@@ -254,6 +254,27 @@ def test_the_engine_thread_serves_requests(make_engine):
     assert [len(client.tokens(r)) for r in rids] == [GREEDY.max_tokens] * 3
 
 
+def test_the_engine_thread_calls_resumed_when_work_arrives_at_it_idle(make_engine):
+    """``pace_with``'s second hook runs once each time work arrives at an idle engine, before that
+    step's ``before_step``, and not between the steps of work in progress."""
+    engine = make_engine()
+    calls = []
+    engine.pace_with(lambda: calls.append("step"), lambda: calls.append("resumed"))
+    client = Client(engine)
+    engine.start()
+    for prompt in random_prompts(2, 4, 12):
+        rid = client.submit(prompt)
+        deadline = time.monotonic() + 60
+        while not (client.deltas[(rid, 0)] and client.deltas[(rid, 0)][-1].finish_reason):
+            assert time.monotonic() < deadline, "the engine thread did not finish the request"
+            time.sleep(0.01)
+        time.sleep(0.05)  # the engine waits for work again
+    engine.shutdown()
+    assert calls.count("resumed") == 2 and calls[0] == "resumed" and calls[1] == "step"
+    second = calls.index("resumed", 1)
+    assert calls[second + 1] == "step" and calls.count("step") >= 2 * GREEDY.max_tokens
+
+
 # ---- n and seeds ---------------------------------------------------------------------------
 
 def test_n_choices_share_the_prompt(make_engine):

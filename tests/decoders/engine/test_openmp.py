@@ -140,6 +140,30 @@ def test_the_engine_thread_reads_while_the_team_is_short(monkeypatch):
     assert len(readings) == 3
 
 
+def test_work_arriving_at_an_idle_engine_restores_the_team_on_two_calm_readings(monkeypatch):
+    """Another server's threads stay runnable for a few milliseconds after its answer: ``resumed``
+    reads up to ``arrival_readings`` times, 1 ms apart, and two calm readings in a row restore the
+    team; calm readings that never come twice in a row, or a full team, leave it as it is."""
+    from dualserve.decoders.engine import openmp
+
+    def readings(values):
+        it = iter(values)
+        taken = []
+        monkeypatch.setattr(openmp, "neighbours_running", lambda: taken.append(1) or next(it))
+        return taken
+
+    g = rule(2, 2)
+    g.resumed()                            # a full team: nothing to read
+    g.team = 1
+    taken = readings([2, 1, 0, 0, 1])      # the other server's last threads, then none
+    g.resumed()
+    assert g.team == 2 and g.restores == 1 and len(taken) == 4
+    g.team = 1
+    taken = readings([0, 1] * 3)           # a neighbour that keeps coming back (a busy process)
+    g.resumed()
+    assert g.team == 1 and len(taken) == g.arrival_readings
+
+
 def test_a_real_neighbour_shrinks_the_team_and_its_end_restores_it():
     """Through the host's counters: a busy process shrinks a started governor's team, and its
     end restores the team."""
