@@ -77,6 +77,9 @@ class CompiledStep:
         self.features: tuple[int, ...] = ()  # feature layers every step computes (set by prewarm)
         self._pending: set[tuple[StepShape, tuple[int, ...]]] = set()
         self._lock = threading.Lock()
+        # Whether the two forms compute the same bits (every step by the project's ops alone), so
+        # that one graph may run a step of both kinds of sequences (``__call__``).
+        self.one_form = self.packaged and bit_exact(model, attend_kernel)
         # CUDA: each compiled rows forward's captured graphs (``cuda_graphs``), by the forward's id.
         self.cuda_graphs: dict[int, CudaGraphs] | None = {} if self.device.type == "cuda" else None
 
@@ -100,6 +103,10 @@ class CompiledStep:
         wanted = tuple(aux_layers)
         aux = wanted or self.features
         parts = split(meta)
+        if len(parts) > 1 and self.one_form and (StepShape(True), aux) in self._graphs:
+            # Both forms attend by the same kernel here, so a step of decodes beside a prompt chunk
+            # is one pass over the weights through the chunks graph, not one per form.
+            parts = [(StepShape(True), None, meta)]
         graphs = []
         for shape, _, _ in parts:
             graph = self._graphs.get((shape, aux))

@@ -12,6 +12,7 @@ from dualserve.decoders.ar import ARDecoder
 from dualserve.decoders.engine.attention.padded import ROWS_MAX, PaddedPagedAttention, StepShape
 from dualserve.decoders.engine.engine import Engine, EngineConfig
 from dualserve.decoders.engine.attention.paged_attention import KVCache, SdpaPagedAttention
+from dualserve.decoders.engine.compile.step_graph import bit_exact
 from dualserve.decoders.engine.runner import ModelRunner
 from dualserve.decoders.engine.sampling import SamplingParams
 from dualserve.models import kernels
@@ -274,17 +275,19 @@ def test_packages_unused_for_two_weeks_are_removed_when_another_is_used(tmp_path
     assert used.stat().st_mtime > old
 
 
-def test_a_token_is_the_same_bits_decoded_alone_verified_in_a_tree_chunked_or_batched(tmp_path) -> None:
+@pytest.mark.parametrize("quantization", ["int4", "w4a16"])
+def test_a_token_is_the_same_bits_decoded_alone_verified_in_a_tree_chunked_or_batched(tmp_path, quantization) -> None:
     """End to end on the served format (int4 weights, whose GEMMs compute each row alone): a
     position's hidden state depends on its tokens only, not on the step it is computed in. Greedy
     EAGLE equals AR, and batching never moves greedy output, only because a token decoded alone,
     the same token inside a verify tree or a short prefill chunk, and the same token beside other
     sequences come out bit for bit the same. (The bf16 rounding of the GEMM inputs hides most
     last-bit differences of a 2-layer model; the attention itself is held to exact equality by
-    the next test.)"""
+    the next test.) In ``w4a16`` (dot8 layers) every step is the project's ops alone, and a step of
+    both forms runs through one graph."""
     from dualserve.decoders.engine.runner import ForwardItem
 
-    model = tiny("int4")
+    model = tiny(quantization)
     prompt, follow = [5, 9, 3, 7, 1, 8, 2, 6, 4] * 3, [11, 12, 13, 14]
     n = len(prompt)
     runners = []
@@ -304,7 +307,13 @@ def test_a_token_is_the_same_bits_decoded_alone_verified_in_a_tree_chunked_or_ba
         runner.forward([item(prompt, 0)])
 
     alone, beside = [], []
-    # First beside a prefill chunk longer than ROWS_MAX: a step of both forms, run in two parts.
+    # First beside a prefill chunk longer than ROWS_MAX: a step of both forms. Where every step is
+    # the project's ops alone (the kernels built), it runs through the chunks graph in one pass;
+    # elsewhere each form's part through its own graph.
+    step = runners[1].compiled
+    forms = []
+    run = step._run
+    step._run = lambda graph, shape, *rest: forms.append(shape.chunks) or run(graph, shape, *rest)
     long = list(range(40, 40 + ROWS_MAX + 8))
     other = [ForwardItem(long, range(len(long)), 0, list(range(40, 54)), list(range(160, 160 + len(long)))),
              ForwardItem([31], [0], 0, [60], [240])]
@@ -312,7 +321,9 @@ def test_a_token_is_the_same_bits_decoded_alone_verified_in_a_tree_chunked_or_ba
         alone.append(runners[0].forward([item([tok], n + i)])[0][0])
         batch = [other[0], item([tok], n + i), other[1]] if i % 2 else [item([tok], n + i), *other]
         hidden = runners[1].forward(batch)[0]
-        if i == 0:  # the chunk's part of the split step agrees with an eager forward
+        if i == 0:  # the chunk's rows agree with an eager forward
+            assert forms == ([True] if step.one_form else [False, True])
+            assert step.one_form == (step.packaged and bit_exact(model))
             eager = ModelRunner(model, 64, BLOCK, use_flash=False).forward([other[0]])[0]
             torch.testing.assert_close(hidden[1: 1 + len(long)], eager, rtol=0.05, atol=0.05)
         beside.append(hidden[len(other[0].token_ids)] if i % 2 else hidden[0])
