@@ -182,7 +182,7 @@ class ThreadGovernor:
                 if i:
                     time.sleep(0.001)
                 self._last_reading = time.monotonic()
-                calm = calm + 1 if self.cpus - neighbours_running() >= self.threads else 0
+                calm = calm + 1 if self._calm_reading(neighbours_running()) else 0
                 if calm == 2:
                     self._restore("work arrived and no other process was runnable")
                     return
@@ -237,11 +237,15 @@ class ThreadGovernor:
         it restored the full team."""
         if not self.short:
             return False
-        self._calm = self._calm + 1 if self.cpus - runnable >= self.threads else 0
+        self._calm = self._calm + 1 if self._calm_reading(runnable) else 0
         if self._calm < self.calm:
             return False
         self._restore(f"{self.calm} readings in a row found a core per thread")
         return True
+
+    def _calm_reading(self, runnable: int) -> bool:
+        """Whether a reading of ``runnable`` other processes' threads leaves a core per thread."""
+        return self.cpus - runnable >= self.threads
 
     def _restore(self, why: str) -> None:
         if not self.short:

@@ -99,14 +99,16 @@ class CompiledStep:
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                  aux_layers: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """The compiled forward of this step, or None while a graph it needs is not ready (run
-        eager then). A step with both short and long sequences runs each part through its graph."""
+        eager then). A step with both short and long sequences runs each part through its graph,
+        or all of it through the chunks graph where both forms give the same bits (``one_form``)."""
         wanted = tuple(aux_layers)
         aux = wanted or self.features
-        parts = split(meta)
-        if len(parts) > 1 and self.one_form and (StepShape(True), aux) in self._graphs:
+        if self.one_form and StepShape.of(meta).chunks and (StepShape(True), aux) in self._graphs:
             # Both forms attend by the same kernel here, so a step of decodes beside a prompt chunk
             # is one pass over the weights through the chunks graph, not one per form.
             parts = [(StepShape(True), None, meta)]
+        else:
+            parts = split(meta)
         graphs = []
         for shape, _, _ in parts:
             graph = self._graphs.get((shape, aux))
