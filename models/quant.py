@@ -292,6 +292,14 @@ class W8A8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, digits={self.digits}"
 
 
+def symmetric_int4(scales: torch.Tensor, mins: torch.Tensor | None) -> bool:
+    """Whether int4 groups with these scales and minimums are ``d (q - 8)``, as fp16 holds them."""
+    if mins is None or not mins.numel():
+        return False
+    d = scales.detach().cpu().half().float()
+    return torch.equal(mins.detach().cpu().half().float(), -8 * d)
+
+
 class Dot8Linear(nn.Module):
     """y = x @ W^T (+ b) with W in groups of 32 (int4 with scale and minimum; 5, 6 or 8 bits with a
     scale and optionally a minimum; optionally with integer multipliers: every GGUF type in
@@ -303,12 +311,16 @@ class Dot8Linear(nn.Module):
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int,
                  bias: torch.Tensor | None = None, digits: int = 1, scale_mult: torch.Tensor | None = None,
                  zero_mult: torch.Tensor | None = None):
-        """q (out, in): values that fit ``bits`` (``kernels.value_range``: 0..15 for 4, which has mins;
-        -16..15, or with mins 0..31, for 5; -32..31 for 6; -128..127 for 8), in groups of 32 inputs with
+        """q (out, in): values that fit ``bits`` (``kernels.value_range``: -8..7, or with mins 0..15, for
+        4; -16..15, or with mins 0..31, for 5; -32..31 for 6; -128..127 for 8), in groups of 32 inputs with
         scales and mins (out, in // 32): w = scale * q (+ min). With scale_mult (out, in // 32, 2) int8
         (inputs 0..15 and 16..31) and, beside mins, zero_mult (out, in // 32) int8:
         w = (scale * scale_mult) * q + min * zero_mult. Scales and mins are held in fp16.
-        digits: int8 digits per activation group (1: w4a8, 2: w4a16)."""
+        digits: int8 digits per activation group (1: w4a8, 2: w4a16).
+
+        int4 whose every minimum is -8 times its scale (GGUF Q4_0: w = d (q - 8)) is held as q - 8
+        without a minimum: the same weight, and each group's sum of q a is then one exact integer,
+        which the kernel scales once instead of adding a scaled minimum."""
         super().__init__()
         from . import kernels
         if not kernels.available():
@@ -319,6 +331,8 @@ class Dot8Linear(nn.Module):
         if scale_mult is not None and kernels.multiplied_bound(q, scale_mult) > kernels.MAX_MULTIPLIED:
             raise ValueError(f"dot8's integer sums stay exact while a group's max|q s| over its two halves "
                              f"add up to at most {kernels.MAX_MULTIPLIED}")
+        if bits == 4 and scale_mult is None and symmetric_int4(scales, mins):
+            q, mins = (q.to(torch.int16) - 8).to(torch.int8), None
         self.out_features, self.in_features = q.shape
         self.bits = bits
         self.digits = digits

@@ -7,14 +7,14 @@
 // Weight layout (built by models/kernels/layout.py):
 //   tiles of 16 output channels; per tile, per group g, ``bits`` chunks of 64 bytes,
 //   lane c (4 bytes) of a chunk belongs to channel c of the tile. Each input k holds
-//   u = q + offset (unsigned; offset 128 for int8, 16 for 5 bits without a minimum, 32 for 6
-//   bits, else 0):
+//   u = q + offset (unsigned; offset 128 for int8, 8 for 4 bits and 16 for 5 bits without a
+//   minimum, 32 for 6 bits, else 0):
 //     bits 4, 5, 6: chunk j < 4 holds k = 8j..8j+3 in the low nibbles and 8j+4..8j+7 in the high
 //                   nibbles (u's low 4 bits); 5 and 6 bits add planes (chunks 4 and 5) of the
 //                   high bits: nibble vector i = 2j + n (n = 0 low, 1 high nibbles of chunk j)
 //                   at bits hb * (i % p) of plane i / p, hb = bits - 4, p = 8 / hb;
 //     bits 8:       chunk j holds k = 4j..4j+3.
-//   w = d * q, or w = d * q + m with a minimum (int4 always has one).
+//   w = d * q, or w = d * q + m with a minimum.
 //   d and m: fp16, [tile][group][16], or [tile][group / 8][16] where a super-block of 8 groups
 //   shares them (the K-quants); m is empty without a minimum.
 //   Optional integer multipliers (GGUF's K-quants and IQ4_XS, whose scales D * sc are not fp16
@@ -165,7 +165,7 @@ Weights checked_weights(const at::Tensor& q, const at::Tensor& d, const at::Tens
               ": the scales must be fp16 [tile][group][16] or [tile][group / 8][16]");
   TORCH_CHECK(d.scalar_type() == at::kHalf && (m.numel() == 0 || m.scalar_type() == at::kHalf), what,
               ": the scales and minimums must be fp16");
-  minimum = minimum || bits == 4;
+  minimum = minimum || (bits == 4 && m.numel() > 0);  // int4 with minimums given: Q4_1, Q4_K; without: Q4_0
   TORCH_CHECK(m.numel() == d.numel() || (!minimum && m.numel() == 0), what,
               ": the minimums must have the scales' layout (or be empty without a minimum)");
   TORCH_CHECK(!mn || (s && minimum), what, ": a minimum's multipliers need scale multipliers and a minimum");

@@ -232,41 +232,55 @@ void tile_amx(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, 
     if (r < rows) _mm512_mask_storeu_ps(out + (r / step) * ldo, mask, y[r]);
 }
 
-// Two digits times int4 weights, folded into each group's tile multiply: C = A0 (16 u) + A1 u,
-// where A0 and A1 are the tokens' first and second digits and 16 u (at most 240, so TDPBSUD:
-// signed activations, unsigned weights) is the weights shifted up. One multiply of K = 64: A's row
-// is a token's group as [a0 | a1] (Acts::a64, written by the quantizer), B's 16 rows are
-// [16 u | u]. C is then the fused integer 16 a0 + a1 of each token (dot8_acts.h) with no epilogue
+// Two digits times int4 weights, folded into each group's tile multiply: C = A0 (16 q) + A1 q,
+// where A0 and A1 are the tokens' first and second digits. One multiply of K = 64: A's row is a
+// token's group as [a0 | a1] (Acts::a64, written by the quantizer), B's 16 rows are [16 q | q].
+// With a minimum q is the stored u (16 u at most 240: TDPBSUD, signed activations and unsigned
+// weights); without one (Q4_0) it is u - 8, and 16 q lies in -128..112 (TDPBSSD). C is then the
+// fused integer 16 a0 + a1 of each token (dot8_acts.h) times q, sum q a exactly, with no epilogue
 // work, and a tile holds 16 tokens. Weights with multipliers per half are not folded (tile_amx
 // fuses them).
 constexpr bool folds(int bits, int mult) { return bits == 4 && mult != 2; }
 
-// Group g's int4 B tile as [16 u | u] (16 rows of 64 bytes) at b: chunk J's low nibbles are input
-// rows 2J (u: v & 0x0F; 16 u: (v << 4) & 0xF0), its high ones 2J + 1 ((v >> 4) & 0x0F; v & 0xF0).
+// Group g's int4 B tile as [16 q | q] (16 rows of 64 bytes) at b: chunk J's low nibbles are input
+// rows 2J, its high ones 2J + 1. Stored u: q = v & 0x0F, 16 q = (v << 4) & 0xF0 (low nibbles);
+// (v >> 4) & 0x0F and v & 0xF0 (high). Signed (SIGNED: q = u - 8), 16 q is 16 u - 128, the same
+// bytes with the top bit flipped, and q is the nibble minus 8.
+template <bool SIGNED>
 __attribute__((target("avx512f,avx512bw"), always_inline))
 inline void amx_build_folded(const uint8_t* q, int64_t g, int8_t* b) {
   const uint8_t* qg = q + g * 4 * 64;
   for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
-  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(char(0xF0));
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(char(0xF0)), top = _mm512_set1_epi8(char(0x80));
+  const __m512i eight = _mm512_set1_epi8(8);
   for (int j = 0; j < 4; ++j) {
     const __m512i v = _mm512_loadu_si512(qg + j * 64);
-    _mm512_store_si512(b + (2 * j) * 64, _mm512_and_si512(_mm512_slli_epi16(v, 4), high));
-    _mm512_store_si512(b + (2 * j + 1) * 64, _mm512_and_si512(v, high));
-    _mm512_store_si512(b + (8 + 2 * j) * 64, _mm512_and_si512(v, low));
-    _mm512_store_si512(b + (8 + 2 * j + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    const __m512i shifted = _mm512_slli_epi16(v, 4), down = _mm512_srli_epi16(v, 4);
+    if constexpr (SIGNED) {  // 0x6A: (x & y) ^ z
+      _mm512_store_si512(b + (2 * j) * 64, _mm512_ternarylogic_epi32(shifted, high, top, 0x6A));
+      _mm512_store_si512(b + (2 * j + 1) * 64, _mm512_ternarylogic_epi32(v, high, top, 0x6A));
+      _mm512_store_si512(b + (8 + 2 * j) * 64, _mm512_sub_epi8(_mm512_and_si512(v, low), eight));
+      _mm512_store_si512(b + (8 + 2 * j + 1) * 64, _mm512_sub_epi8(_mm512_and_si512(down, low), eight));
+    } else {
+      _mm512_store_si512(b + (2 * j) * 64, _mm512_and_si512(shifted, high));
+      _mm512_store_si512(b + (2 * j + 1) * 64, _mm512_and_si512(v, high));
+      _mm512_store_si512(b + (8 + 2 * j) * 64, _mm512_and_si512(v, low));
+      _mm512_store_si512(b + (8 + 2 * j + 1) * 64, _mm512_and_si512(down, low));
+    }
   }
 }
 
-// Group g's folded multiply into C tile S, stored at c (A and B tiles of S's parity).
-template <int S>
+// Group g's folded multiply into C tile S (A and B tiles of S's parity); its store apart
+// (amx_store_folded), a step later, so that the store does not wait on the multiply just issued.
+template <int S, bool SIGNED>
 __attribute__((target("amx-tile,amx-int8"), always_inline))
-inline void amx_issue_folded(const int8_t* ag, int64_t lda, const int8_t* b, int32_t* c) {
+inline void amx_multiply_folded(const int8_t* ag, int64_t lda, const int8_t* b) {
 #define DOT8_AMX_FOLD(C, A, B) \
   _tile_loadd(A, ag, lda);      \
   _tile_loadd(B, b, 64);        \
   _tile_zero(C);                \
-  _tile_dpbsud(C, A, B);        \
-  _tile_stored(C, c, 64);
+  if constexpr (SIGNED) _tile_dpbssd(C, A, B); \
+  else _tile_dpbsud(C, A, B);
   if constexpr (S == 0) { DOT8_AMX_FOLD(0, 4, 6) }
   else if constexpr (S == 1) { DOT8_AMX_FOLD(1, 5, 7) }
   else if constexpr (S == 2) { DOT8_AMX_FOLD(2, 4, 6) }
@@ -274,11 +288,24 @@ inline void amx_issue_folded(const int8_t* ag, int64_t lda, const int8_t* b, int
 #undef DOT8_AMX_FOLD
 }
 
+template <int S>
+__attribute__((target("amx-tile"), always_inline)) inline void amx_store_folded(int32_t* c) {
+  if constexpr (S == 0) _tile_stored(0, c, 64);
+  else if constexpr (S == 1) _tile_stored(1, c, 64);
+  else if constexpr (S == 2) _tile_stored(2, c, 64);
+  else _tile_stored(3, c, 64);
+}
+
+// Tokens r0 / 2.. (rows / 2 <= TB <= 16, the tiles configured for them) times tile t, software
+// pipelined as tile_amx: at group g's turn, group g + BUILD's B tile is built, group g + 2's
+// multiply issued, group g + 1's dots stored and group g's epilogue run (each row's sums still
+// take the groups in order).
 template <int TB, int BITS, bool MIN, int MULT>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni,f16c,fma")))
 void tile_amx_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
                      int valid) {
   static_assert(BITS == 4, "only int4 folds");
+  constexpr bool SIGNED = offset_of(BITS, MIN) != 0;
   constexpr int SLOTS = 4, AHEAD = 2, BUILD = AMX_BUILD + AHEAD, BS = 8;
   alignas(64) int8_t b[BS][1024];
   alignas(64) int32_t c[SLOTS][AMX_ROWS * TILE];
@@ -289,16 +316,18 @@ void tile_amx_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, int
   const uint8_t* q = w.tile(t);
   const int8_t* a = x.a64 + (r0 / 2) * x.G * 64;  // token r0 / 2's interleaved groups
   const int64_t G = w.G, lda = G * 64;
-#define DOT8_AMX_ISSUE(S, g) amx_issue_folded<S>(a + (g) * 64, lda, b[(g) % BS], c[S])
-  for (int64_t g = 0; g < std::min<int64_t>(BUILD, G); ++g) amx_build_folded(q, g, b[g % BS]);
-  DOT8_AMX_ISSUE(0, 0);
-  if (G > 1) DOT8_AMX_ISSUE(1, 1);
+#define DOT8_AMX_MULTIPLY(S, g) amx_multiply_folded<S, SIGNED>(a + (g) * 64, lda, b[(g) % BS])
+  for (int64_t g = 0; g < std::min<int64_t>(BUILD, G); ++g) amx_build_folded<SIGNED>(q, g, b[g % BS]);
+  DOT8_AMX_MULTIPLY(0, 0);
+  if (G > 1) DOT8_AMX_MULTIPLY(1, 1);
+  amx_store_folded<0>(c[0]);
   for (int64_t g0 = 0; g0 < G; g0 += SLOTS) {
 #define DOT8_AMX_STEP(I)                                                                          \
   if (g0 + I < G) {                                                                               \
     const int64_t g = g0 + I;                                                                     \
-    if (g + BUILD < G) amx_build_folded(q, g + BUILD, b[(g + BUILD) % BS]);                       \
-    if (g + AHEAD < G) DOT8_AMX_ISSUE((I + AHEAD) % SLOTS, g + AHEAD);                            \
+    if (g + BUILD < G) amx_build_folded<SIGNED>(q, g + BUILD, b[(g + BUILD) % BS]);               \
+    if (g + AHEAD < G) DOT8_AMX_MULTIPLY((I + AHEAD) % SLOTS, g + AHEAD);                         \
+    if (g + 1 < G) amx_store_folded<(I + 1) % SLOTS>(c[(I + 1) % SLOTS]);                          \
     const Scales512 p = scales512<MIN, MULT>(w, t, g);                                            \
     _Pragma("GCC unroll 16") for (int r = 0; r < TB; ++r) {                                       \
       if (r < tokens) {                                                                           \
@@ -315,7 +344,7 @@ void tile_amx_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, int
     DOT8_AMX_STEP(3)
 #undef DOT8_AMX_STEP
   }
-#undef DOT8_AMX_ISSUE
+#undef DOT8_AMX_MULTIPLY
   const __mmask16 mask = valid >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
 #pragma GCC unroll 16
   for (int r = 0; r < TB; ++r)

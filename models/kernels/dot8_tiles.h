@@ -1,6 +1,6 @@
 // dot8's tile functions: one tile of 16 output channels times up to 8 (6 on AVX2) quantized
 // rows, on the scalar, AVX-512 VNNI and AVX2 paths (dot8.cpp's header has the layout). Each is a
-// template over the weight's kind: BITS (4, 5, 6 or 8), MIN (w = d q + m; int4 always has one) and
+// template over the weight's kind: BITS (4, 5, 6 or 8), MIN (w = d q + m) and
 // MULT (integer multipliers: 0 none, 1 one per group, 2 one per half group; the minimum's with
 // MIN). This header holds the shared pieces, the scalar reference and the int4 / int8 vector
 // loops; dot8_tiles56.h the 5- and 6-bit loops and the table of kinds. Every path makes the same
@@ -13,11 +13,12 @@ constexpr int GROUP = 32;
 constexpr int MAX_ROWS = 8;  // rows per register block
 constexpr int PREFETCH = 4096;  // bytes ahead in the weight stream
 
-// The stored value is u = q + OFFSET(BITS, MIN), unsigned: int8 holds q + 128; 5 bits hold
+// The stored value is u = q + OFFSET(BITS, MIN), unsigned: int8 holds q + 128; 4 bits hold a
+// minimum kind's 0..15 as it is and Q4_0's q in -8..7 (w = d q, no minimum) as q + 8; 5 bits hold
 // Q5_0's q in -16..15 as q + 16 and a minimum kind's 0..31 as it is; 6 bits hold -32..31 as
 // q + 32 (Q6_K, and a fused layer's Q4_K beside Q6_K parts, which has a minimum).
 constexpr int offset_of(int bits, bool minimum) {
-  return bits == 8 ? 128 : bits == 6 ? 32 : bits == 5 && !minimum ? 16 : 0;
+  return bits == 8 ? 128 : bits == 6 ? 32 : (bits == 5 || bits == 4) && !minimum ? (1 << bits) / 2 : 0;
 }
 
 struct Acts {
@@ -42,7 +43,7 @@ struct Weights {
   const uint16_t* m;  // the same layout as d; null without a minimum
   int64_t G;
   int bits;           // 4, 5, 6 or 8: a group of a tile is ``bits`` chunks of 64 bytes
-  bool minimum;       // w = d q + m (int4 always)
+  bool minimum;       // w = d q + m
   const int8_t* s;    // [tile][group][s_per][16]: the multipliers, or null
   const int8_t* mn;   // [tile][group][16]: the minimum's multiplier, or null
   int s_per;          // 2: inputs 0..15 and 16..31 apart, 1: one per group
@@ -84,6 +85,27 @@ inline int32_t stored_value(const uint8_t* qg, int c, int k) {
 
 // Two digits' integers as one: the first digit counts 16 of the second (dot8_acts.h).
 inline int32_t fuse(int32_t first, int32_t second) { return 16 * first + second; }
+
+// What int4 without a minimum (stored u = q + 8) takes from a group's integer sum u a to make it
+// sum q a: 8 asum, for the whole group (hi) or, with multipliers per half, inputs 0..15 (lo) and
+// 16..31 (hi) apart. Quantized row rg's (offsets4), or a fused pair's, rg and rg + G, as the one
+// integer 16 a0 + a1 (fused_offsets4).
+struct Offsets {
+  int32_t lo, hi;
+};
+
+template <bool MIN, int MULT>
+inline Offsets offsets4(const Acts& x, int64_t rg) {
+  constexpr int OFF = offset_of(4, MIN);
+  if constexpr (MULT == 2) return {OFF * x.half[2 * rg], OFF * x.half[2 * rg + 1]};
+  return {0, OFF * x.sum[rg]};
+}
+
+template <bool MIN, int MULT>
+inline Offsets fused_offsets4(const Acts& x, int64_t rg) {
+  const Offsets first = offsets4<MIN, MULT>(x, rg), second = offsets4<MIN, MULT>(x, rg + x.G);
+  return {fuse(first.lo, second.lo), fuse(first.hi, second.hi)};
+}
 
 // A group's inputs 0..15 come before 16..31 (chunks j < 2 for int4 / 5 / 6 bits, j < 4 for int8),
 // so each half's integer sum is ready halfway. The group's value is
@@ -361,6 +383,12 @@ void tile_avx512_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, fl
         const int64_t rg = (r0 + r) * x.G + g;
         acc[r] = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(MULT == 2 ? x.half128[rg * 2 + 1] : x.sum128[rg]));
       }
+    if constexpr (BITS == 4 && offset_of(BITS, MIN) != 0)
+      for (int r = 0; r < R; ++r) {
+        const Offsets o = offsets4<MIN, MULT>(x, (r0 + r) * x.G + g);
+        acc[r] = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(o.hi));
+        if constexpr (MULT == 2) dlo[r] = _mm512_sub_epi32(dlo[r], _mm512_set1_epi32(o.lo));
+      }
     epilogue512<R, MIN, MULT>(y, acc, dlo, w, t, g, x, r0);
   }
   store512<R>(y, x, out, ldo, valid);
@@ -408,6 +436,12 @@ void tile_avx512_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, 
         acc[r] = _mm512_dpbusd_epi32(acc[r], hi4, _mm512_set1_epi32(load4(a1 + 4)));
       }
     }
+    if constexpr (offset_of(4, MIN) != 0)
+      for (int r = 0; r < R; ++r) {
+        const Offsets o = fused_offsets4<MIN, MULT>(x, (r0 + 2 * r) * x.G + g);
+        acc[r] = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(o.hi));
+        if constexpr (MULT == 2) dlo[r] = _mm512_sub_epi32(dlo[r], _mm512_set1_epi32(o.lo));
+      }
     epilogue512<R, MIN, MULT, true>(y, acc, dlo, w, t, g, x, r0);
   }
   const __mmask16 mask = valid >= TILE ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
@@ -461,7 +495,14 @@ void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, floa
             acc16[r] = _mm256_add_epi16(acc16[r], _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load4(a + 4))));
           }
         }
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_madd_epi16(acc16[r], _mm256_set1_epi16(1));
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm256_madd_epi16(acc16[r], _mm256_set1_epi16(1));
+          if constexpr (offset_of(BITS, MIN) != 0) {
+            const Offsets o = offsets4<MIN, MULT>(x, (r0 + r) * x.G + g);
+            acc[r] = _mm256_sub_epi32(acc[r], _mm256_set1_epi32(o.hi));
+            if constexpr (MULT == 2) dlo[r] = _mm256_sub_epi32(dlo[r], _mm256_set1_epi32(o.lo));
+          }
+        }
       } else {
         // int8: a pair can reach 2 * 128 * 127, so each pair sum widens at once.
         for (int j = 0; j < CH; ++j) {

@@ -214,8 +214,7 @@ struct Avx2 {
 
 // ---- the weight kinds: an index into a path's table of tile functions ----
 
-// (bits 4 / 5 / 6 / 8) x (minimum) x (multipliers: none, per group, per half group); int4 always
-// has a minimum, so its entries without one are never picked.
+// (bits 4 / 5 / 6 / 8) x (minimum) x (multipliers: none, per group, per half group).
 constexpr int KINDS = 4 * 2 * 3;
 
 inline int kind_of(const Weights& w) {
@@ -236,10 +235,9 @@ struct Table {
   }
   template <int BITS>
   static void fill(TileFn* f) {
-    constexpr bool PLAIN_MIN = BITS == 4;  // int4's "no minimum" entries: its minimum kind
-    f[0] = P<BITS, PLAIN_MIN, 0>::tile;
-    f[1] = P<BITS, PLAIN_MIN, 1>::tile;
-    f[2] = P<BITS, PLAIN_MIN, 2>::tile;
+    f[0] = P<BITS, false, 0>::tile;
+    f[1] = P<BITS, false, 1>::tile;
+    f[2] = P<BITS, false, 2>::tile;
     f[3] = P<BITS, true, 0>::tile;
     f[4] = P<BITS, true, 1>::tile;
     f[5] = P<BITS, true, 2>::tile;

@@ -2,8 +2,9 @@
 and multipliers for the kernel, unpacking them exactly (whole, or a few rows), and the choice of
 how many bits a portable weight's values take.
 
-Values are stored unsigned, ``u = q + offset(bits, minimum)``: int4 (0..15, with a minimum), 5 bits
-(Q5_0's -16..15 as q + 16, or a minimum kind's 0..31), 6 bits (-32..31 as q + 32) and int8 (q + 128).
+Values are stored unsigned, ``u = q + offset(bits, minimum)``: int4 (a minimum kind's 0..15, or
+Q4_0's -8..7 as q + 8), 5 bits (Q5_0's -16..15 as q + 16, or a minimum kind's 0..31), 6 bits
+(-32..31 as q + 32) and int8 (q + 128).
 The kernel subtracts ``offset * sum(a)`` from ``sum(u a)``, which gives ``sum(q a)`` exactly.
 
 Packing runs over a few output tiles at a time (``CHUNK_WEIGHTS`` weights) into one preallocated
@@ -29,7 +30,7 @@ MAX_MULTIPLIED = 8256
 
 def offset(bits: int, minimum: bool) -> int:
     """What the layout adds to a value q to store it unsigned (dot8_tiles.h: offset_of)."""
-    return {4: 0, 5: 0 if minimum else 16, 6: 32, 8: 128}[bits]
+    return {4: 0 if minimum else 8, 5: 0 if minimum else 16, 6: 32, 8: 128}[bits]
 
 
 def value_range(bits: int, minimum: bool) -> tuple[int, int]:
@@ -39,11 +40,12 @@ def value_range(bits: int, minimum: bool) -> tuple[int, int]:
 
 
 def narrowest_bits(q: torch.Tensor, minimum: bool) -> int:
-    """The fewest bits (5, 6 or 8) that hold an int8 weight's values exactly (int4 entries stay 4)."""
+    """The fewest bits (4 without a minimum, 5, 6 or 8) that hold an int8 weight's values exactly
+    (int4 entries stay 4)."""
     if not q.numel():
         return 8
     lo, hi = int(q.min()), int(q.max())
-    for bits in (5, 6):
+    for bits in (5, 6) if minimum else (4, 5, 6):
         low, high = value_range(bits, minimum)
         if low <= lo and hi <= high:
             return bits
@@ -121,14 +123,14 @@ def _place(dst: torch.Tensor, u: torch.Tensor, bits: int) -> None:
 
 def pack(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (out, in) whose values fit ``bits`` (``value_range``: 0..15 for int4, which has mins; -16..15
-    or with mins 0..31 for 5; -32..31 for 6; -128..127 for 8), in groups of 32 along the input with
+    """q (out, in) whose values fit ``bits`` (``value_range``: -8..7, or with mins 0..15, for int4;
+    -16..15, or with mins 0..31, for 5; -32..31 for 6; -128..127 for 8), in groups of 32 along the input with
     scales / mins (out, in // 32): w = d q (+ m). Returns the kernel's (q, d, m) (``pack_scales``)."""
     out, inp = q.shape
     if inp % GROUP:
         raise ValueError(f"dot8 needs an input width divisible by {GROUP}, not {inp}")
-    if bits not in (4, 5, 6, 8) or (bits == 4 and mins is None):
-        raise ValueError(f"dot8 weights have 4 (with minimums), 5, 6 or 8 bits, not {bits}")
+    if bits not in (4, 5, 6, 8):
+        raise ValueError(f"dot8 weights have 4, 5, 6 or 8 bits, not {bits}")
     lo, hi = value_range(bits, mins is not None)
     if q.numel() and (int(q.min()) < lo or int(q.max()) > hi):
         raise ValueError(f"{bits}-bit dot8 values lie in {lo}..{hi}, not {int(q.min())}..{int(q.max())}")
@@ -172,12 +174,12 @@ def unpack(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, s: torch.Tens
            mn: torch.Tensor | None, out: int, inp: int, bits: int, minimum: bool,
            ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """``pack`` and ``pack_multipliers`` inverted, exactly: the portable weight (``portable.py``) of
-    rows ``ids`` (all by default): qweight uint8 (int4) or int8, scales and zeros as the fp16 values
+    rows ``ids`` (all by default): qweight uint8 (int4 with a minimum) or int8, scales and zeros as the fp16 values
     the kernel reads (in fp32), scale_mult (n, groups, 2) and zero_mult (n, groups)."""
     groups, tiles = inp // GROUP, -(-out // TILE)
     lanes = packed.view(tiles, groups, bits, TILE, 4)
     off = offset(bits, minimum)
-    dtype = torch.uint8 if bits == 4 else torch.int8
+    dtype = torch.uint8 if bits == 4 and minimum else torch.int8
     if ids is None:
         ids = torch.arange(out)
         q = torch.empty((out, inp), dtype=dtype)

@@ -187,7 +187,9 @@ def narrow_entry(bits: int, minimum: bool, mult: int, out: int = 40, inp: int = 
     return parts
 
 
-NARROW = [(bits, minimum, mult) for bits in (5, 6) for minimum in (False, True) for mult in (0, 1, 2)]
+# 4 bits without a minimum (Q4_0's q - 8 in -8..7) beside the 5- and 6-bit kinds
+NARROW = [(4, False, mult) for mult in (0, 1, 2)] + [
+    (bits, minimum, mult) for bits in (5, 6) for minimum in (False, True) for mult in (0, 1, 2)]
 
 
 def as_int8(parts: dict, digits: int) -> Dot8Linear:
@@ -235,7 +237,8 @@ def test_narrow_weights_give_the_int8_representations_bits(bits: int, minimum: b
 
 
 def test_the_avx2_path_gives_the_int8_representations_bits(tmp_path) -> None:
-    """Every 5- and 6-bit kind and its int8 twin, in a child forced onto the AVX2 path."""
+    """Every narrow kind (4 bits without a minimum, 5 and 6 bits) and its int8 twin, in a child forced
+    onto the AVX2 path."""
     layers = {}
     for bits, minimum, mult in NARROW:
         parts = narrow_entry(bits, minimum, mult, out=72, inp=256, seed=9)

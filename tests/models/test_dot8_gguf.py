@@ -201,7 +201,7 @@ def test_shards_of_a_multiplier_layer_are_exact() -> None:
 
 
 # Bits per weight in memory (packed values, d and m, multipliers) and the values' bits, by type.
-MEMORY_BITS = {"Q4_0": (4, 5.0), "Q4_1": (4, 5.0), "Q8_0": (8, 8.5), "Q5_0": (5, 5.5), "Q5_1": (5, 6.0),
+MEMORY_BITS = {"Q4_0": (4, 4.5), "Q4_1": (4, 5.0), "Q8_0": (8, 8.5), "Q5_0": (5, 5.5), "Q5_1": (5, 6.0),
                "Q4_K": (4, 4.625), "Q5_K": (5, 5.625), "Q6_K": (6, 6.5625), "IQ4_NL": (8, 8.5), "IQ4_XS": (8, 8.3125)}
 
 
