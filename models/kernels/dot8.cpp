@@ -213,15 +213,21 @@ void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y,
     const bool halves = w.s && w.s_per == 2, folded = acts.a64 && folds(w.bits, halves ? 2 : 0);
     const int64_t most = folded ? 2 * AMX_ROWS : AMX_ROWS, blocks = (M + most - 1) / most;
     const int64_t step = acts.fused ? ((M + blocks - 1) / blocks + 1) / 2 * 2 : (M + blocks - 1) / blocks;
+    // Folded, with more than one block, a tile's B tiles are built once for all its blocks.
+    const FoldedFn shared = folded && blocks > 1 ? folded_fn(w) : nullptr;
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
       int configured = 0;
+      std::unique_ptr<int8_t, decltype(&std::free)> built(
+          shared ? static_cast<int8_t*>(std::aligned_alloc(64, size_t(w.G) * 1024)) : nullptr, &std::free);
       for (int64_t t = begin; t < end; ++t) {
         const int valid = int(std::min<int64_t>(TILE, n - t * TILE));
         for (int64_t r0 = 0; r0 < M; r0 += step) {
           const int rows = int(std::min<int64_t>(step, M - r0));
           const int tile_rows = folded ? rows / 2 : rows;
           if (tile_rows != configured) amx_configure(configured = tile_rows, halves, folded);
-          afn(w, t, acts, r0, rows, y + (acts.fused ? r0 / 2 : r0) * n + t * TILE, n, valid);
+          float* yt = y + (acts.fused ? r0 / 2 : r0) * n + t * TILE;
+          if (shared) shared(w, t, acts, r0, rows, yt, n, valid, built.get(), r0 != 0);
+          else afn(w, t, acts, r0, rows, yt, n, valid);
         }
       }
       if (configured) amx_release();

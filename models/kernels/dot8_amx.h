@@ -299,11 +299,13 @@ __attribute__((target("amx-tile"), always_inline)) inline void amx_store_folded(
 // Tokens r0 / 2.. (rows / 2 <= TB <= 16, the tiles configured for them) times tile t, software
 // pipelined as tile_amx: at group g's turn, group g + BUILD's B tile is built, group g + 2's
 // multiply issued, group g + 1's dots stored and group g's epilogue run (each row's sums still
-// take the groups in order).
+// take the groups in order). The B tiles go to a ring of BS on the stack, or with ``built`` (room
+// for all G) to built + 1024 g, where later blocks of rows of the same tile find them (``reuse``:
+// built already holds them, and nothing is built).
 template <int TB, int BITS, bool MIN, int MULT>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni,f16c,fma")))
 void tile_amx_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
-                     int valid) {
+                     int valid, int8_t* built = nullptr, bool reuse = false) {
   static_assert(BITS == 4, "only int4 folds");
   constexpr bool SIGNED = offset_of(BITS, MIN) != 0;
   constexpr int SLOTS = 4, AHEAD = 2, BUILD = AMX_BUILD + AHEAD, BS = 8;
@@ -316,8 +318,10 @@ void tile_amx_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, int
   const uint8_t* q = w.tile(t);
   const int8_t* a = x.a64 + (r0 / 2) * x.G * 64;  // token r0 / 2's interleaved groups
   const int64_t G = w.G, lda = G * 64;
-#define DOT8_AMX_MULTIPLY(S, g) amx_multiply_folded<S, SIGNED>(a + (g) * 64, lda, b[(g) % BS])
-  for (int64_t g = 0; g < std::min<int64_t>(BUILD, G); ++g) amx_build_folded<SIGNED>(q, g, b[g % BS]);
+  const auto bt = [&](int64_t g) -> int8_t* { return built ? built + g * 1024 : b[g % BS]; };
+#define DOT8_AMX_MULTIPLY(S, g) amx_multiply_folded<S, SIGNED>(a + (g) * 64, lda, bt(g))
+  if (!reuse)
+    for (int64_t g = 0; g < std::min<int64_t>(BUILD, G); ++g) amx_build_folded<SIGNED>(q, g, bt(g));
   DOT8_AMX_MULTIPLY(0, 0);
   if (G > 1) DOT8_AMX_MULTIPLY(1, 1);
   amx_store_folded<0>(c[0]);
@@ -325,7 +329,7 @@ void tile_amx_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, int
 #define DOT8_AMX_STEP(I)                                                                          \
   if (g0 + I < G) {                                                                               \
     const int64_t g = g0 + I;                                                                     \
-    if (g + BUILD < G) amx_build_folded<SIGNED>(q, g + BUILD, b[(g + BUILD) % BS]);               \
+    if (!reuse && g + BUILD < G) amx_build_folded<SIGNED>(q, g + BUILD, bt(g + BUILD));             \
     if (g + AHEAD < G) DOT8_AMX_MULTIPLY((I + AHEAD) % SLOTS, g + AHEAD);                         \
     if (g + 1 < G) amx_store_folded<(I + 1) % SLOTS>(c[(I + 1) % SLOTS]);                          \
     const Scales512 p = scales512<MIN, MULT>(w, t, g);                                            \
@@ -349,6 +353,25 @@ void tile_amx_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, int
 #pragma GCC unroll 16
   for (int r = 0; r < TB; ++r)
     if (r < tokens) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
+}
+
+// A folded kind's blocks of rows that share tile t's B tiles, built by the first block into
+// ``built`` (G KB) and read by the rest (``reuse``): a prompt's blocks of 16 tokens unpack each
+// group of weights once instead of once a block. The same multiplies and epilogue, so the same bits.
+using FoldedFn = void (*)(const Weights&, int64_t, const Acts&, int64_t, int, float*, int64_t, int, int8_t*, bool);
+
+template <bool MIN, int MULT>
+void folded_blocks(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
+                   int valid, int8_t* built, bool reuse) {
+  if (rows <= 8) return tile_amx_folded<4, 4, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid, built, reuse);
+  if (rows <= 16) return tile_amx_folded<8, 4, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid, built, reuse);
+  tile_amx_folded<16, 4, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid, built, reuse);
+}
+
+inline FoldedFn folded_fn(const Weights& w) {
+  const int mult = w.s ? w.s_per : 0;  // folds: never 2
+  if (w.minimum) return mult ? folded_blocks<true, 1> : folded_blocks<true, 0>;
+  return mult ? folded_blocks<false, 1> : folded_blocks<false, 0>;
 }
 
 template <int BITS, bool MIN, int MULT>

@@ -69,10 +69,18 @@ def test_amx_gives_the_same_bits_for_every_kind(bits: int, minimum: bool, mult: 
         assert torch.equal(calls(layer, x[:7], AMX), calls(layer, x[:7], 1))
 
 
-def test_amx_rows_are_the_same_bits_in_any_batch_and_thread_count() -> None:
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_amx_rows_are_the_same_bits_in_any_batch_and_thread_count(symmetric: bool) -> None:
+    """Also where a tile's blocks of tokens share its B tiles (more than 16 tokens), with a minimum and
+    without (Q4_0: minimums of -8 scales, held as q - 8)."""
     torch.manual_seed(9)
-    layer = Dot8Linear.from_float(torch.randn(3072, 576) * 0.02, digits=2)
-    x = torch.randn(40, 576)  # 80 quantized rows: five blocks of 16
+    if symmetric:
+        scales = torch.rand(3072, 18) * 0.01
+        layer = Dot8Linear(torch.randint(0, 16, (3072, 576), dtype=torch.uint8), scales, -8 * scales, 4, digits=2)
+        assert not layer.minimum
+    else:
+        layer = Dot8Linear.from_float(torch.randn(3072, 576) * 0.02, digits=2)
+    x = torch.randn(40, 576)  # 80 quantized rows: three blocks of up to 16 tokens
     full = calls(layer, x, AMX)
     threads = torch.get_num_threads()
     try:
