@@ -103,6 +103,7 @@ Path& path(int64_t force_scalar) {
 
 #ifdef DOT8_X86
 const Table<Amx> AMX;
+const Table<AmxBlock, BlockFn> AMX_BLOCKS;
 #endif
 
 // AMX_FROM: the fewest quantized rows (rows x digits) at which the AMX path ran faster than
@@ -213,12 +214,12 @@ void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y,
     const bool halves = w.s && w.s_per == 2, folded = acts.a64 && folds(w.bits, halves ? 2 : 0);
     const int64_t most = folded ? 2 * AMX_ROWS : AMX_ROWS, blocks = (M + most - 1) / most;
     const int64_t step = acts.fused ? ((M + blocks - 1) / blocks + 1) / 2 * 2 : (M + blocks - 1) / blocks;
-    // Folded, with more than one block, a tile's B tiles are built once for all its blocks.
-    const FoldedFn shared = folded && blocks > 1 ? folded_fn(w) : nullptr;
+    // With more than one block, a tile's B tiles are built once for all its blocks.
+    const BlockFn shared = blocks > 1 ? AMX_BLOCKS.fn[kind_of(w)] : nullptr;
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
       int configured = 0;
       std::unique_ptr<int8_t, decltype(&std::free)> built(
-          shared ? static_cast<int8_t*>(std::aligned_alloc(64, size_t(w.G) * 1024)) : nullptr, &std::free);
+          shared ? static_cast<int8_t*>(std::aligned_alloc(64, size_t(w.G * AMX_BUILT_BYTES))) : nullptr, &std::free);
       for (int64_t t = begin; t < end; ++t) {
         const int valid = int(std::min<int64_t>(TILE, n - t * TILE));
         for (int64_t r0 = 0; r0 < M; r0 += step) {

@@ -190,9 +190,12 @@ inline void amx_build(const uint8_t* q, int64_t g, int8_t* b) {
 // a group's B tile is built AMX_BUILD groups ahead of its multiply (a tile load waits until the
 // vector stores that built it reach the cache), and the multiply runs AHEAD groups ahead of the float
 // epilogue, which reads the dots it stored. Each row's sums still take the groups in order.
+// The B tiles go to a ring of BS on the stack, or with ``built`` (room for all G) to built + 512 g,
+// where later blocks of rows of the same tile find them (``reuse``: built holds them already).
 template <int RB, int BITS, bool MIN, int MULT>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni,f16c,fma")))
-void tile_amx(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo, int valid) {
+void tile_amx(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo, int valid,
+              int8_t* built = nullptr, bool reuse = false) {
   constexpr int SLOTS = MULT == 2 ? 2 : 4, AHEAD = MULT == 2 ? 1 : 2, H = MULT == 2 ? 2 : 1;
   constexpr int BUILD = AMX_BUILD + AHEAD, BS = 8;  // BUILD < BS
   alignas(64) int8_t b[BS][512];
@@ -203,8 +206,10 @@ void tile_amx(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, 
   const uint8_t* q = w.tile(t);
   const int8_t* a = x.a + r0 * x.K;
   const int64_t G = w.G;
-  for (int64_t g = 0; g < std::min<int64_t>(BUILD, G); ++g) amx_build<BITS, MIN>(q, g, b[g % BS]);
-#define DOT8_AMX_ISSUE(S, g) amx_issue<BITS, MIN, MULT, S>(a, x.K, g, b[(g) % BS], c[S])
+  const auto bt = [&](int64_t g) -> int8_t* { return built ? built + g * 512 : b[g % BS]; };
+  if (!reuse)
+    for (int64_t g = 0; g < std::min<int64_t>(BUILD, G); ++g) amx_build<BITS, MIN>(q, g, bt(g));
+#define DOT8_AMX_ISSUE(S, g) amx_issue<BITS, MIN, MULT, S>(a, x.K, g, bt(g), c[S])
   DOT8_AMX_ISSUE(0, 0);
   if (AHEAD > 1 && G > 1) DOT8_AMX_ISSUE(1, 1);
   for (int64_t g0 = 0; g0 < G; g0 += SLOTS) {
@@ -212,7 +217,7 @@ void tile_amx(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, 
     // then the epilogue of slot i
 #define DOT8_AMX_STEP(I)                                                           \
   if (g0 + I < G) {                                                                \
-    if (g0 + I + BUILD < G) amx_build<BITS, MIN>(q, g0 + I + BUILD, b[(g0 + I + BUILD) % BS]); \
+    if (!reuse && g0 + I + BUILD < G) amx_build<BITS, MIN>(q, g0 + I + BUILD, bt(g0 + I + BUILD)); \
     if (g0 + I + AHEAD < G) DOT8_AMX_ISSUE((I + AHEAD) % SLOTS, g0 + I + AHEAD);    \
     amx_epilogue<RB, MIN, MULT>(y, rows, w, t, g0 + I, x, r0, c[I]);                    \
   }
@@ -355,39 +360,36 @@ void tile_amx_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, int
     if (r < tokens) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
 }
 
-// A folded kind's blocks of rows that share tile t's B tiles, built by the first block into
-// ``built`` (G KB) and read by the rest (``reuse``): a prompt's blocks of 16 tokens unpack each
-// group of weights once instead of once a block. The same multiplies and epilogue, so the same bits.
-using FoldedFn = void (*)(const Weights&, int64_t, const Acts&, int64_t, int, float*, int64_t, int, int8_t*, bool);
+// A kind's block of rows on AMX. A product of more than one block passes ``built`` (1 KB a
+// group), into which the first block of each tile builds its B tiles and from which the rest read
+// them (``reuse``): a prompt's blocks of 16 tokens unpack each group of weights once instead of once
+// a block. The same multiplies and epilogue, so the same bits.
+using BlockFn = void (*)(const Weights&, int64_t, const Acts&, int64_t, int, float*, int64_t, int, int8_t*, bool);
+constexpr int64_t AMX_BUILT_BYTES = 1024;  // a group's B tile, folded (unfolded: 512)
 
-template <bool MIN, int MULT>
-void folded_blocks(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
+template <int BITS, bool MIN, int MULT>
+struct AmxBlock {
+  static void tile(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
                    int valid, int8_t* built, bool reuse) {
-  if (rows <= 8) return tile_amx_folded<4, 4, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid, built, reuse);
-  if (rows <= 16) return tile_amx_folded<8, 4, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid, built, reuse);
-  tile_amx_folded<16, 4, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid, built, reuse);
-}
+    if constexpr (folds(BITS, MULT)) {
+      if (x.a64) {
+        if (rows <= 8) return tile_amx_folded<4, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid, built, reuse);
+        if (rows <= 16) return tile_amx_folded<8, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid, built, reuse);
+        return tile_amx_folded<16, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid, built, reuse);
+      }
+    }
+    if (rows <= 4) return tile_amx<4, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid, built, reuse);
+    if (rows <= 8) return tile_amx<8, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid, built, reuse);
+    tile_amx<16, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid, built, reuse);
+  }
+};
 
-inline FoldedFn folded_fn(const Weights& w) {
-  const int mult = w.s ? w.s_per : 0;  // folds: never 2
-  if (w.minimum) return mult ? folded_blocks<true, 1> : folded_blocks<true, 0>;
-  return mult ? folded_blocks<false, 1> : folded_blocks<false, 0>;
-}
-
+// A block alone: its B tiles in the multiply's ring.
 template <int BITS, bool MIN, int MULT>
 struct Amx {
   static void tile(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
                    int valid) {
-    if constexpr (folds(BITS, MULT)) {
-      if (x.a64) {
-        if (rows <= 8) return tile_amx_folded<4, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);
-        if (rows <= 16) return tile_amx_folded<8, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);
-        return tile_amx_folded<16, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);
-      }
-    }
-    if (rows <= 4) return tile_amx<4, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);
-    if (rows <= 8) return tile_amx<8, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);
-    tile_amx<16, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid);
+    AmxBlock<BITS, MIN, MULT>::tile(w, t, x, r0, rows, out, ldo, valid, nullptr, false);
   }
 };
 

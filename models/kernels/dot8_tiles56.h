@@ -224,9 +224,9 @@ inline int kind_of(const Weights& w) {
 
 using TileFn = void (*)(const Weights&, int64_t, const Acts&, int64_t, int, float*, int64_t, int);
 
-template <template <int, bool, int> class P>
+template <template <int, bool, int> class P, typename Fn = TileFn>
 struct Table {
-  TileFn fn[KINDS];
+  Fn fn[KINDS];
   Table() {
     fill<4>(fn);
     fill<5>(fn + 6);
@@ -234,7 +234,7 @@ struct Table {
     fill<8>(fn + 18);
   }
   template <int BITS>
-  static void fill(TileFn* f) {
+  static void fill(Fn* f) {
     f[0] = P<BITS, false, 0>::tile;
     f[1] = P<BITS, false, 1>::tile;
     f[2] = P<BITS, false, 2>::tile;
