@@ -301,8 +301,8 @@ def symmetric_int4(scales: torch.Tensor, mins: torch.Tensor | None) -> bool:
 
 
 class Dot8Linear(nn.Module):
-    """y = x @ W^T (+ b) with W in groups of 32 (int4 with scale and minimum; 5, 6 or 8 bits with a
-    scale and optionally a minimum; optionally with integer multipliers: every GGUF type in
+    """y = x @ W^T (+ b) with W in groups of 32 (4, 5, 6 or 8 bits with a scale and optionally a
+    minimum; optionally with integer multipliers: every GGUF type in
     ``GGUF_PACKED``) and x quantized per row to int8 groups of 32 at run time, multiplied in
     exact integer sums by ``dualserve::dot8_linear`` (``models.kernels``). ``bits`` is what the
     values are stored in: a portable weight takes the fewest that hold it (Q5 types 5, Q6_K 6).

@@ -206,6 +206,17 @@ MEMORY_BITS = {"Q4_0": (4, 4.5), "Q4_1": (4, 5.0), "Q8_0": (8, 8.5), "Q5_0": (5,
 
 
 @needs_kernel
+def test_q4_0_is_held_without_a_minimum() -> None:
+    """Q4_0's minimum is -8 times its scale: the layer holds q - 8 and no minimum (Q4_1 keeps its own)."""
+    q40 = Dot8Linear.from_portable(gguf_blocks(random_rows("Q4_0", 32, 256, seed=3), "Q4_0"))
+    q41 = Dot8Linear.from_portable(gguf_blocks(random_rows("Q4_1", 32, 256, seed=3), "Q4_1"))
+    assert (q40.bits, q40.minimum, q40.m.numel()) == (4, False, 0)
+    assert (q41.bits, q41.minimum) == (4, True)
+    back = q40.portable()
+    assert back["qweight"].dtype == torch.int8 and int(back["qweight"].min()) >= -8 and "zeros" not in back
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", GGUF_PACKED)
 def test_each_type_takes_its_bits_in_memory(kind: str) -> None:
     layer = Dot8Linear.from_portable(gguf_blocks(random_rows(kind, 64, 512, seed=10), kind))
