@@ -194,6 +194,24 @@ inline void vector_tile(const Path& p, TileFn fn, const Weights& w, int64_t t, c
   }
 }
 
+#ifdef DOT8_X86
+// The calling thread's buffer for a tile's built B tiles (AmxBlock), at least ``bytes``, 64-byte
+// aligned: kept from call to call and grown when a wider layer asks (a prompt's every GEMM, and the
+// head at 16 streams, take one; allocating it each time cost a page fault where it took mmap).
+int8_t* built_tiles(int64_t bytes) {
+  struct Buffer {
+    std::unique_ptr<int8_t[]> bytes;
+    int64_t size = 0;
+  };
+  thread_local Buffer b;
+  if (b.size < bytes + 64) {
+    b.bytes.reset(new int8_t[bytes + 64]);
+    b.size = bytes + 64;
+  }
+  return reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(b.bytes.get()) + 63) / 64 * 64);
+}
+#endif
+
 // y = the M quantized rows times the packed weight: (M, n), or with two digits (fused) (M / 2, n),
 // each output row from its pair of quantized rows.
 void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y, int64_t force_scalar) {
@@ -218,8 +236,7 @@ void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y,
     const BlockFn shared = blocks > 1 ? AMX_BLOCKS.fn[kind_of(w)] : nullptr;
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
       int configured = 0;
-      std::unique_ptr<int8_t, decltype(&std::free)> built(
-          shared ? static_cast<int8_t*>(std::aligned_alloc(64, size_t(w.G * AMX_BUILT_BYTES))) : nullptr, &std::free);
+      int8_t* built = shared ? built_tiles(w.G * AMX_BUILT_BYTES) : nullptr;
       for (int64_t t = begin; t < end; ++t) {
         const int valid = int(std::min<int64_t>(TILE, n - t * TILE));
         for (int64_t r0 = 0; r0 < M; r0 += step) {
@@ -227,7 +244,7 @@ void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y,
           const int tile_rows = folded ? rows / 2 : rows;
           if (tile_rows != configured) amx_configure(configured = tile_rows, halves, folded);
           float* yt = y + (acts.fused ? r0 / 2 : r0) * n + t * TILE;
-          if (shared) shared(w, t, acts, r0, rows, yt, n, valid, built.get(), r0 != 0);
+          if (shared) shared(w, t, acts, r0, rows, yt, n, valid, built, r0 != 0);
           else afn(w, t, acts, r0, rows, yt, n, valid);
         }
       }
