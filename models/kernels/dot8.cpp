@@ -102,8 +102,7 @@ Path& path(int64_t force_scalar) {
 }
 
 #ifdef DOT8_X86
-const Table<Amx> AMX;
-const Table<AmxBlock, BlockFn> AMX_BLOCKS;
+const Table<Amx, BlockFn> AMX;
 #endif
 
 // AMX_FROM: the fewest quantized rows (rows x digits) at which the AMX path ran faster than
@@ -195,7 +194,7 @@ inline void vector_tile(const Path& p, TileFn fn, const Weights& w, int64_t t, c
 }
 
 #ifdef DOT8_X86
-// The calling thread's buffer for a tile's built B tiles (AmxBlock), at least ``bytes``, 64-byte
+// The calling thread's buffer for a tile's built B tiles (Amx in dot8_amx.h), at least ``bytes``, 64-byte
 // aligned: kept from call to call and grown when a wider layer asks (a prompt's every GEMM, and the
 // head at 16 streams, take one; allocating it each time cost a page fault where it took mmap).
 int8_t* built_tiles(int64_t bytes) {
@@ -228,24 +227,21 @@ void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y,
     // block's rows (the configuration is per thread) and releases them when done.
     // Folded (two digits, int4: dot8_amx.h), a block is up to 16 tokens of two quantized rows, and
     // its tiles are configured for the tokens.
-    const TileFn afn = AMX.fn[kind_of(w)];
+    const BlockFn afn = AMX.fn[kind_of(w)];
     const bool halves = w.s && w.s_per == 2, folded = acts.a64 && folds(w.bits, halves ? 2 : 0);
     const int64_t most = folded ? 2 * AMX_ROWS : AMX_ROWS, blocks = (M + most - 1) / most;
     const int64_t step = acts.fused ? ((M + blocks - 1) / blocks + 1) / 2 * 2 : (M + blocks - 1) / blocks;
-    // With more than one block, a tile's B tiles are built once for all its blocks.
-    const BlockFn shared = blocks > 1 ? AMX_BLOCKS.fn[kind_of(w)] : nullptr;
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
       int configured = 0;
-      int8_t* built = shared ? built_tiles(w.G * AMX_BUILT_BYTES) : nullptr;
+      // With more than one block, a tile's B tiles are built once for all its blocks.
+      int8_t* built = blocks > 1 ? built_tiles(w.G * AMX_BUILT_BYTES) : nullptr;
       for (int64_t t = begin; t < end; ++t) {
         const int valid = int(std::min<int64_t>(TILE, n - t * TILE));
         for (int64_t r0 = 0; r0 < M; r0 += step) {
           const int rows = int(std::min<int64_t>(step, M - r0));
           const int tile_rows = folded ? rows / 2 : rows;
           if (tile_rows != configured) amx_configure(configured = tile_rows, halves, folded);
-          float* yt = y + (acts.fused ? r0 / 2 : r0) * n + t * TILE;
-          if (shared) shared(w, t, acts, r0, rows, yt, n, valid, built, r0 != 0);
-          else afn(w, t, acts, r0, rows, yt, n, valid);
+          afn(w, t, acts, r0, rows, y + (acts.fused ? r0 / 2 : r0) * n + t * TILE, n, valid, built, built && r0 != 0);
         }
       }
       if (configured) amx_release();

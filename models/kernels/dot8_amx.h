@@ -195,7 +195,7 @@ inline void amx_build(const uint8_t* q, int64_t g, int8_t* b) {
 template <int RB, int BITS, bool MIN, int MULT>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni,f16c,fma")))
 void tile_amx(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo, int valid,
-              int8_t* built = nullptr, bool reuse = false) {
+              int8_t* built, bool reuse) {
   constexpr int SLOTS = MULT == 2 ? 2 : 4, AHEAD = MULT == 2 ? 1 : 2, H = MULT == 2 ? 2 : 1;
   constexpr int BUILD = AMX_BUILD + AHEAD, BS = 8;  // BUILD < BS
   alignas(64) int8_t b[BS][512];
@@ -310,7 +310,7 @@ __attribute__((target("amx-tile"), always_inline)) inline void amx_store_folded(
 template <int TB, int BITS, bool MIN, int MULT>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni,f16c,fma")))
 void tile_amx_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
-                     int valid, int8_t* built = nullptr, bool reuse = false) {
+                     int valid, int8_t* built, bool reuse) {
   static_assert(BITS == 4, "only int4 folds");
   constexpr bool SIGNED = offset_of(BITS, MIN) != 0;
   constexpr int SLOTS = 4, AHEAD = 2, BUILD = AMX_BUILD + AHEAD, BS = 8;
@@ -360,15 +360,16 @@ void tile_amx_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, int
     if (r < tokens) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
 }
 
-// A kind's block of rows on AMX. A product of more than one block passes ``built`` (1 KB a
-// group), into which the first block of each tile builds its B tiles and from which the rest read
-// them (``reuse``): a prompt's blocks of 16 tokens unpack each group of weights once instead of once
-// a block. The same multiplies and epilogue, so the same bits.
+// A kind's block of rows on AMX (dot8.cpp: product). A product of more than one block passes
+// ``built`` (1 KB a group), into which the first block of each tile builds its B tiles and from which
+// the rest read them (``reuse``): a prompt's blocks of 16 tokens unpack each group of weights once
+// instead of once a block. The same multiplies and epilogue, so the same bits. A block alone passes
+// null, and its B tiles go to the multiply's ring.
 using BlockFn = void (*)(const Weights&, int64_t, const Acts&, int64_t, int, float*, int64_t, int, int8_t*, bool);
 constexpr int64_t AMX_BUILT_BYTES = 1024;  // a group's B tile, folded (unfolded: 512)
 
 template <int BITS, bool MIN, int MULT>
-struct AmxBlock {
+struct Amx {
   static void tile(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
                    int valid, int8_t* built, bool reuse) {
     if constexpr (folds(BITS, MULT)) {
@@ -381,15 +382,6 @@ struct AmxBlock {
     if (rows <= 4) return tile_amx<4, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid, built, reuse);
     if (rows <= 8) return tile_amx<8, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid, built, reuse);
     tile_amx<16, BITS, MIN, MULT>(w, t, x, r0, rows, out, ldo, valid, built, reuse);
-  }
-};
-
-// A block alone: its B tiles in the multiply's ring.
-template <int BITS, bool MIN, int MULT>
-struct Amx {
-  static void tile(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
-                   int valid) {
-    AmxBlock<BITS, MIN, MULT>::tile(w, t, x, r0, rows, out, ldo, valid, nullptr, false);
   }
 };
 

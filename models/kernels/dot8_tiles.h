@@ -86,26 +86,6 @@ inline int32_t stored_value(const uint8_t* qg, int c, int k) {
 // Two digits' integers as one: the first digit counts 16 of the second (dot8_acts.h).
 inline int32_t fuse(int32_t first, int32_t second) { return 16 * first + second; }
 
-// What int4 without a minimum (stored u = q + 8) takes from a group's integer sum u a to make it
-// sum q a: 8 asum, for the whole group (hi) or, with multipliers per half, inputs 0..15 (lo) and
-// 16..31 (hi) apart. Quantized row rg's (offsets4), or a fused pair's, rg and rg + G, as the one
-// integer 16 a0 + a1 (fused_offsets4).
-struct Offsets {
-  int32_t lo, hi;
-};
-
-template <bool MIN, int MULT>
-inline Offsets offsets4(const Acts& x, int64_t rg) {
-  constexpr int OFF = offset_of(4, MIN);
-  if constexpr (MULT == 2) return {OFF * x.half[2 * rg], OFF * x.half[2 * rg + 1]};
-  return {0, OFF * x.sum[rg]};
-}
-
-template <bool MIN, int MULT>
-inline Offsets fused_offsets4(const Acts& x, int64_t rg) {
-  const Offsets first = offsets4<MIN, MULT>(x, rg), second = offsets4<MIN, MULT>(x, rg + x.G);
-  return {fuse(first.lo, second.lo), fuse(first.hi, second.hi)};
-}
 
 // A group's inputs 0..15 come before 16..31 (chunks j < 2 for int4 / 5 / 6 bits, j < 4 for int8),
 // so each half's integer sum is ready halfway. The group's value is
@@ -332,6 +312,28 @@ inline void epilogue256(__m256* y, const __m256i* dot, const __m256i* dlo, const
 
 #ifdef DOT8_X86
 
+// dot = sum u a - OFF * (the activations' sum over the same inputs, sums[i]): sum q a, exactly.
+template <int OFF>
+__attribute__((target("avx512f"), always_inline)) inline __m512i minus_offset(__m512i acc, const int32_t* sums, int64_t i) {
+  if constexpr (OFF == 0) return acc;
+  else return _mm512_sub_epi32(acc, _mm512_set1_epi32(OFF * sums[i]));
+}
+
+template <int OFF>
+__attribute__((target("avx2"), always_inline)) inline __m256i minus_offset(__m256i acc, const int32_t* sums, int64_t i) {
+  if constexpr (OFF == 0) return acc;
+  else return _mm256_sub_epi32(acc, _mm256_set1_epi32(OFF * sums[i]));
+}
+
+// The same for a token's two digits as one integer (dot8_acts.h): its quantized rows' sums at
+// sums[first] and sums[second], fused as the dots are.
+template <int OFF>
+__attribute__((target("avx512f"), always_inline)) inline __m512i minus_fused_offset(__m512i acc, const int32_t* sums,
+                                                                                    int64_t first, int64_t second) {
+  if constexpr (OFF == 0) return acc;
+  else return _mm512_sub_epi32(acc, _mm512_set1_epi32(OFF * fuse(sums[first], sums[second])));
+}
+
 // ---- AVX-512 VNNI, int4 and int8: 16 channels per register ----
 
 template <int R, int BITS, bool MIN, int MULT>
@@ -383,11 +385,12 @@ void tile_avx512_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, fl
         const int64_t rg = (r0 + r) * x.G + g;
         acc[r] = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(MULT == 2 ? x.half128[rg * 2 + 1] : x.sum128[rg]));
       }
-    if constexpr (BITS == 4 && offset_of(BITS, MIN) != 0)
+    if constexpr (BITS == 4 && offset_of(BITS, MIN) != 0)  // Q4_0: u = q + 8
       for (int r = 0; r < R; ++r) {
-        const Offsets o = offsets4<MIN, MULT>(x, (r0 + r) * x.G + g);
-        acc[r] = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(o.hi));
-        if constexpr (MULT == 2) dlo[r] = _mm512_sub_epi32(dlo[r], _mm512_set1_epi32(o.lo));
+        constexpr int OFF = offset_of(BITS, MIN);
+        const int64_t rg = (r0 + r) * x.G + g;
+        if constexpr (MULT == 2) dlo[r] = minus_offset<OFF>(dlo[r], x.half, rg * 2);
+        acc[r] = MULT == 2 ? minus_offset<OFF>(acc[r], x.half, rg * 2 + 1) : minus_offset<OFF>(acc[r], x.sum, rg);
       }
     epilogue512<R, MIN, MULT>(y, acc, dlo, w, t, g, x, r0);
   }
@@ -436,11 +439,13 @@ void tile_avx512_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, 
         acc[r] = _mm512_dpbusd_epi32(acc[r], hi4, _mm512_set1_epi32(load4(a1 + 4)));
       }
     }
-    if constexpr (offset_of(4, MIN) != 0)
+    if constexpr (offset_of(4, MIN) != 0)  // Q4_0: u = q + 8; token r's digits are quantized rows rg, rg + G
       for (int r = 0; r < R; ++r) {
-        const Offsets o = fused_offsets4<MIN, MULT>(x, (r0 + 2 * r) * x.G + g);
-        acc[r] = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(o.hi));
-        if constexpr (MULT == 2) dlo[r] = _mm512_sub_epi32(dlo[r], _mm512_set1_epi32(o.lo));
+        constexpr int OFF = offset_of(4, MIN);
+        const int64_t rg = (r0 + 2 * r) * x.G + g;
+        if constexpr (MULT == 2) dlo[r] = minus_fused_offset<OFF>(dlo[r], x.half, rg * 2, (rg + x.G) * 2);
+        acc[r] = MULT == 2 ? minus_fused_offset<OFF>(acc[r], x.half, rg * 2 + 1, (rg + x.G) * 2 + 1)
+                           : minus_fused_offset<OFF>(acc[r], x.sum, rg, rg + x.G);
       }
     epilogue512<R, MIN, MULT, true>(y, acc, dlo, w, t, g, x, r0);
   }
@@ -497,10 +502,11 @@ void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, floa
         }
         for (int r = 0; r < R; ++r) {
           acc[r] = _mm256_madd_epi16(acc16[r], _mm256_set1_epi16(1));
-          if constexpr (offset_of(BITS, MIN) != 0) {
-            const Offsets o = offsets4<MIN, MULT>(x, (r0 + r) * x.G + g);
-            acc[r] = _mm256_sub_epi32(acc[r], _mm256_set1_epi32(o.hi));
-            if constexpr (MULT == 2) dlo[r] = _mm256_sub_epi32(dlo[r], _mm256_set1_epi32(o.lo));
+          if constexpr (BITS == 4 && offset_of(BITS, MIN) != 0) {  // Q4_0: u = q + 8
+            constexpr int OFF = offset_of(BITS, MIN);
+            const int64_t rg = (r0 + r) * x.G + g;
+            if constexpr (MULT == 2) dlo[r] = minus_offset<OFF>(dlo[r], x.half, rg * 2);
+            acc[r] = MULT == 2 ? minus_offset<OFF>(acc[r], x.half, rg * 2 + 1) : minus_offset<OFF>(acc[r], x.sum, rg);
           }
         }
       } else {

@@ -28,19 +28,6 @@ __attribute__((target("avx2"), always_inline)) inline __m256i high_at4(const __m
   else return planes[I / P];
 }
 
-// dot = sum u a - OFF * (the activations' sum over the same inputs, sums[i]): sum q a, exactly.
-template <int OFF>
-__attribute__((target("avx512f"), always_inline)) inline __m512i minus_offset(__m512i acc, const int32_t* sums, int64_t i) {
-  if constexpr (OFF == 0) return acc;
-  else return _mm512_sub_epi32(acc, _mm512_set1_epi32(OFF * sums[i]));
-}
-
-template <int OFF>
-__attribute__((target("avx2"), always_inline)) inline __m256i minus_offset(__m256i acc, const int32_t* sums, int64_t i) {
-  if constexpr (OFF == 0) return acc;
-  else return _mm256_sub_epi32(acc, _mm256_set1_epi32(OFF * sums[i]));
-}
-
 // Chunk J of a group (inputs 8J..8J+7) into R rows' int32 sums of u * a.
 template <int R, int HB, int J>
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
