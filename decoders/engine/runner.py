@@ -27,6 +27,7 @@ Only a family whose row says it compiles is compiled.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -148,15 +149,12 @@ class ModelRunner:
         return self.backend(kv, meta)
 
     def metadata(self, items: Sequence[ForwardItem]) -> AttentionMetadata:
-        slots: list[torch.Tensor] = []
-        seqs = []
-        for it in items:
-            n = len(it.token_ids)
-            if it.slots is None:
-                slots.append(self.scratch_slots(n))
-            else:
-                slots.append(self._as_tensor(it.slots))
-            seqs.append(SeqAttention(it.context_len, n, it.block_table, it.mask, it.context_slots))
+        seqs = [SeqAttention(it.context_len, len(it.token_ids), it.block_table, it.mask, it.context_slots)
+                for it in items]
+        if all(it.slots is not None and not isinstance(it.slots, torch.Tensor) for it in items):
+            return AttentionMetadata(seqs, self._flat([it.slots for it in items]), self.block_size)
+        slots = [self.scratch_slots(len(it.token_ids)) if it.slots is None else self._as_tensor(it.slots)
+                 for it in items]
         return AttentionMetadata(seqs, torch.cat(slots), self.block_size)
 
     @torch.inference_mode()
@@ -173,9 +171,19 @@ class ModelRunner:
 
     def describe(self, items: Sequence[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(token ids, positions, attention metadata) of one forward over ``items``."""
-        ids = torch.cat([self._as_tensor(it.token_ids) for it in items])
-        pos = torch.cat([self._as_tensor(it.positions) for it in items])
-        return ids, pos, self.metadata(items)
+        return self._joined([it.token_ids for it in items]), self._joined([it.positions for it in items]), \
+            self.metadata(items)
+
+    def _joined(self, parts: list) -> torch.Tensor:
+        """The items' sequences (lists, ranges or tensors) end to end as one long tensor."""
+        if any(isinstance(p, torch.Tensor) for p in parts):
+            return torch.cat([self._as_tensor(p) for p in parts])
+        return self._flat(parts)
+
+    def _flat(self, parts: list) -> torch.Tensor:
+        """Plain sequences end to end as one long tensor, made once (a step of 16 decodes made 48
+        small tensors and 3 concatenations otherwise, about 0.4 ms)."""
+        return torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
     def encode(self, items: Sequence[ForwardItem]) -> None:

@@ -2,7 +2,8 @@
 ``dualserve::attend_rows`` (``attend.cpp``, paged attention for every query length: each query
 row over its visible keys alone, so decode, verify and prefill agree bit for bit), and the
 transformer's norms, SwiGLU and rotary angles (``pointwise.cpp``), so that eager steps and compiled
-graphs compute them with the same bits.
+graphs compute them with the same bits; and ``dualserve::store_kv`` (``kv_store.cpp``), a step's new
+keys and values copied into the KV pool in one pass.
 
 PyTorch's weight-only kernels widen every weight to a float and multiply in
 floats: at one token they stream the weights as fast as memory allows, but each
@@ -48,7 +49,7 @@ import torch
 from .layout import (GROUP, MAX_MULTIPLIED, TILE, multiplied_bound, narrowest_bits, offset,  # noqa: F401
                      pack, pack_multipliers, unpack, value_range)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("dot8.cpp", "attend.cpp", "pointwise.cpp"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("dot8.cpp", "attend.cpp", "pointwise.cpp", "kv_store.cpp"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("exp.h", "dot8_tiles.h", "dot8_tiles56.h", "dot8_acts.h", "dot8_amx.h", "c_shim.h"))
 _loaded: bool | None = None
 _error: str | None = None

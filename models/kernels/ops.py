@@ -87,3 +87,17 @@ def rotary(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tenso
     (head_dim / 2,)."""
     cos, sin = torch.ops.dualserve.rotary(positions, inv_freq)
     return cos, sin
+
+
+def store_eligible(pool: torch.Tensor) -> bool:
+    """Whether a step's keys and values may go into ``pool`` by ``store_kv``: a CPU pool whose slot
+    rows are contiguous, and the kernels built."""
+    return (pool.device.type == "cpu" and pool.stride(-1) == 1 and pool.stride(-2) == pool.shape[-1]
+            and kernels.available())
+
+
+def store_kv(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """A step's new keys and values into the KV pool (``kv_store.cpp``): ``pool`` (2 L, slots, kv_heads,
+    head_dim) holds every layer's keys then every layer's values, ``k`` and ``v`` (L, tokens, kv_heads,
+    head_dim) in its dtype, stored at ``slots`` (tokens,)."""
+    torch.ops.dualserve.store_kv(pool, slots, k, v)

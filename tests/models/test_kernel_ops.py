@@ -71,3 +71,32 @@ def test_dot8_wrapper_is_the_op() -> None:
     assert torch.equal(layer(x), raw)
     assert torch.equal(ops.dot8_linear(x, layer.packed, layer.d, layer.m, layer.out_features, layer.bits,
                                        layer.digits, layer.s, layer.mn, layer.minimum), raw)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 16, 700])  # 700 tokens of 4 layers: past the serial bound, threaded
+def test_store_kv_writes_what_index_copy_writes(dtype: torch.dtype, tokens: int) -> None:
+    g = torch.Generator().manual_seed(tokens)
+    layers, slots, heads, dim = 4, 1024, 3, 64
+    base = torch.randn(2 * layers * slots * heads * dim, generator=g).to(dtype)
+    pool = torch.as_strided(base, (2 * layers, slots, heads, dim), (slots * heads * dim, heads * dim, dim, 1))
+    want = pool.clone()
+    k = torch.randn(layers, tokens, heads, dim, generator=g).to(dtype)
+    v = torch.randn(layers, tokens, heads, dim, generator=g).to(dtype)
+    at = torch.randperm(slots, generator=g)[:tokens]
+    want.index_copy_(1, at, torch.cat([k, v]))
+    assert ops.store_eligible(pool)
+    ops.store_kv(pool, at, k, v)
+    assert torch.equal(pool, want)
+
+
+@needs_kernels
+def test_store_kv_refuses_what_it_cannot_store() -> None:
+    pool = torch.zeros(4, 32, 3, 64, dtype=torch.bfloat16)
+    k = torch.zeros(2, 2, 3, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.store_kv(pool, torch.tensor([0, 32]), k, k)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.store_kv(pool, torch.tensor([0, 1]), k.float(), k.float())
+    assert not ops.store_eligible(pool.transpose(2, 3))  # a slot's values not contiguous

@@ -110,7 +110,10 @@ class KVCache:
         """Write new keys and values of every layer: ``k``, ``v`` are (layers, tokens, kv_heads,
         head_dim), stored at ``slot_mapping`` (tokens,)."""
         if self.stacked is not None:
-            self.stacked.index_copy_(1, slot_mapping, torch.cat([k, v]).to(self.dtype))
+            if kernel_ops.store_eligible(self.stacked):  # one pass, no concatenated temporary
+                kernel_ops.store_kv(self.stacked, slot_mapping, k.to(self.dtype), v.to(self.dtype))
+            else:
+                self.stacked.index_copy_(1, slot_mapping, torch.cat([k, v]).to(self.dtype))
             return
         for layer in range(len(self.k)):
             kc, vc = self.flat(layer)

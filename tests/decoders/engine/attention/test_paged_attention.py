@@ -22,6 +22,7 @@ from dualserve.decoders.engine.attention.paged_attention import (AttentionMetada
 from dualserve.decoders.engine.runner import ForwardItem, ModelRunner
 from dualserve.models.attention import DenseAttention
 from dualserve.models.config import ModelConfig
+from dualserve.models.kernels import ops as kernel_ops
 from dualserve.models.transformer import Transformer
 
 HEADS, KV_HEADS, DIM, BS, NUM_BLOCKS = 4, 2, 16, 4, 64
@@ -186,3 +187,17 @@ def test_runner_owns_slot_moves_scratch_and_head_kv():
     meta = AttentionMetadata([SeqAttention(0, 2, [0])], torch.tensor([0, 1]), BS)
     assert isinstance(runner.attention(head, meta), SdpaPagedAttention)
 
+
+
+def test_store_gives_the_same_pool_with_and_without_the_kernel(monkeypatch):
+    """``KVCache.store`` writes through ``store_kv`` where the kernels are built and through
+    ``index_copy_`` elsewhere: the same pool either way, an fp32 step into a bf16 pool included."""
+    g = torch.Generator().manual_seed(5)
+    caches = [KVCache(3, 6, BS, 2, 16, torch.bfloat16, "cpu") for _ in range(2)]
+    slots = torch.tensor([3, 17, 8, 9, 22])  # 6 blocks of BS = 4 slots
+    k, v = torch.randn(2, 3, 5, 2, 16, generator=g)  # fp32, as an eager step hands them over
+    caches[0].store(slots, k, v)
+    monkeypatch.setattr(kernel_ops, "store_eligible", lambda pool: False)
+    caches[1].store(slots, k, v)
+    assert torch.equal(caches[0].stacked, caches[1].stacked)
+    assert torch.equal(caches[0].flat(2)[1][8], v[2, 2].bfloat16())
