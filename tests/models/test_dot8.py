@@ -84,6 +84,26 @@ def test_every_code_path_gives_the_same_bits(bits: int, dtype: torch.dtype, digi
     assert kernels.code_path() in ("avx512_vnni", "avx2", "scalar")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("digits", [1, 2])
+def test_quotients_near_a_half_round_as_a_division_rounds_them(dtype: torch.dtype, digits: int) -> None:
+    """Groups whose every value is within a few ulps of (m + 1/2) s, where a quotient computed any
+    other way than by a division (a multiply by the reciprocal: tried, and slower) would round to
+    the other integer: every path's quantizer gives the bits of the plain C one."""
+    g = torch.Generator().manual_seed(7)
+    rows, width = 16, 512
+    s = torch.rand(rows, width // 32, 1, generator=g) * 0.1 + 1e-3
+    m = torch.randint(-126, 126, (rows, width // 32, 32), generator=g).float() + 0.5
+    x = m * s * (1 + torch.randint(-4, 5, m.shape, generator=g).float() * 2.0 ** -24)
+    x[..., 0] = 127 * s[..., 0]  # the group's largest value: its scale is s, give or take an ulp
+    x = x.reshape(rows, width).to(dtype).contiguous()
+    layer = Dot8Linear.from_float(torch.randn(40, width) * 0.05, bits=4)
+    args = (layer.packed, layer.d, layer.m, 40, 4)
+    want = torch.ops.dualserve.dot8_linear(x, *args, 1, digits)
+    for force in (0, 2, 3):
+        assert torch.equal(torch.ops.dualserve.dot8_linear(x, *args, force, digits), want), force
+
+
 @pytest.mark.parametrize("digits", [1, 2])
 @pytest.mark.parametrize("shape", [(32, 1536), (3072, 32), (49, 576)])
 def test_rows_are_the_same_bits_in_any_batch_and_thread_count(shape, digits: int) -> None:
