@@ -151,11 +151,9 @@ class ModelRunner:
     def metadata(self, items: Sequence[ForwardItem]) -> AttentionMetadata:
         seqs = [SeqAttention(it.context_len, len(it.token_ids), it.block_table, it.mask, it.context_slots)
                 for it in items]
-        if all(it.slots is not None and not isinstance(it.slots, torch.Tensor) for it in items):
-            return AttentionMetadata(seqs, self._flat([it.slots for it in items]), self.block_size)
-        slots = [self.scratch_slots(len(it.token_ids)) if it.slots is None else self._as_tensor(it.slots)
-                 for it in items]
-        return AttentionMetadata(seqs, torch.cat(slots), self.block_size)
+        slots = self._joined([self.scratch_slots(len(it.token_ids)) if it.slots is None else it.slots
+                              for it in items])
+        return AttentionMetadata(seqs, slots, self.block_size)
 
     @torch.inference_mode()
     def forward(self, items: Sequence[ForwardItem], aux_layers: Sequence[int] = (),
@@ -175,14 +173,11 @@ class ModelRunner:
             self.metadata(items)
 
     def _joined(self, parts: list) -> torch.Tensor:
-        """The items' sequences (lists, ranges or tensors) end to end as one long tensor."""
+        """The items' sequences (lists, ranges or tensors) end to end as one long tensor; plain ones
+        made into it at once (a step of 16 decodes made 48 small tensors and 3 concatenations
+        otherwise, about 0.4 ms)."""
         if any(isinstance(p, torch.Tensor) for p in parts):
             return torch.cat([self._as_tensor(p) for p in parts])
-        return self._flat(parts)
-
-    def _flat(self, parts: list) -> torch.Tensor:
-        """Plain sequences end to end as one long tensor, made once (a step of 16 decodes made 48
-        small tensors and 3 concatenations otherwise, about 0.4 ms)."""
         return torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long, device=self.device)
 
     @torch.inference_mode()

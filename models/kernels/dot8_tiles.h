@@ -86,7 +86,6 @@ inline int32_t stored_value(const uint8_t* qg, int c, int k) {
 // Two digits' integers as one: the first digit counts 16 of the second (dot8_acts.h).
 inline int32_t fuse(int32_t first, int32_t second) { return 16 * first + second; }
 
-
 // A group's inputs 0..15 come before 16..31 (chunks j < 2 for int4 / 5 / 6 bits, j < 4 for int8),
 // so each half's integer sum is ready halfway. The group's value is
 //   v = d * float(s_lo dot_lo + s_hi dot_hi) + m * (mn * float(asum))

@@ -188,7 +188,6 @@ def test_runner_owns_slot_moves_scratch_and_head_kv():
     assert isinstance(runner.attention(head, meta), SdpaPagedAttention)
 
 
-
 def test_store_gives_the_same_pool_with_and_without_the_kernel(monkeypatch):
     """``KVCache.store`` writes through ``store_kv`` where the kernels are built and through
     ``index_copy_`` elsewhere: the same pool either way, an fp32 step into a bf16 pool included."""
