@@ -44,13 +44,15 @@ start decides and records its decision (``<cache>/host/format-choices.json``, by
 checkpoint format, with the host key it was made under), and every later start on the same host
 key serves the recorded one without deciding again. The first decision comes from:
 
-- the CPU, where the dot8 kernel multiplies in integer dot-product instructions
-  (``INTEGER_DOT_PATHS``): ``w4a16``, measured or not;
+- the CPU, where the dot8 kernel runs a vector path (``W4A16_PATHS``: AVX512-VNNI or AVX2):
+  ``w4a16``, measured or not;
 - else a quiet table: the fastest faithful format (``choose``);
 - else (a busy table) the checkpoint's own format, exact to the file.
 
 A changed host key (another thread count, torch, or build of the project's kernels) decides
-again, and the change, or that the format stayed, is logged with the key's parts that changed;
+again, and the change, or that the format stayed, is logged with the key's parts that changed; so
+does a record that a table decided where the CPU now decides (an AVX2 host's record from before
+AVX2 joined ``W4A16_PATHS``);
 ``--quantization`` given explicitly is logged where it differs from the recorded choice. The
 table itself still serves the costs the router and the draft budget are fitted to: it is
 measured until a quiet one is cached.
@@ -88,13 +90,14 @@ ROUNDS = 5          # timing rounds; each cell keeps its fastest
 QUIET_CORES = 0.25  # other processes' average use (cores) up to which a table is trusted and cached
 TABLE_VERSION = 4   # cache entries of another version are measured again
 CHOICES_FILE = "format-choices.json"  # the recorded decisions, beside the tables' formats.json
-# The dot8 code paths that multiply in integer dot-product instructions: AVX512-VNNI's vpdpbusd, with
-# AMX tiles joining it from a few rows (models/kernels/dot8.cpp: pick_path, pick_amx_from). There
-# w4a16 is the fastest faithful format: on an AVX512-VNNI host without AMX
-# the default model read int4 4.2 ms and w4a8 2.2 ms for one token (docs/formats.md), and w4a16
-# costs w4a8 plus 5% (docs/kernels.md, the 1B probe). The AVX2 path (maddubs pairs; dot8 has no
-# AVX-VNNI path) and plain C are measured instead.
-INTEGER_DOT_PATHS = ("avx512_vnni",)
+# The dot8 code paths on which w4a16 is the fastest faithful format, so the CPU decides it without a
+# table: AVX512-VNNI's vpdpbusd (AMX tiles joining it from a few rows) and AVX2's maddubs pairs
+# (models/kernels/dot8.cpp: pick_path, pick_amx_from). On an AVX512-VNNI host without AMX the
+# default model read int4 4.2 ms and w4a8 2.2 ms for one token (docs/formats.md), and w4a16 costs
+# w4a8 plus 5% (docs/kernels.md, the 1B probe); on a 2-core AVX2 host (AMD EPYC, Zen 3) w4a16 read
+# 1.6x faster than int4 at one token and at eight, quiet or busy (docs/formats.md). Plain C is
+# measured instead.
+W4A16_PATHS = ("avx512_vnni", "avx2")
 
 
 @dataclass(frozen=True)
@@ -261,7 +264,7 @@ def kernel_path() -> str:
 # How a recorded decision was made: the CPU's dot8 path, a quiet table, or the checkpoint's own
 # format because the only table was measured beside busy processes.
 Basis = Literal["cpu", "measured", "checkpoint"]
-BASIS_TEXT: dict[str, str] = {"cpu": "the CPU's integer dot-product kernel path",
+BASIS_TEXT: dict[str, str] = {"cpu": "the CPU's dot8 kernel path",
                               "measured": "a quiet measurement", "checkpoint": "the checkpoint's own format "
                               "(measured while the host was busy)"}
 
@@ -292,41 +295,49 @@ class HostProbe:
 @dataclass(frozen=True)
 class Decision:
     """What ``decide`` returns: the choice served, whether it was read from the record, the one
-    recorded under another host key before (a change to log), and the cost table."""
+    recorded before that this decision replaced and why (a change to log), and the cost table."""
 
     choice: FormatChoice
     recorded: bool                 # read from the record, nothing decided this start
-    previous: FormatChoice | None  # the record this decision replaced (another host key)
+    previous: FormatChoice | None  # the record this decision replaced
     table: FormatTable
+    why: str = ""                  # why ``previous`` was decided again
 
 
 def decide(config: ModelConfig, stored: Quantization, cache_dir: Path | None,
            probe: HostProbe = HostProbe()) -> Decision:
     """``auto``'s format for this model on this host: the recorded decision for this shape and
-    checkpoint format if it was made under this host key, else decided now (``decide_now``) and
+    checkpoint format if it was made under this host key (unless a table made it where this CPU's
+    dot8 path now decides by itself: ``W4A16_PATHS`` grew), else decided now (``decide_now``) and
     recorded (module docstring). The cost table is ``cached_measure``'s either way."""
     host = probe.key()
     table = cached_measure(config, cache_dir, probe.measure, host)
     book, entry = _book(cache_dir), _entry(config, stored)
     previous = _read_choice(book, entry)
-    if previous is not None and previous.host == host:
+    if previous is not None and previous.host == host and previous.basis == "cpu":
+        return Decision(previous, True, None, table)  # the CPU decided: nothing to look at again
+    dot8_path = probe.dot8_path()
+    if previous is not None and previous.host == host and dot8_path not in W4A16_PATHS:
         return Decision(previous, True, None, table)
-    choice = decide_now(table, stored, probe.dot8_path(), host)
+    why = "" if previous is None else (
+        f"this host's key changed ({key_change(previous.host, host)})" if previous.host != host else
+        f"this CPU's dot8 path ({dot8_path}) now decides it, where {BASIS_TEXT[previous.basis]} did")
+    choice = decide_now(table, stored, dot8_path, host)
     if book is not None:
         known = _read_json(book)
         raced = FormatChoice(**known[entry]) if entry in known else None
-        if raced is not None and raced.host == host:  # a start beside this one decided first: one format
+        if raced is not None and raced.host == host and raced != previous:  # a start beside this one decided first
             return Decision(raced, True, None, table)
         known[entry] = asdict(choice)
         _write_json(book, known)
-    return Decision(choice, False, previous, table)
+    return Decision(choice, False, previous, table, why)
 
 
 def decide_now(table: FormatTable, stored: Quantization, dot8_path: str, host: str) -> FormatChoice:
-    """A first decision: ``w4a16`` where dot8 runs an integer dot-product path (whatever the table
-    says, and however busy the host was), else ``choose`` on the table: the fastest faithful
-    format of a quiet table, the checkpoint's own of a busy one."""
-    if dot8_path in INTEGER_DOT_PATHS:
+    """A first decision: ``w4a16`` where dot8 runs a vector path (whatever the table says, and
+    however busy the host was), else ``choose`` on the table: the fastest faithful format of a
+    quiet table, the checkpoint's own of a busy one."""
+    if dot8_path in W4A16_PATHS:
         return FormatChoice("w4a16", "cpu", host)
     _, candidate = choose(table, stored)
     return FormatChoice(candidate, "measured" if table.quiet else "checkpoint", host)

@@ -142,8 +142,9 @@ def core_config(source: Path) -> dict | None:
 
 def log_decision(decision, where: Path) -> None:
     """The start-up lines of ``auto``'s format: the cost table, the format and how it was reached
-    (recorded, decided now, or decided again under a changed host key, saying what changed)."""
-    from dualserve.models.formats import BASIS_TEXT, key_change
+    (recorded, decided now, or decided again, saying why: a changed host key's parts, or a CPU
+    that now decides)."""
+    from dualserve.models.formats import BASIS_TEXT
 
     log = logging.getLogger("dualserve")
     table, choice, previous = decision.table, decision.choice, decision.previous
@@ -159,11 +160,10 @@ def log_decision(decision, where: Path) -> None:
         log.info("weight format %s, from %s: recorded in %s, and kept by later starts", choice.candidate, how,
                  where / "format-choices.json")
     elif previous.candidate != choice.candidate:
-        log.warning("weight format changed from %s to %s (from %s): this host's key changed (%s)",
-                    previous.candidate, choice.candidate, how, key_change(previous.host, choice.host))
+        log.warning("weight format changed from %s to %s (from %s): %s",
+                    previous.candidate, choice.candidate, how, decision.why)
     else:
-        log.info("weight format %s kept: this host's key changed (%s) and %s chose it again", choice.candidate,
-                 key_change(previous.host, choice.host), how)
+        log.info("weight format %s kept: %s and %s chose it again", choice.candidate, decision.why, how)
 
 
 def note_explicit(quantization: str, path: Path, cache: Path, probe) -> None:

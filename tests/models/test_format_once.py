@@ -68,8 +68,9 @@ def start(model_dir: Path, cache: Path, host: Host, *flags: str):
     return pick_format(spec, model_dir, cache, torch.float32, host.probe())
 
 
-def test_a_cpu_with_an_integer_dot_path_serves_w4a16_even_when_busy(model_dir, tmp_path):
-    host = Host("avx512_vnni", [BUSY])
+@pytest.mark.parametrize("dot8", ["avx512_vnni", "avx2"])
+def test_a_cpu_with_a_vector_dot8_path_serves_w4a16_even_when_busy(model_dir, tmp_path, dot8):
+    host = Host(dot8, [BUSY])
     quantization, dtype, served_table = start(model_dir, tmp_path, host)
     assert (quantization, dtype, served_table) == ("w4a16", torch.float32, BUSY)
     assert formats.recorded_choice(formats_config(model_dir), "none", tmp_path / "host", lambda: host.key) == \
@@ -77,28 +78,30 @@ def test_a_cpu_with_an_integer_dot_path_serves_w4a16_even_when_busy(model_dir, t
 
 
 def test_a_cpu_without_one_serves_the_quiet_measurement_s_choice(model_dir, tmp_path):
-    host = Host("avx2", [QUIET])
+    host = Host("scalar", [QUIET])
     assert start(model_dir, tmp_path, host)[0] == "int4"
     assert recorded(model_dir, tmp_path, host).basis == "measured"
 
 
 def test_a_busy_measurement_without_one_serves_the_checkpoint_s_own_format(model_dir, tmp_path):
-    host = Host("avx2", [BUSY])
+    host = Host("scalar", [BUSY])
     assert start(model_dir, tmp_path, host)[:2] == ("none", torch.float32)  # the float checkpoint: fp32
     assert recorded(model_dir, tmp_path, host) == formats.FormatChoice("fp32", "checkpoint", host.key)
 
 
-@pytest.mark.parametrize("dot8", ["avx512_vnni", "avx2"])
+@pytest.mark.parametrize("dot8", ["avx512_vnni", "avx2", "scalar"])
 def test_a_busy_first_start_and_a_quiet_second_one_serve_the_same_format(model_dir, tmp_path, dot8, caplog):
-    """The second start reads the record: it neither looks at the CPU nor decides, and the model it
-    loads has the same compiled-graph package keys as the first start's."""
+    """The second start reads the record and decides nothing, and the model it loads has the same
+    compiled-graph package keys as the first start's."""
     host = Host(dot8, [BUSY, QUIET])
     first = start(model_dir, tmp_path, host)[0]
     assert host.asked_cpu == 1
     with caplog.at_level(logging.INFO, logger="dualserve"):
         second = start(model_dir, tmp_path, host)[0]
-    assert second == first == ("w4a16" if dot8 == "avx512_vnni" else "none")
-    assert host.asked_cpu == 1 and host.measured == 2  # the quiet table is measured for costs, not to decide
+    assert second == first == ("none" if dot8 == "scalar" else "w4a16")
+    # The quiet table is measured for costs, not to decide. A table's record asks the CPU again
+    # whether its path decides by itself now (``formats.W4A16_PATHS``); the CPU's record does not.
+    assert host.asked_cpu == (2 if dot8 == "scalar" else 1) and host.measured == 2
     assert "this host's recorded choice" in caplog.text
     # The quiet table is cached now: a third start measures nothing at all.
     assert start(model_dir, tmp_path, host)[0] == first and host.measured == 2
@@ -109,12 +112,29 @@ def test_a_busy_first_start_and_a_quiet_second_one_serve_the_same_format(model_d
 
 
 def test_a_changed_host_key_decides_again_and_says_what_changed(model_dir, tmp_path, caplog):
-    host = Host("avx2", [BUSY])
+    host = Host("scalar", [BUSY])
     assert start(model_dir, tmp_path, host)[0] == "none"
     host.key, host.dot8, host.tables = "avx512-amx0-bf160-t2-torchX-kernelsB", "avx512_vnni", [QUIET]
     with caplog.at_level(logging.INFO, logger="dualserve"):
         assert start(model_dir, tmp_path, host)[0] == "w4a16"
     assert "weight format changed from fp32 to w4a16" in caplog.text and "kernelsA -> kernelsB" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dualserve"):
+        assert start(model_dir, tmp_path, host)[0] == "w4a16"
+    assert "changed" not in caplog.text and "recorded choice" in caplog.text
+
+
+def test_a_table_s_record_on_a_cpu_that_now_decides_is_decided_again_once(model_dir, tmp_path, caplog):
+    """An AVX2 host recorded the checkpoint's format from a busy table before AVX2's path decided
+    by the CPU: its next start serves w4a16 under the same host key, says why, and records it."""
+    host = Host("scalar", [BUSY])
+    assert start(model_dir, tmp_path, host)[0] == "none"
+    host.dot8, host.tables = "avx2", [QUIET]  # the same key: only the rule differs
+    with caplog.at_level(logging.INFO, logger="dualserve"):
+        assert start(model_dir, tmp_path, host)[0] == "w4a16"
+    assert "weight format changed from fp32 to w4a16" in caplog.text
+    assert "dot8 path (avx2) now decides it" in caplog.text
+    assert recorded(model_dir, tmp_path, host) == formats.FormatChoice("w4a16", "cpu", host.key)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="dualserve"):
         assert start(model_dir, tmp_path, host)[0] == "w4a16"
@@ -134,7 +154,7 @@ def test_a_start_beside_another_that_decided_first_serves_its_format(model_dir, 
     """Two first starts at once: the one that records second adopts the first one's decision."""
     import json
 
-    host = Host("avx2", [QUIET])
+    host = Host("scalar", [QUIET])
     probe = host.probe()
     book = tmp_path / "host" / formats.CHOICES_FILE
 
@@ -142,7 +162,7 @@ def test_a_start_beside_another_that_decided_first_serves_its_format(model_dir, 
         book.parent.mkdir(parents=True, exist_ok=True)
         book.write_text(json.dumps({f"{formats.shape_key(formats_config(model_dir))}|none":
                                     {"candidate": "fp32", "basis": "checkpoint", "host": host.key}}))
-        return "avx2"
+        return "scalar"
 
     probe = HostProbe(dot8_path=other_start_decides, measure=probe.measure, key=probe.key)
     spec = model_settings(["--model", str(model_dir), "--device", "cpu", "--cache-dir", str(tmp_path)]).model
