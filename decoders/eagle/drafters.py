@@ -172,7 +172,7 @@ class HeadSource(ModelSource):
         thread, after the target's graphs); it drafts eagerly until then."""
         compiled = self.runner.compiled
         if compiled is not None:
-            self.graph.request(compiled.package_dir, compiled.worker, compiled.cache_dir)
+            self.graph.request(compiled.package_dir, compiled.worker)
 
     @property
     def max_depth(self) -> int:

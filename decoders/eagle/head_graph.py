@@ -124,7 +124,7 @@ class HeadGraph:
 
     # ---- the package -----------------------------------------------------------------------
 
-    def request(self, package_dir, worker, inductor_cache=None) -> None:
+    def request(self, package_dir, worker) -> None:
         """Load or build the package: on ``worker``'s thread (eager until it is ready), or here."""
         if self._asked:  # asked every catch-up: no lock once it has been
             return
@@ -132,13 +132,13 @@ class HeadGraph:
             if self._asked or not aoti.available(self.device) or cuda_shaped.active():  # CUDA drafts eagerly
                 return
             self._asked = True
-        job = lambda: self._package(package_dir, inductor_cache, worker)  # noqa: E731
+        job = lambda: self._package(package_dir, worker)  # noqa: E731
         if worker is None:
             job()
         else:
             worker.submit(job, name="eagle head")
 
-    def _package(self, package_dir, inductor_cache, worker) -> None:
+    def _package(self, package_dir, worker) -> None:
         start = time.perf_counter()
         where = "" if worker is None else " (graph {} of {})".format(*worker.position())
         module = self.module
@@ -149,7 +149,7 @@ class HeadGraph:
             # A draft only proposes, so the package need not be the eager module's bits (module docstring).
             graph, how = aoti.load_or_build(
                 module, package_dir / f"head-{digest}.pt2", self._inputs, dynamic_dims(), PACKAGE_INDUCTOR,
-                example=4, checks=(3, 5), tolerance=0.2, inductor_cache=inductor_cache,
+                example=4, checks=(3, 5), tolerance=0.2,
                 announce=lambda: log.info("building the EAGLE head's forward%s in a child process: once per host "
                                           "and head; it drafts eagerly until it is ready", where),
                 progress=lambda s: log.info("building the EAGLE head's forward%s: %.0f s so far", where, s))

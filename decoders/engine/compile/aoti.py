@@ -136,7 +136,7 @@ def traced_sources(module: torch.nn.Module, *extra: object) -> list[object]:
 
 def load_or_build(module: torch.nn.Module, path: Path, inputs: Callable[[int], tuple[torch.Tensor, ...]],
                   dynamic: tuple[dict[int, object], ...], inductor: dict[str, object], *, example: int,
-                  checks: Sequence[int], tolerance: float, inductor_cache: Path | None = None,
+                  checks: Sequence[int], tolerance: float,
                   announce: Callable[[], None] = lambda: None,
                   progress: Callable[[float], None] | None = None) -> tuple[PackagedGraph, str]:
     """``module``'s package at ``path``, loaded, or built there first (``build`` on ``inputs(example)``,
@@ -146,7 +146,7 @@ def load_or_build(module: torch.nn.Module, path: Path, inputs: Callable[[int], t
     graph, how = _stored(path, module), "loaded"
     if graph is None:
         announce()
-        build(module, inputs(example), dynamic, path, inductor, inductor_cache=inductor_cache, progress=progress)
+        build(module, inputs(example), dynamic, path, inductor, progress=progress)
         mark_used(path)
         graph, how = PackagedGraph(path, module), "built"
     with torch.inference_mode():

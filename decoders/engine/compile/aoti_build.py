@@ -12,8 +12,8 @@ step's own, so a package holds code only (a few MB) and every call passes the li
 nothing is copied, and the one copy in memory stays the one in the model.
 
 **No temporaries outlive their build.** Each build works in a directory of its own next to the
-packages (``.build-<pid>-*``: the saved job, 130 MB on the default model, and the package being
-written). The child deletes the job once it has read it; the parent removes the directory when
+packages (``.build-<pid>-*``: the saved job, 130 MB on the default model, inductor's generated code,
+and the package being written). The child deletes the job once it has read it; the parent removes the directory when
 the build ends, fails, or its process exits (``atexit``, which also ends the child). A server
 killed outright runs no cleanup: its child notices its parent is gone, removes the directory and
 exits, and the next start in that cache removes whatever a dead process left (``sweep``). While
@@ -26,6 +26,15 @@ child starts in a session and process group of its own, and its build is ended a
 parent kills the group when a build is ended (``end_builds``: the compile worker's ``stop`` and
 ``atexit``), and a child whose parent died kills its own group: on Linux the kernel tells it at
 once (``prctl(PR_SET_PDEATHSIG)``, SIGTERM), elsewhere its watch on ``getppid`` notices.
+
+**Builds share no files.** Inductor names a package's generated code by a hash that two graphs of
+one model can share (the rows and the chunks forward of the default model wrote the same wrapper
+and kernel names into one directory), and a first start builds two graphs at once. In one
+inductor cache the second build rewrote the first's files while the first packaged them: its
+package did not load (an empty JSON file inside), and its shape stayed eager for the server's
+life (the rows forward: `ar` at 26 tok/s where its graph decodes at 60), and on the next start
+too until that start built it again. So each child's ``TORCHINDUCTOR_CACHE_DIR`` is a directory
+of its build's own, removed with it.
 
 **A build yields to serving.** The child and every compiler it starts run at the lowest priority
 (``SCHED_IDLE`` on Linux, and nice 19): the engine's thread never waits for a build's process.
@@ -89,14 +98,12 @@ class BuildCancelled(RuntimeError):
 
 
 def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: tuple[dict[int, object], ...],
-          path: Path, inductor: dict[str, object], inductor_cache: Path | None = None,
-          progress: Callable[[float], None] | None = None) -> None:
+          path: Path, inductor: dict[str, object], progress: Callable[[float], None] | None = None) -> None:
     """Build ``module``'s package at ``path`` in a child process (the module docstring): exported on
     ``example`` with ``dynamic`` dims (sizes of one included, ``size_oblivious``) and its weights as
     inputs, then compiled. Written in the build's own directory and renamed, so a reader never sees
     half a file; raises with the child's last words if it fails.
 
-    ``inductor_cache``: the child's inductor cache, unless the environment names one;
     ``progress``: called with the seconds elapsed every ``PROGRESS_SECONDS`` while the child runs."""
     path.parent.mkdir(parents=True, exist_ok=True)
     sweep(path.parent)
@@ -109,9 +116,9 @@ def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: t
         torch.save({"module": module, "example": [_shape_only(t) for t in example], "dynamic": dynamic,
                     "inductor": dict(inductor)}, job)
         # The child unpickles the module's classes, so it imports what this process can.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        if inductor_cache is not None:
-            env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
+        # Inductor's files in the build's own directory (module docstring: builds share no files).
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+               "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}
         # A session of its own: the child leads a process group that its compilers join (module docstring).
         child = subprocess.Popen([sys.executable, "-m", __name__, str(job), str(tmp), str(os.getpid())],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

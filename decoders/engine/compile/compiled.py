@@ -52,8 +52,7 @@ class CompiledStep:
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, scratch: Callable[[int], torch.Tensor],
                  cache_dir: Path | None = None, worker: CompileWorker | None = None, attend_kernel: bool = True):
-        """``cache_dir``: the compile cache (packages under its ``aoti/``, and a build child's inductor
-        cache unless TORCHINDUCTOR_CACHE_DIR names one; the command line sets that once at start-up);
+        """``cache_dir``: the compile cache (packages under its ``aoti/``);
         ``worker``: compile in the background on it (eager until ready), None: compile on first use;
         ``attend_kernel``: see ``step_graph``'s note on the attention kernel."""
         self.model = model
@@ -227,7 +226,7 @@ class CompiledStep:
         tolerance = 0.0 if bit_exact(self.model, self.attend_kernel) else 0.2
         return aoti.load_or_build(
             module, path, lambda n: self._inputs(shape, n), shape.dynamic_dims(), PACKAGE_INDUCTOR, example=5,
-            checks=(3, 6), tolerance=tolerance, inductor_cache=self.cache_dir,
+            checks=(3, 6), tolerance=tolerance,
             announce=lambda: log.info("building the %s forward%s in a child process: once per host and model, "
                                       "minutes on a small CPU; its steps run eagerly until it is ready",
                                       shape.name, where),

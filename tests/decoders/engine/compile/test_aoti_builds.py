@@ -167,3 +167,34 @@ def test_a_stored_package_that_loads_but_does_not_match_is_kept_and_not_rebuilt(
             aoti.load_or_build(other, path, lambda n: (torch.randn(n, 8),), dims, {}, example=3, checks=(2,),
                                tolerance=1e-5, announce=lambda: pytest.fail("built again"))
         assert path.exists()
+
+
+def test_two_builds_at_once_share_no_files(tmp_path, monkeypatch):
+    """A first start builds two graphs at once, whose generated code inductor may name alike: each
+    child writes it in its build's own directory, never in the process's inductor cache, so both
+    packages load and each matches its own module."""
+    import threading
+
+    shared = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared))
+    torch.manual_seed(0)
+    modules = {"rows": _TwoLayers().eval(), "chunks": _TwoLayersTanh().eval()}
+    dims = ({0: torch.export.Dim.AUTO},)
+    results, errors = {}, []
+
+    def build(name: str) -> None:
+        try:
+            results[name] = aoti.load_or_build(modules[name], tmp_path / f"{name}.pt2", lambda n: (torch.randn(n, 8),),
+                                               dims, {}, example=3, checks=(2, 5), tolerance=1e-5)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=build, args=(name,)) for name in modules]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert {name: how for name, (_, how) in results.items()} == {"rows": "built", "chunks": "built"}
+    assert not shared.exists() or not any(shared.iterdir())
+    assert not list(tmp_path.glob(".build-*"))  # each build's directory went with it
