@@ -182,10 +182,13 @@ Weights checked_weights(const at::Tensor& q, const at::Tensor& d, const at::Tens
 }
 
 // Tile t of y = the M quantized rows times w on the vector path, in blocks of the path's rows.
-// AVX-512 folds int4's two digits into one accumulator a token (tile_avx512_folded): 16 rows a block.
+// AVX-512 folds int4's two digits into one accumulator a token (tile_avx512_folded): 16 rows a block;
+// AVX2 unpacks an int4 group once for 16 rows (tile_avx2_int4).
 inline void vector_tile(const Path& p, TileFn fn, const Weights& w, int64_t t, const Acts& acts, int64_t M,
                         int64_t n, float* y) {
-  const int64_t block = acts.fused && w.bits == 4 && p.quantizer == Quantizer::AVX512 ? 2 * p.rows : p.rows;
+  const int64_t block = w.bits != 4 ? p.rows
+                       : p.quantizer == Quantizer::AVX512 ? (acts.fused ? 2 * p.rows : p.rows)
+                       : p.quantizer == Quantizer::AVX2 ? AVX2_INT4_ROWS : p.rows;
   const int valid = int(std::min<int64_t>(TILE, n - t * TILE));
   for (int64_t r0 = 0; r0 < M; r0 += block) {
     const int rows = int(std::min<int64_t>(block, M - r0));

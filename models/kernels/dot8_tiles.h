@@ -452,18 +452,96 @@ void tile_avx512_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, 
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, y[r]);
 }
 
-// ---- AVX2, int4 and int8: each tile as two halves of 8 channels ----
+// ---- AVX2: each tile as two halves of 8 channels ----
 
-// Rows per register block: 6 rows' int16 and float accumulators take 12 of the 16 registers
-// (over the model's GEMMs, 6-row blocks ran 3-6% faster than 4-row ones at 4 to 12 rows).
-constexpr int AVX2_ROWS = 6;
+// int4: one group of a half tile is unpacked once into its 8 nibble vectors (4 values of one
+// channel a lane), which stay in registers while every row of the block takes its dots from them:
+// 8 maddubs a row and digit, whose pairs add up in int16 (|u * a| <= 15 * 127, so a pair is at
+// most 3810 and the group's sum at most 30480) and widen once. The rows' float sums wait between
+// groups in a buffer in L1 rather than in registers: a block of 6 rows held in registers spilled
+// every product to the stack (16 vector registers), and ran at a third of maddubs' rate.
+constexpr int AVX2_INT4_ROWS = 16;  // quantized rows per block (8 tokens of two digits)
 
-template <int R, int BITS, bool MIN, int MULT>
+// Exact integer dots of one quantized row's group with the 8 channels of the unpacked nibbles:
+// all 32 inputs into dot, or with multipliers per half (MULT 2) inputs 0..15 into lo and 16..31
+// into dot. Nibble vector 2j holds inputs 8j..8j+3, 2j + 1 inputs 8j+4..8j+7.
+template <int MULT>
+__attribute__((target("avx2,fma,f16c"), always_inline))
+inline void group_dots_avx2(const __m256i* nib, const int8_t* a, __m256i& dot, __m256i& lo) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i p[8];
+  for (int i = 0; i < 8; ++i) p[i] = _mm256_maddubs_epi16(nib[i], _mm256_set1_epi32(load4(a + 4 * i)));
+  const __m256i first = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+  const __m256i second = _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7]));
+  if constexpr (MULT == 2) {
+    lo = _mm256_madd_epi16(first, ones);
+    dot = _mm256_madd_epi16(second, ones);
+  } else {
+    dot = _mm256_madd_epi16(_mm256_add_epi16(first, second), ones);
+  }
+}
+
+template <bool MIN, int MULT, bool FUSED>
 __attribute__((target("avx2,fma,f16c")))
-void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, float* out, int64_t ldo, int valid) {
-  constexpr int CH = BITS;
+void tile_avx2_int4(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
+                    int valid) {
+  constexpr int OFF = offset_of(4, MIN);
+  constexpr int STEP = FUSED ? 2 : 1;  // quantized rows per output row
   const uint8_t* q = w.tile(t);
   const __m256i low = _mm256_set1_epi8(0x0F);
+  const int outs = rows / STEP;
+  alignas(32) float ybuf[AVX2_INT4_ROWS][8];
+  for (int half = 0; half < 2; ++half) {
+    for (int o = 0; o < outs; ++o) _mm256_store_ps(ybuf[o], _mm256_setzero_ps());
+    for (int64_t g = 0; g < w.G; ++g) {
+      const uint8_t* qg = q + g * 4 * 64 + half * 32;
+      if (rows >= 2 && half == 0)  // as in tile_avx512_rows (measured with 2 rows or more on AVX2)
+        for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
+      __m256i nib[8];
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + j * 64));
+        nib[2 * j] = _mm256_and_si256(v, low);
+        nib[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      const Scales256 p = scales256<MIN, MULT>(w, t, g, half * 8);
+      const int64_t k0 = g * GROUP;
+      for (int o = 0; o < outs; ++o) {
+        const int64_t r = r0 + o * STEP;
+        __m256i dot, lo = _mm256_setzero_si256();
+        group_dots_avx2<MULT>(nib, x.a + r * x.K + k0, dot, lo);
+        int64_t rg = r * x.G + g;
+        if constexpr (OFF != 0) {  // Q4_0: u = q + 8
+          if constexpr (MULT == 2) lo = minus_offset<OFF>(lo, x.half, rg * 2);
+          dot = MULT == 2 ? minus_offset<OFF>(dot, x.half, rg * 2 + 1) : minus_offset<OFF>(dot, x.sum, rg);
+        }
+        if constexpr (FUSED) {  // the second digit's dots, then the two as one integer
+          __m256i dot1, lo1 = _mm256_setzero_si256();
+          group_dots_avx2<MULT>(nib, x.a + (r + 1) * x.K + k0, dot1, lo1);
+          rg += x.G;  // the second digit's row: its scale and sum are the fused integer's
+          if constexpr (OFF != 0) {
+            if constexpr (MULT == 2) lo1 = minus_offset<OFF>(lo1, x.half, rg * 2);
+            dot1 = MULT == 2 ? minus_offset<OFF>(dot1, x.half, rg * 2 + 1) : minus_offset<OFF>(dot1, x.sum, rg);
+          }
+          dot = fuse256(dot, dot1);
+          if constexpr (MULT == 2) lo = fuse256(lo, lo1);
+        }
+        const __m256 y = _mm256_load_ps(ybuf[o]);
+        _mm256_store_ps(ybuf[o], _mm256_fmadd_ps(_mm256_set1_ps(x.sx[rg]), value256<MIN, MULT>(p, dot, lo, x.fsum[rg]), y));
+      }
+    }
+    const int n = valid - half * 8;
+    for (int o = 0; o < outs && n > 0; ++o) std::memcpy(out + o * ldo + half * 8, ybuf[o], sizeof(float) * std::min(n, 8));
+  }
+}
+
+// int8: rows per register block: 6 rows' int32 and float accumulators take 12 of the 16 registers.
+constexpr int AVX2_ROWS = 6;
+
+template <int R, bool MIN, int MULT>
+__attribute__((target("avx2,fma,f16c")))
+void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, float* out, int64_t ldo, int valid) {
+  constexpr int CH = 8;
+  const uint8_t* q = w.tile(t);
   for (int half = 0; half < 2; ++half) {
     __m256 y[R];
     for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
@@ -475,62 +553,27 @@ void tile_avx2_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, floa
       const int64_t k0 = g * GROUP;
       if (R >= 2 && half == 0)  // as in tile_avx512_rows (measured with 2 rows or more on AVX2)
         for (int j = 0; j < CH; ++j) _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
-      if (BITS == 4) {
-        // A group's 8 pair sums per lane stay in int16: |u * a| <= 15 * 127, so a pair is at
-        // most 3810 and the group's sum at most 30480. One widening a group (a half group with
-        // multipliers) instead of one a pair: fewer instructions, the same integers.
-        __m256i acc16[R];
-        for (int r = 0; r < R; ++r) acc16[r] = _mm256_setzero_si256();
-        for (int j = 0; j < CH; ++j) {
-          if constexpr (MULT == 2) {
-            if (j == CH / 2) {
-              for (int r = 0; r < R; ++r) {
-                dlo[r] = _mm256_madd_epi16(acc16[r], _mm256_set1_epi16(1));
-                acc16[r] = _mm256_setzero_si256();
-              }
+      // A pair can reach 2 * 128 * 127, so each pair sum widens at once.
+      for (int j = 0; j < CH; ++j) {
+        if constexpr (MULT == 2) {
+          if (j == CH / 2) {
+            for (int r = 0; r < R; ++r) {
+              dlo[r] = acc[r];
+              acc[r] = _mm256_setzero_si256();
             }
           }
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + j * 64));
-          const __m256i lo4 = _mm256_and_si256(v, low);
-          const __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          for (int r = 0; r < R; ++r) {
-            const int8_t* a = x.a + (r0 + r) * x.K + k0 + 8 * j;
-            acc16[r] = _mm256_add_epi16(acc16[r], _mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load4(a))));
-            acc16[r] = _mm256_add_epi16(acc16[r], _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load4(a + 4))));
-          }
         }
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + j * 64));
+        const __m256i s = _mm256_xor_si256(v, _mm256_set1_epi8(char(0x80)));  // u - 128 = q, signed
+        const __m256i mag = _mm256_sign_epi8(s, s);
         for (int r = 0; r < R; ++r) {
-          acc[r] = _mm256_madd_epi16(acc16[r], _mm256_set1_epi16(1));
-          if constexpr (BITS == 4 && offset_of(BITS, MIN) != 0) {  // Q4_0: u = q + 8
-            constexpr int OFF = offset_of(BITS, MIN);
-            const int64_t rg = (r0 + r) * x.G + g;
-            if constexpr (MULT == 2) dlo[r] = minus_offset<OFF>(dlo[r], x.half, rg * 2);
-            acc[r] = MULT == 2 ? minus_offset<OFF>(acc[r], x.half, rg * 2 + 1) : minus_offset<OFF>(acc[r], x.sum, rg);
-          }
-        }
-      } else {
-        // int8: a pair can reach 2 * 128 * 127, so each pair sum widens at once.
-        for (int j = 0; j < CH; ++j) {
-          if constexpr (MULT == 2) {
-            if (j == CH / 2) {
-              for (int r = 0; r < R; ++r) {
-                dlo[r] = acc[r];
-                acc[r] = _mm256_setzero_si256();
-              }
-            }
-          }
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + j * 64));
-          const __m256i s = _mm256_xor_si256(v, _mm256_set1_epi8(char(0x80)));  // u - 128 = q, signed
-          const __m256i mag = _mm256_sign_epi8(s, s);
-          for (int r = 0; r < R; ++r) {
-            const int8_t* a = x.a + (r0 + r) * x.K + k0 + 4 * j;
-            const __m256i sa = _mm256_sign_epi8(_mm256_set1_epi32(load4(a)), s);
-            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, sa),
-                                                                _mm256_set1_epi16(1)));
-          }
+          const int8_t* a = x.a + (r0 + r) * x.K + k0 + 4 * j;
+          const __m256i sa = _mm256_sign_epi8(_mm256_set1_epi32(load4(a)), s);
+          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, sa),
+                                                              _mm256_set1_epi16(1)));
         }
       }
-      epilogue256<R, MIN, MULT>(y, acc, dlo, w, t, g, half * 8, x, r0);  // int8: acc is already sum q a
+      epilogue256<R, MIN, MULT>(y, acc, dlo, w, t, g, half * 8, x, r0);  // acc is already sum q a
     }
     store256<R>(y, x, out, ldo, valid - half * 8, half * 8);
   }

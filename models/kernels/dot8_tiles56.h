@@ -182,10 +182,14 @@ struct Avx2 {
   template <int R>
   static void rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, float* out, int64_t ldo, int valid) {
     if constexpr (BITS == 5 || BITS == 6) tile56_avx2_rows<R, BITS, MIN, MULT>(w, t, x, r0, out, ldo, valid);
-    else tile_avx2_rows<R, BITS, MIN, MULT>(w, t, x, r0, out, ldo, valid);
+    else if constexpr (BITS == 8) tile_avx2_rows<R, MIN, MULT>(w, t, x, r0, out, ldo, valid);
   }
   static void tile(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
                    int valid) {
+    if constexpr (BITS == 4) {  // any rows up to AVX2_INT4_ROWS, one unpacking a group for all
+      if (x.fused) return tile_avx2_int4<MIN, MULT, true>(w, t, x, r0, rows, out, ldo, valid);
+      return tile_avx2_int4<MIN, MULT, false>(w, t, x, r0, rows, out, ldo, valid);
+    }
     switch (rows) {
       case 1: return Avx2::rows<1>(w, t, x, r0, out, ldo, valid);
       case 2: return Avx2::rows<2>(w, t, x, r0, out, ldo, valid);
