@@ -14,11 +14,11 @@
 // Work is split by (sequence, kv head, chunk of rows): the keys and values of a task are shared by
 // all its rows and the group's query heads. AVX-512 reads them in place, widening a bf16 cache at
 // each load (half the bytes of a widened copy, which a task's rows would reread from L2); the
-// AVX2 and C paths widen them to fp32 once. On AVX-512 the
-// scores of sixteen keys are reduced together (a transpose network that makes the same
-// additions as one key's horizontal sum), a task's scores come first, for all its rows and heads,
-// so that a block of sixteen bf16 keys is widened once for all of them, and one load of a value
-// row feeds every head.
+// AVX2 and C paths widen them to fp32 once. On the vector paths the scores of sixteen (AVX2:
+// eight) keys are reduced together (a transpose network that makes the same additions as one
+// key's horizontal sum), and a task's scores come first, for all its rows and heads: on AVX-512 a
+// block of sixteen bf16 keys is widened once for all of them, and one load of a value row feeds
+// every head; on AVX2 a block of 64 keys, and then of their values, serves all of them from L1.
 
 #include <torch/library.h>
 #include "c_shim.h"  // the packages' direct calls, at the end
@@ -221,40 +221,165 @@ void head_scalar(const float* qrow, const float* const* keys, const float* const
 
 #ifdef ATTEND_X86
 // ---- AVX2 (hosts without AVX-512): the same operations, eight lanes at a time ----
+//
+// A task scores all its queries (rows x heads) one block of keys at a time, and adds the values of
+// one block of keys into every pending row's output before the next. A row and head at a time,
+// streaming all the task's keys and values each, a prompt chunk's 512 rows after 2.5k cached
+// tokens read 1.4 MB a row and head from L3, and attention ran at a twelfth of the FMA rate. Each
+// score and each output element is formed by head_scalar's operations in its order: the bits are
+// the same.
 
-// dot_scalar's sixteen lane sums as two registers (lanes 0-7, 8-15), then its halving tree.
+constexpr int64_t KEY_BLOCK = 64;  // keys (and values) a block: 16 KB of fp32 rows of 64, in L1
+
+// Eight keys' scores for one query, each formed exactly as dot_scalar forms it: its lane sums 0-7
+// (a) and 8-15 (b) over the head in chunks of 16, then l + 8, l + 4, l + 2, l + 1. Four keys'
+// sums run side by side (eight chains of FMAs, where one pair's four waited on each one's latency);
+// the last three steps run on pairs, then quadruples, of keys at once (the same additions, a few
+// shuffles per key instead of a horizontal sum each); the result holds key j in lane j. DC: the
+// head's chunks of 16, or 0 for a head size given at run time (d).
+template <int DC>
 __attribute__((target("avx2,fma")))
-inline float dot_avx2(const float* q, const float* k, int64_t d) {
-  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-  for (int64_t i = 0; i < d; i += LANES) {
-    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
-    b = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), b);
+inline __m256 scores8_avx2(const float* q, const float* const* keys, int64_t d) {
+  const int64_t dc = DC ? DC : d / LANES;
+  __m256 p[4];  // keys 2i and 2i + 1 after l + 4: [key 2i's four sums | key 2i + 1's]
+  for (int h = 0; h < 2; ++h) {  // keys 4h .. 4h + 3
+    __m256 a[4], b[4];
+    for (int k = 0; k < 4; ++k) a[k] = b[k] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < dc; ++c) {
+      const __m256 qa = _mm256_loadu_ps(q + c * LANES), qb = _mm256_loadu_ps(q + c * LANES + 8);
+      for (int k = 0; k < 4; ++k) {
+        a[k] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(keys[4 * h + k] + c * LANES), a[k]);
+        b[k] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(keys[4 * h + k] + c * LANES + 8), b[k]);
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      const __m256 h0 = _mm256_add_ps(a[2 * i], b[2 * i]), h1 = _mm256_add_ps(a[2 * i + 1], b[2 * i + 1]);  // l + (l + 8)
+      p[2 * h + i] = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+    }
   }
-  const __m256 h = _mm256_add_ps(a, b);
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
-  return _mm_cvtss_f32(x);
+  // l + 2, within each 128-bit half: [key 4i's two sums, key 4i + 2's | key 4i + 1's, key 4i + 3's]
+  __m256 s[2];
+  for (int i = 0; i < 2; ++i) {
+    const __m256d x = _mm256_castps_pd(p[2 * i]), y = _mm256_castps_pd(p[2 * i + 1]);
+    s[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  // l + 1: [keys 0, 2, 4, 6 | 1, 3, 5, 7], then key j to lane j
+  const __m256 f = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+// The scores of nq queries over a task's n keys (n a multiple of 16): all[r * n + j].
 __attribute__((target("avx2,fma")))
-void head_avx2(const float* qrow, const float* const* keys, const float* const* vals, int64_t d, const int32_t* vis,
-               int64_t nv,
-               float* scores, float sc, float* o) {
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < nv; ++j) {
-    scores[j] = dot_avx2(qrow, keys[vis[j]], d) * sc;
-    mx = std::fmax(mx, scores[j]);
+void scores_avx2(const float* const* qrows, int64_t nq, const float* const* keys, int64_t n, int64_t d, float sc,
+                 float* all) {
+  const __m256 vsc = _mm256_set1_ps(sc);
+  for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+    const int64_t j1 = std::min(n, j0 + KEY_BLOCK);
+    for (int64_t r = 0; r < nq; ++r)
+      for (int64_t j = j0; j < j1; j += 8) {
+        const __m256 s8 = d == 64 ? scores8_avx2<4>(qrows[r], keys + j, d)
+                        : d == 128 ? scores8_avx2<8>(qrows[r], keys + j, d) : scores8_avx2<0>(qrows[r], keys + j, d);
+        _mm256_storeu_ps(all + r * n + j, _mm256_mul_ps(s8, vsc));
+      }
   }
-  for (int64_t j = 0; j < nv; ++j) scores[j] = scores[j] - mx;
-  exp_avx2(scores, nv);
-  float denom = 0.f;
-  for (int64_t j = 0; j < nv; ++j) denom += scores[j];
-  for (int64_t c = 0; c < d; c += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t j = 0; j < nv; ++j)
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(vals[vis[j]] + c), acc);
-    _mm256_storeu_ps(o + c, _mm256_div_ps(acc, _mm256_set1_ps(denom)));
+}
+
+// head_scalar's softmax of a row's G heads' nv scores each, in place: each head's max subtracted,
+// exp (the same polynomial), and its sequential sum, into denom. The max is exact in any order;
+// the heads' sums run side by side, each in key order (one chain of dependent additions would
+// wait on each one's latency).
+template <int G>
+__attribute__((target("avx2,fma")))
+void softmax_avx2(float* const* s, int64_t nv, float* denom) {
+  for (int g = 0; g < G; ++g) {
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= nv; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s[g] + j));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    float mx = -INFINITY;
+    for (int l = 0; l < 8; ++l) mx = std::max(mx, lanes[l]);
+    for (; j < nv; ++j) mx = std::max(mx, s[g][j]);
+    const __m256 vmx = _mm256_set1_ps(mx);
+    for (j = 0; j + 8 <= nv; j += 8) _mm256_storeu_ps(s[g] + j, _mm256_sub_ps(_mm256_loadu_ps(s[g] + j), vmx));
+    for (; j < nv; ++j) s[g][j] = s[g][j] - mx;
+    exp_avx2(s[g], nv);
+  }
+  float sum[G];
+  for (int g = 0; g < G; ++g) sum[g] = 0.f;
+  for (int64_t j = 0; j < nv; ++j)
+    for (int g = 0; g < G; ++g) sum[g] += s[g][j];
+  for (int g = 0; g < G; ++g) denom[g] = sum[g];
+}
+
+// A row's group of heads, in blocks of up to 4.
+__attribute__((target("avx2,fma")))
+void softmax_group_avx2(float* const* s, int64_t group, int64_t nv, float* denom) {
+  for (int64_t g = 0; g < group;) {
+    const int64_t b = std::min<int64_t>(4, group - g);
+    if (b == 4) softmax_avx2<4>(s + g, nv, denom + g);
+    if (b == 3) softmax_avx2<3>(s + g, nv, denom + g);
+    if (b == 2) softmax_avx2<2>(s + g, nv, denom + g);
+    if (b == 1) softmax_avx2<1>(s + g, nv, denom + g);
+    g += b;
+  }
+}
+
+// One row and head whose weighted values are still to add: its probabilities s over its nv
+// visible keys (vis: their indices among the task's, or null for the first nv), its softmax sum,
+// and its output row (zero until the values are added).
+struct PendingRow {
+  const float* s;
+  const int32_t* vis;
+  int64_t nv;
+  float denom;
+  float* out;
+};
+
+// out[c0 .. c0 + 8 W) += s[j] * value j, for j in [j0, j1), in order.
+template <int W>
+__attribute__((target("avx2,fma")))
+inline void add_values_avx2(const PendingRow& row, const float* const* vals, int64_t j0, int64_t j1, int64_t c0) {
+  __m256 acc[W];
+  for (int c = 0; c < W; ++c) acc[c] = _mm256_loadu_ps(row.out + c0 + 8 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    const __m256 p = _mm256_set1_ps(row.s[j]);
+    const float* v = vals[row.vis ? int64_t(row.vis[j]) : j] + c0;
+    for (int c = 0; c < W; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < W; ++c) _mm256_storeu_ps(row.out + c0 + 8 * c, acc[c]);
+}
+
+// head_scalar's weighted values for every pending row, a block of values at a time: each output
+// element takes its keys' terms in key order, then the division by its sum.
+__attribute__((target("avx2,fma")))
+void values_avx2(const std::vector<PendingRow>& pending, const float* const* vals, int64_t d) {
+  int64_t most = 0;
+  for (const PendingRow& row : pending) most = std::max(most, row.nv);
+  for (int64_t j0 = 0; j0 < most; j0 += KEY_BLOCK)
+    for (size_t r = 0; r < pending.size(); ++r) {
+      const PendingRow& row = pending[r];
+      if (r + 1 < pending.size()) {  // the next row's probabilities and output, a task's rows apart in L2 or L3
+        const PendingRow& next = pending[r + 1];
+        for (int64_t b = 0; b < KEY_BLOCK * 4; b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next.s + j0) + b, _MM_HINT_T0);
+        for (int64_t b = 0; b < d * 4; b += 64) _mm_prefetch(reinterpret_cast<const char*>(next.out) + b, _MM_HINT_T0);
+      }
+      const int64_t j1 = std::min(row.nv, j0 + KEY_BLOCK);
+      if (j1 <= j0) continue;
+      for (int64_t c0 = 0; c0 < d; c0 += 64) {  // d is a multiple of 16: 8 registers, or the last 2, 4 or 6
+        switch (std::min<int64_t>(64, d - c0) / 8) {
+          case 2: add_values_avx2<2>(row, vals, j0, j1, c0); break;
+          case 4: add_values_avx2<4>(row, vals, j0, j1, c0); break;
+          case 6: add_values_avx2<6>(row, vals, j0, j1, c0); break;
+          default: add_values_avx2<8>(row, vals, j0, j1, c0); break;
+        }
+      }
+    }
+  for (const PendingRow& row : pending) {
+    const __m256 dv = _mm256_set1_ps(row.denom);
+    for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(row.out + c, _mm256_div_ps(_mm256_loadu_ps(row.out + c), dv));
   }
 }
 #endif
@@ -385,6 +510,11 @@ struct Workspace {
   std::vector<const float*> qrows, qall;  // qall: the task's queries (its rows' heads), scored together
   std::vector<int64_t> scored;             // a chunk row's first query in qall
   std::vector<float*> outs;
+#ifdef ATTEND_X86
+  std::vector<PendingRow> pending;         // AVX2: the task's rows and heads whose values are still to add
+  std::vector<float*> probs;               // AVX2: a row's heads' probabilities
+  std::vector<float> denoms;               // and their sums
+#endif
 };
 
 template <typename C>
@@ -419,7 +549,13 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     // The thread's buffers, kept from call to call (a decode makes 30 calls a step, and allocating
     // them anew each time showed in the step's profile); each is sized here and written before it is read.
     thread_local Workspace<C> ws;
+#ifdef ATTEND_X86
+    auto& [where, vis, all, scores, rows_in_place, rows_widened, qrows, qall, scored, outs, pending, probs, denoms] = ws;
+    probs.resize(group);
+    denoms.resize(group);
+#else
     auto& [where, vis, all, scores, rows_in_place, rows_widened, qrows, qall, scored, outs] = ws;
+#endif
     where.resize(W + Q);
     vis.resize(W + Q);
     scores.resize(W + Q);
@@ -447,7 +583,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       else
         rows_widened.gather(src, where.data(), n, padded);
 #ifdef ATTEND_X86
-      if (wide) {  // every row's and head's scores first: a block of keys is widened once for them all
+      const bool blocked = wide || path == Path::Avx2;
+      if (blocked) {  // every row's and head's scores first: each block of keys serves them all
         qall.clear();
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t t = rp[s * Q + i];
@@ -457,7 +594,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         }
         all.resize(qall.size() * padded);
         scores.resize(group * padded);
-        task_scores_avx512(qall.data(), int64_t(qall.size()), rows_in_place, padded, d, sc, all.data());
+        if (wide)
+          task_scores_avx512(qall.data(), int64_t(qall.size()), rows_in_place, padded, d, sc, all.data());
+        else
+          scores_avx2(qall.data(), int64_t(qall.size()), rows_widened.keys.data(), padded, d, sc, all.data());
+        pending.clear();
       }
 #endif
       for (int64_t i = i0; i < i1; ++i) {
@@ -482,14 +623,31 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           continue;
         }
         if (path == Path::Avx2) {
-          for (int64_t g = 0; g < group; ++g)
-            head_avx2(qrows[g], rows_widened.keys.data(), rows_widened.vals.data(), d, vis.data(), nv, scores.data(), sc, outs[g]);
+          // A row that sees the task's first nv keys keeps its probabilities where they were scored,
+          // and its values wait for the task's blocked pass; another row's are gathered and added now.
+          for (int64_t g = 0; g < group; ++g) {
+            float* a = all.data() + (scored[i - i0] + g) * padded;
+            probs[g] = prefix ? a : scores.data() + g * padded;
+            if (!prefix)
+              for (int64_t j = 0; j < nv; ++j) probs[g][j] = a[vis[j]];
+          }
+          softmax_group_avx2(probs.data(), group, nv, denoms.data());
+          for (int64_t g = 0; g < group; ++g) {
+            const PendingRow row{probs[g], prefix ? nullptr : vis.data(), nv, denoms[g], outs[g]};
+            if (prefix)
+              pending.push_back(row);
+            else
+              values_avx2({row}, rows_widened.vals.data(), d);
+          }
           continue;
         }
 #endif
         for (int64_t g = 0; g < group; ++g)
           head_scalar(qrows[g], rows_widened.keys.data(), rows_widened.vals.data(), d, vis.data(), nv, scores.data(), sc, outs[g]);
       }
+#ifdef ATTEND_X86
+      if (path == Path::Avx2) values_avx2(pending, rows_widened.vals.data(), d);
+#endif
     }
   });
   return out;

@@ -79,12 +79,13 @@ __attribute__((target("avx2,fma"))) inline __m256 exp256(__m256 v) {
 
 __attribute__((target("avx2,fma")))
 inline void exp_avx2(float* x, int64_t n) {  // in place, x <= 0; exp_scalar's steps
-  for (int64_t i = 0; i < n; i += 8) {
-    const int64_t left = n - i;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp256(_mm256_loadu_ps(x + i)));
+  if (i < n) {  // the last few through a zeroed buffer
     alignas(32) float buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    std::memcpy(buf, x + i, sizeof(float) * (left >= 8 ? 8 : left));
+    std::memcpy(buf, x + i, sizeof(float) * (n - i));
     _mm256_store_ps(buf, exp256(_mm256_load_ps(buf)));
-    std::memcpy(x + i, buf, sizeof(float) * (left >= 8 ? 8 : left));
+    std::memcpy(x + i, buf, sizeof(float) * (n - i));
   }
 }
 #endif

@@ -142,3 +142,24 @@ def test_a_threads_reused_buffers_change_no_bits(dtype: torch.dtype) -> None:
         thread.start()
         thread.join()
         assert torch.equal(first, again) and torch.equal(first, fresh[0]), f"path {force}"
+
+
+@pytest.mark.parametrize("dim", [64, 80, 96, 112, 128])
+def test_a_prompt_chunk_after_a_long_context_gets_the_same_bits_on_every_path(dim: int) -> None:
+    """A prompt chunk's rows (causal: each sees a prefix of the task's keys) over several blocks of
+    keys and values, split between threads: the vector paths' blocked scores and values, and the
+    head sizes whose last register block is narrower, give the plain C path's bits."""
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, W, T = 9, 3, 300, 150
+    kc = torch.randn(W + 10, kv_heads, dim, generator=g).bfloat16()
+    vc = torch.randn(W + 10, kv_heads, dim, generator=g).bfloat16()
+    q = torch.randn(T, heads, dim, generator=g)
+    k = torch.randn(T, kv_heads, dim, generator=g).bfloat16().float()
+    v = torch.randn(T, kv_heads, dim, generator=g).bfloat16().float()
+    rows = torch.arange(T).view(1, T)
+    context = torch.randperm(W + 10, generator=g)[:W].view(1, W)
+    mask = torch.ones(1, T, W + T, dtype=torch.bool)
+    mask[0, :, W:] = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    out = [torch.ops.dualserve.attend_rows(q, k, v, kc, vc, rows, context, mask, dim ** -0.5, path)
+           for path in (0, 1, 2)]
+    assert torch.equal(out[0], out[1]) and torch.equal(out[2], out[1])
