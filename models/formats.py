@@ -314,10 +314,11 @@ def decide(config: ModelConfig, stored: Quantization, cache_dir: Path | None,
     table = cached_measure(config, cache_dir, probe.measure, host)
     book, entry = _book(cache_dir), _entry(config, stored)
     previous = _read_choice(book, entry)
-    if previous is not None and previous.host == host and previous.basis == "cpu":
+    same_key = previous is not None and previous.host == host
+    if same_key and previous.basis == "cpu":
         return Decision(previous, True, None, table)  # the CPU decided: nothing to look at again
     dot8_path = probe.dot8_path()
-    if previous is not None and previous.host == host and dot8_path not in W4A16_PATHS:
+    if same_key and dot8_path not in W4A16_PATHS:
         return Decision(previous, True, None, table)
     why = "" if previous is None else (
         f"this host's key changed ({key_change(previous.host, host)})" if previous.host != host else

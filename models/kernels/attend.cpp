@@ -54,6 +54,17 @@ inline float dot_scalar(const float* q, const float* k, int64_t d) {
   return acc[0];
 }
 
+// One row and head whose weighted values are still to add: its probabilities s over its nv
+// visible keys (vis: their indices among the task's, or null for the first nv), its softmax sum,
+// and its output row (zero until the values are added).
+struct PendingRow {
+  const float* s;
+  const int32_t* vis;
+  int64_t nv;
+  float denom;
+  float* out;
+};
+
 #ifdef ATTEND_X86
 __attribute__((target("avx512f")))
 inline void widen_avx512(const c10::BFloat16* src, int64_t d, float* dst) {  // d a multiple of 16
@@ -326,17 +337,6 @@ void softmax_group_avx2(float* const* s, int64_t group, int64_t nv, float* denom
   }
 }
 
-// One row and head whose weighted values are still to add: its probabilities s over its nv
-// visible keys (vis: their indices among the task's, or null for the first nv), its softmax sum,
-// and its output row (zero until the values are added).
-struct PendingRow {
-  const float* s;
-  const int32_t* vis;
-  int64_t nv;
-  float denom;
-  float* out;
-};
-
 // out[c0 .. c0 + 8 W) += s[j] * value j, for j in [j0, j1), in order.
 template <int W>
 __attribute__((target("avx2,fma")))
@@ -354,13 +354,13 @@ inline void add_values_avx2(const PendingRow& row, const float* const* vals, int
 // head_scalar's weighted values for every pending row, a block of values at a time: each output
 // element takes its keys' terms in key order, then the division by its sum.
 __attribute__((target("avx2,fma")))
-void values_avx2(const std::vector<PendingRow>& pending, const float* const* vals, int64_t d) {
+void values_avx2(const PendingRow* pending, int64_t count, const float* const* vals, int64_t d) {
   int64_t most = 0;
-  for (const PendingRow& row : pending) most = std::max(most, row.nv);
+  for (int64_t r = 0; r < count; ++r) most = std::max(most, pending[r].nv);
   for (int64_t j0 = 0; j0 < most; j0 += KEY_BLOCK)
-    for (size_t r = 0; r < pending.size(); ++r) {
+    for (int64_t r = 0; r < count; ++r) {
       const PendingRow& row = pending[r];
-      if (r + 1 < pending.size()) {  // the next row's probabilities and output, a task's rows apart in L2 or L3
+      if (r + 1 < count) {  // the next row's probabilities and output, a task's rows apart in L2 or L3
         const PendingRow& next = pending[r + 1];
         for (int64_t b = 0; b < KEY_BLOCK * 4; b += 64)
           _mm_prefetch(reinterpret_cast<const char*>(next.s + j0) + b, _MM_HINT_T0);
@@ -377,7 +377,8 @@ void values_avx2(const std::vector<PendingRow>& pending, const float* const* val
         }
       }
     }
-  for (const PendingRow& row : pending) {
+  for (int64_t r = 0; r < count; ++r) {
+    const PendingRow& row = pending[r];
     const __m256 dv = _mm256_set1_ps(row.denom);
     for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(row.out + c, _mm256_div_ps(_mm256_loadu_ps(row.out + c), dv));
   }
@@ -510,11 +511,9 @@ struct Workspace {
   std::vector<const float*> qrows, qall;  // qall: the task's queries (its rows' heads), scored together
   std::vector<int64_t> scored;             // a chunk row's first query in qall
   std::vector<float*> outs;
-#ifdef ATTEND_X86
   std::vector<PendingRow> pending;         // AVX2: the task's rows and heads whose values are still to add
   std::vector<float*> probs;               // AVX2: a row's heads' probabilities
   std::vector<float> denoms;               // and their sums
-#endif
 };
 
 template <typename C>
@@ -549,13 +548,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     // The thread's buffers, kept from call to call (a decode makes 30 calls a step, and allocating
     // them anew each time showed in the step's profile); each is sized here and written before it is read.
     thread_local Workspace<C> ws;
-#ifdef ATTEND_X86
     auto& [where, vis, all, scores, rows_in_place, rows_widened, qrows, qall, scored, outs, pending, probs, denoms] = ws;
     probs.resize(group);
     denoms.resize(group);
-#else
-    auto& [where, vis, all, scores, rows_in_place, rows_widened, qrows, qall, scored, outs] = ws;
-#endif
     where.resize(W + Q);
     vis.resize(W + Q);
     scores.resize(W + Q);
@@ -637,7 +632,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             if (prefix)
               pending.push_back(row);
             else
-              values_avx2({row}, rows_widened.vals.data(), d);
+              values_avx2(&row, 1, rows_widened.vals.data(), d);
           }
           continue;
         }
@@ -646,7 +641,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           head_scalar(qrows[g], rows_widened.keys.data(), rows_widened.vals.data(), d, vis.data(), nv, scores.data(), sc, outs[g]);
       }
 #ifdef ATTEND_X86
-      if (path == Path::Avx2) values_avx2(pending, rows_widened.vals.data(), d);
+      if (path == Path::Avx2) values_avx2(pending.data(), int64_t(pending.size()), rows_widened.vals.data(), d);
 #endif
     }
   });

@@ -481,11 +481,23 @@ inline void group_dots_avx2(const __m256i* nib, const int8_t* a, __m256i& dot, _
   }
 }
 
+// group_dots_avx2 of quantized row r's group g, less the offset's share (Q4_0: u = q + 8): sum q a.
+template <bool MIN, int MULT>
+__attribute__((target("avx2,fma,f16c"), always_inline))
+inline void row_dots_avx2(const __m256i* nib, const Acts& x, int64_t r, int64_t g, __m256i& dot, __m256i& lo) {
+  constexpr int OFF = offset_of(4, MIN);
+  group_dots_avx2<MULT>(nib, x.a + r * x.K + g * GROUP, dot, lo);
+  if constexpr (OFF != 0) {
+    const int64_t rg = r * x.G + g;
+    if constexpr (MULT == 2) lo = minus_offset<OFF>(lo, x.half, rg * 2);
+    dot = MULT == 2 ? minus_offset<OFF>(dot, x.half, rg * 2 + 1) : minus_offset<OFF>(dot, x.sum, rg);
+  }
+}
+
 template <bool MIN, int MULT, bool FUSED>
 __attribute__((target("avx2,fma,f16c")))
 void tile_avx2_int4(const Weights& w, int64_t t, const Acts& x, int64_t r0, int rows, float* out, int64_t ldo,
                     int valid) {
-  constexpr int OFF = offset_of(4, MIN);
   constexpr int STEP = FUSED ? 2 : 1;  // quantized rows per output row
   const uint8_t* q = w.tile(t);
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -504,27 +516,18 @@ void tile_avx2_int4(const Weights& w, int64_t t, const Acts& x, int64_t r0, int 
         nib[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       }
       const Scales256 p = scales256<MIN, MULT>(w, t, g, half * 8);
-      const int64_t k0 = g * GROUP;
       for (int o = 0; o < outs; ++o) {
         const int64_t r = r0 + o * STEP;
         __m256i dot, lo = _mm256_setzero_si256();
-        group_dots_avx2<MULT>(nib, x.a + r * x.K + k0, dot, lo);
-        int64_t rg = r * x.G + g;
-        if constexpr (OFF != 0) {  // Q4_0: u = q + 8
-          if constexpr (MULT == 2) lo = minus_offset<OFF>(lo, x.half, rg * 2);
-          dot = MULT == 2 ? minus_offset<OFF>(dot, x.half, rg * 2 + 1) : minus_offset<OFF>(dot, x.sum, rg);
-        }
+        row_dots_avx2<MIN, MULT>(nib, x, r, g, dot, lo);
         if constexpr (FUSED) {  // the second digit's dots, then the two as one integer
           __m256i dot1, lo1 = _mm256_setzero_si256();
-          group_dots_avx2<MULT>(nib, x.a + (r + 1) * x.K + k0, dot1, lo1);
-          rg += x.G;  // the second digit's row: its scale and sum are the fused integer's
-          if constexpr (OFF != 0) {
-            if constexpr (MULT == 2) lo1 = minus_offset<OFF>(lo1, x.half, rg * 2);
-            dot1 = MULT == 2 ? minus_offset<OFF>(dot1, x.half, rg * 2 + 1) : minus_offset<OFF>(dot1, x.sum, rg);
-          }
+          row_dots_avx2<MIN, MULT>(nib, x, r + 1, g, dot1, lo1);
           dot = fuse256(dot, dot1);
           if constexpr (MULT == 2) lo = fuse256(lo, lo1);
         }
+        // The scale and sum of the output row's last quantized row (with two digits, the fused integer's).
+        const int64_t rg = (r + STEP - 1) * x.G + g;
         const __m256 y = _mm256_load_ps(ybuf[o]);
         _mm256_store_ps(ybuf[o], _mm256_fmadd_ps(_mm256_set1_ps(x.sx[rg]), value256<MIN, MULT>(p, dot, lo, x.fsum[rg]), y));
       }

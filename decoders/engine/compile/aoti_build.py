@@ -12,12 +12,13 @@ step's own, so a package holds code only (a few MB) and every call passes the li
 nothing is copied, and the one copy in memory stays the one in the model.
 
 **No temporaries outlive their build.** Each build works in a directory of its own next to the
-packages (``.build-<pid>-*``: the saved job, 130 MB on the default model, inductor's generated code,
-and the package being written). The child deletes the job once it has read it; the parent removes the directory when
-the build ends, fails, or its process exits (``atexit``, which also ends the child). A server
-killed outright runs no cleanup: its child notices its parent is gone, removes the directory and
-exits, and the next start in that cache removes whatever a dead process left (``sweep``). While
-the child runs, ``build`` reports its elapsed time every ``PROGRESS_SECONDS``.
+packages (``.build-<pid>-*``: the saved job, 130 MB on the default model, inductor's generated
+code, and the package being written). The child deletes the job once it has read it; the parent
+removes the directory when the build ends, fails, or its process exits (``atexit``, which also
+ends the child). A server killed outright runs no cleanup: its child notices its parent is gone,
+removes the directory and exits, and the next start in that cache removes whatever a dead process
+left (``sweep``). While the child runs, ``build`` reports its elapsed time every
+``PROGRESS_SECONDS``.
 
 **No compiler outlives its server.** The child runs inductor's C++ compiler (``g++``, under it
 ``cc1plus``) and its compile workers as processes of its own, which ending the child alone would
