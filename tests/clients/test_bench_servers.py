@@ -17,6 +17,7 @@ from dualserve.clients import bench_files as bf
 from dualserve.clients import bench_llamacpp as bl
 from dualserve.clients import bench_servers as bs
 from dualserve.clients import llamacpp_build as lb
+from polling import gone, until
 
 
 def test_server_commands_use_the_same_threads():
@@ -67,15 +68,6 @@ def test_servers_targets_given_urls_without_starting_anything(tmp_path):
     assert commands == [] and list(tmp_path.iterdir()) == []
 
 
-def alive(pid: int) -> bool:
-    """Running (not gone, not a zombie waiting for whoever adopted it)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "\nState:\tZ" not in status
-
-
 def test_started_server_group_is_stopped(tmp_path):
     child_pid = tmp_path / "child.pid"
     cmd = [sys.executable, "-c", "import pathlib, subprocess, sys, time; "
@@ -91,10 +83,7 @@ def test_started_server_group_is_stopped(tmp_path):
     s.stop()
     assert s.proc.poll() is not None
     pid = int(child_pid.read_text())  # the server's own child, in the same session, is stopped too
-    deadline = time.monotonic() + 10
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(pid)
+    assert until(lambda: gone(pid), 10)
 
 
 def test_wait_ready_reports_an_early_exit(tmp_path):

@@ -19,6 +19,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from polling import gone
 from server_fixture import free_port, log_tail, wait_healthy
 from tiny_twin import write_tiny_llama
 
@@ -79,7 +80,7 @@ def test_two_ranks_answer_as_one_and_stop_together(llama, tmp_path):
         if proc.poll() is None:
             proc.kill()
     for pid in ranks:  # a clean shutdown stops every rank
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+        assert gone(pid)
 
 
 def test_a_killed_rank_errors_requests_reports_health_and_exits_nonzero(llama, tmp_path):
