@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterator
 
@@ -9,6 +10,21 @@ import pytest
 import torch
 
 from dualserve.models.hub import default_cache_dir, pull_default_model
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """Two test files run at once (most of a graph build is one core's work: a compiler, a
+    child process), or one on a single core. More workers than that would only share the same
+    two cores' time among more servers and models in memory."""
+    return min(2, os.cpu_count() or 1)
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Each of two workers runs torch on one thread: two teams of two on two cores wait at every
+    # barrier for a thread the other worker's team holds (a default-model test took 107 s so,
+    # 15 s alone). Tests of the threads themselves set their own; servers the tests start choose
+    # theirs as a server does.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
