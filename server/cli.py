@@ -195,9 +195,11 @@ def cmd_serve(settings: Settings) -> int:
     for line in startup_lines(dep, app_state.service.models, f"http://{host}:{sock.getsockname()[1]}", device,
                               torch.get_num_threads(), cfg.shutdown_timeout,
                               kernels_in_use() if device == "cpu" else None):  # CUDA uses none of them
-        print(f"dualserve: {line}", file=sys.stderr)
+        # One write a line: the compile worker's threads already log, and print's separate
+        # newline let their lines land inside this one.
+        sys.stderr.write(f"dualserve: {line}\n")
     if manager is not None:
-        print(f"dualserve: {catalog_line(catalog, list(manager.loaded))}", file=sys.stderr)
+        sys.stderr.write(f"dualserve: {catalog_line(catalog, list(manager.loaded))}\n")
     # uvicorn's graceful timeout only bounds the last flush: the drain has already ended every stream.
     config = uvicorn.Config(create_app(app_state), log_level=cfg.log_level, loop="auto", timeout_graceful_shutdown=5,
                             timeout_keep_alive=cfg.timeout_keep_alive)
