@@ -88,8 +88,16 @@ def library_path() -> Path:
     version = _compiler_version()
     texts = [s.read_text() for s in SOURCES + HEADERS]
     key = hashlib.sha256("\n".join([*texts, version, torch.__version__, sys.version,
-                                    " ".join(_flags())]).encode()).hexdigest()[:16]
+                                    " ".join(_keyed(_flags()))]).encode()).hexdigest()[:16]
     return _cache_dir() / f"dualserve-kernels-{key}.so"
+
+
+def _keyed(flags: list[str]) -> list[str]:
+    """The flags that change what is built: not where this environment keeps torch's and Python's
+    headers and libraries (the versions above name those). Two environments of one torch sharing
+    a cache named the library apart by their paths alone, and their starts took turns changing the
+    host key: each deciding the weight format again and building every graph anew."""
+    return [f for f in flags if not f.startswith(("-I", "-L", "-Wl,-rpath,"))]
 
 
 def build() -> Path:

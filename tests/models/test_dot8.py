@@ -136,6 +136,25 @@ def test_the_kernel_library_is_cached_by_source() -> None:
     assert kernels.build() == so  # built once per machine: a second call finds it
 
 
+def test_two_environments_of_one_torch_name_the_library_alike(monkeypatch) -> None:
+    """Where an environment keeps torch's headers and libraries is not in the library's name (the
+    versions are): two virtual environments sharing a cache load one library, so their starts keep
+    one host key. A flag that changes the code still changes the name."""
+    def named(*flags: str) -> str:
+        monkeypatch.setattr(kernels, "_flags", lambda: list(flags))
+        kernels.library_path.cache_clear()
+        return kernels.library_path().name
+
+    try:
+        a = named("-O3", "-I/venv-a/include", "-L/venv-a/lib", "-Wl,-rpath,/venv-a/lib", "-lc10")
+        b = named("-O3", "-I/venv-b/include", "-L/venv-b/lib", "-Wl,-rpath,/venv-b/lib", "-lc10")
+        o2 = named("-O2", "-I/venv-a/include", "-L/venv-a/lib", "-Wl,-rpath,/venv-a/lib", "-lc10")
+    finally:
+        monkeypatch.undo()
+        kernels.library_path.cache_clear()
+    assert a == b != o2
+
+
 @pytest.mark.parametrize("path", ["avx2", "scalar"])
 def test_the_narrower_paths_a_host_may_take_give_the_same_bits(tmp_path, path: str) -> None:
     """Run in a child with DUALSERVE_DOT8_PATH forcing the path an AVX2-only host takes."""
