@@ -112,7 +112,10 @@ def measure(args: argparse.Namespace, cache: Path, log_path: Path) -> FirstStart
     run = FirstStart()
     with open(log_path, "w") as log:
         started = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        # The project's kernels are built into $DUALSERVE_CACHE (the process's cache, not --cache-dir's):
+        # the new cache there too, so a first start builds them.
+        env = {**os.environ, "DUALSERVE_CACHE": str(cache)}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             while run.ready_s is None:
                 if proc.poll() is not None:

@@ -16,9 +16,9 @@ is unpacked once for up to eight rows. Integer sums are exact, so a row's result
 does not depend on how many rows came with it, on the thread count, or on which
 code path (AVX512-VNNI, AVX2, plain C) the host runs.
 
-The sources are compiled at first use with the host's C++ compiler (about 40 s) into
-``<cache>/kernels/`` under a name that hashes the sources, the compiler and the
-torch build, and loaded with ``torch.ops.load_library``. Without a compiler (or with
+The sources are compiled at first use with the host's C++ compiler (about 36 s on 2 cores, the
+sources side by side) into ``<cache>/kernels/`` under a name that hashes the sources, the compiler,
+the torch build and the flags, and loaded with ``torch.ops.load_library``. Without a compiler (or with
 ``DUALSERVE_NO_KERNELS=1``, or after ``disable()``) the kernels are reported unavailable: the
 formats that need them are not offered and attention keeps inductor's loops.
 A compiled step package calls the ops through C entry points that the same library defines
@@ -41,7 +41,9 @@ import re
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -62,12 +64,21 @@ def _cache_dir() -> Path:
 
 
 def _flags() -> list[str]:
-    from torch.utils.cpp_extension import include_paths, library_paths
+    """Every flag of the build: each source's compile, then the link (``build``)."""
+    return [*_compile_flags(), *_link_flags()]
+
+
+def _compile_flags() -> list[str]:
+    from torch.utils.cpp_extension import include_paths
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     inc = [f"-I{p}" for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    return ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-ffp-contract=off", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *inc]
+
+
+def _link_flags() -> list[str]:
+    from torch.utils.cpp_extension import library_paths
     lib = library_paths()[0]
-    return ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *inc, f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
+    return ["-shared", "-fopenmp", f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
 
 
 def _compiler() -> str:
@@ -111,17 +122,31 @@ def build() -> Path:
         if fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)
         if not so.exists():
-            tmp = so.with_suffix(f".{os.getpid()}.tmp")
-            cmd = [_compiler(), *map(str, SOURCES), "-o", str(tmp), *_flags()]
             start = time.monotonic()
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            with tempfile.TemporaryDirectory(prefix=f".build-{os.getpid()}-", dir=so.parent) as work:
+                tmp = Path(work) / so.name
+                _compile_and_link(Path(work), tmp)
+                tmp.rename(so)
             _build_seconds = time.monotonic() - start
-            if done.returncode:
-                tmp.unlink(missing_ok=True)
-                first = next((line for line in done.stderr.splitlines() if "error" in line), "")
-                raise RuntimeError(f"building the kernels failed: {first.strip()}\n{done.stderr[-4000:]}")
-            tmp.rename(so)
     return so
+
+
+def _compile_and_link(work: Path, out: Path) -> None:
+    """Each source compiled to an object in ``work``, as many at a time as there are cores (dot8.cpp
+    alone takes 36 of the 51 s one compiler took for all four on a 2-core Xeon: it starts first),
+    then linked into ``out``."""
+    objects = [work / f"{source.stem}.o" for source in SOURCES]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(SOURCES), os.cpu_count() or 1))) as pool:
+        list(pool.map(_run, ([_compiler(), "-c", str(source), "-o", str(obj), *_compile_flags()]
+                             for source, obj in zip(SOURCES, objects))))
+    _run([_compiler(), *map(str, objects), "-o", str(out), *_link_flags()])
+
+
+def _run(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        first = next((line for line in done.stderr.splitlines() if "error" in line), "")
+        raise RuntimeError(f"building the kernels failed: {first.strip()}\n{done.stderr[-4000:]}")
 
 
 def available() -> bool:

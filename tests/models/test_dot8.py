@@ -136,6 +136,27 @@ def test_the_kernel_library_is_cached_by_source() -> None:
     assert kernels.build() == so  # built once per machine: a second call finds it
 
 
+def test_the_sources_compile_side_by_side_and_link_or_fail_in_one_line(tmp_path, monkeypatch) -> None:
+    """Each source is compiled to its own object, then linked: a library that loads; a source that
+    does not compile is one error naming it."""
+    import ctypes
+
+    a, b, bad = tmp_path / "a.cpp", tmp_path / "b.cpp", tmp_path / "bad.cpp"
+    a.write_text('extern "C" int a() { return 1; }\n')
+    b.write_text('extern "C" int b() { return 2; }\n')
+    bad.write_text("int f( {\n")
+    monkeypatch.setattr(kernels, "_compile_flags", lambda: ["-O1", "-fPIC"])
+    monkeypatch.setattr(kernels, "_link_flags", lambda: ["-shared"])
+    monkeypatch.setattr(kernels, "SOURCES", (a, b))
+    kernels._compile_and_link(tmp_path, tmp_path / "lib.so")
+    lib = ctypes.CDLL(str(tmp_path / "lib.so"))
+    assert (lib.a(), lib.b()) == (1, 2)
+    monkeypatch.setattr(kernels, "SOURCES", (a, bad, b))
+    with pytest.raises(RuntimeError, match=r"^building the kernels failed: \S*bad.cpp:1:\d+: error"):
+        kernels._compile_and_link(tmp_path, tmp_path / "other.so")
+    assert not (tmp_path / "other.so").exists()
+
+
 def test_two_environments_of_one_torch_name_the_library_alike(monkeypatch) -> None:
     """Where an environment keeps torch's headers and libraries is not in the library's name (the
     versions are): two virtual environments sharing a cache load one library, so their starts keep
