@@ -25,7 +25,8 @@ wait for. So:
   more threads than the machine has CPUs (GCC manual, ``GOMP_SPINCOUNT``), and a thread that has
   run a parallel region keeps its pool until it exits;
 - ``ThreadGovernor`` watches how much CPU other processes use and sizes the engine's team to the
-  cores they leave free; the engine's thread applies the size before each step
+  cores they leave free (this process's background work, its graph builds at the lowest priority,
+  is not another process's: ``host``); the engine's thread applies the size before each step
   (``torch.set_num_threads`` there sets that thread's team only, and costs microseconds). The
   result does not depend on the team size: every kernel a step runs gives each output element to
   one thread, whatever their number (tested bit for bit through the server).
@@ -44,7 +45,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from dualserve.models.host import machine_busy_ticks, neighbours_running, own_ticks
+from dualserve.models.host import Background, machine_busy_ticks, neighbours_running, own_ticks
 
 log = logging.getLogger("dualserve.openmp")
 
@@ -189,6 +190,7 @@ class ThreadGovernor:
 
     def _watch(self) -> None:
         ticks = os.sysconf("SC_CLK_TCK")
+        background = Background()  # this process's own builds: not neighbours (``host``)
         t, busy, own = time.monotonic(), machine_busy_ticks(), own_ticks()
         restores = self.restores
         while not self._stop.wait(self.poll if self.short else self.interval):
@@ -196,12 +198,13 @@ class ThreadGovernor:
             if self.restores != restores:  # the full team is back: the CPU-time interval starts now
                 restores = self.restores
                 t, busy, own = time.monotonic(), machine_busy_ticks(), own_ticks()
+                background.ticks()
                 continue
             if self.short and time.monotonic() - t < self.interval:
                 continue
             t2, busy2, own2 = time.monotonic(), machine_busy_ticks(), own_ticks()
-            # Clamped: the two counters are sampled a moment apart, and per-thread times are rounded.
-            other = ((busy2 - busy) - (own2 - own)) / ticks / max(t2 - t, 1e-3)
+            # Clamped: the counters are sampled a moment apart, and per-thread times are rounded.
+            other = ((busy2 - busy) - (own2 - own) - background.ticks()) / ticks / max(t2 - t, 1e-3)
             t, busy, own = t2, busy2, own2
             self.observe(min(float(self.cpus), max(0.0, other)))
 

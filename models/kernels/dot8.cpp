@@ -29,38 +29,16 @@
 
 #include <torch/library.h>
 #include "c_shim.h"  // the packages' direct calls, at the end
-#include <ATen/core/Tensor.h>
-#include <ATen/Parallel.h>
+#include "dot8.h"
 #include <ATen/ops/empty.h>
-#include <c10/util/Half.h>
-#include <c10/util/BFloat16.h>
 
-#include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
 #include <optional>
 #include <string>
-#include <type_traits>
 #include <vector>
-
-#if defined(__x86_64__)
-#include <cpuid.h>
-#include <immintrin.h>
-#define DOT8_X86 1
-#endif
-#ifdef __linux__
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
-#include "dot8_tiles.h"
-#include "dot8_tiles56.h"
-#include "dot8_acts.h"
-#include "dot8_amx.h"
+using namespace dualserve_dot8;
 
 struct Path {
   const char* name;
@@ -69,41 +47,32 @@ struct Path {
   Quantizer quantizer;  // how the path's activations are quantized
 };
 
-const Table<Scalar> SCALAR;
-#ifdef DOT8_X86
-const Table<Avx512> AVX512;
-const Table<Avx2> AVX2;
-#endif
-
 // DUALSERVE_DOT8_PATH=avx2 or scalar forces a narrower path than the CPU allows (tests run
 // every path a CI host may take).
 Path pick_path() {
   const char* want = std::getenv("DUALSERVE_DOT8_PATH");
   const std::string forced = want ? want : "";
-  if (forced == "scalar") return {"scalar", SCALAR.fn, MAX_ROWS, Quantizer::SCALAR};
+  if (forced == "scalar") return {"scalar", scalar_tiles(), MAX_ROWS, Quantizer::SCALAR};
 #ifdef DOT8_X86
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (avx2 && forced == "avx2") return {"avx2", AVX2.fn, AVX2_ROWS, Quantizer::AVX2};
-  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vnni"))
-    return {"avx512_vnni", AVX512.fn, MAX_ROWS, Quantizer::AVX512};
-  if (avx2) return {"avx2", AVX2.fn, AVX2_ROWS, Quantizer::AVX2};
+  const bool has_avx2 = avx2 && avx2_tiles();
+  if (has_avx2 && forced == "avx2") return {"avx2", avx2_tiles(), AVX2_ROWS, Quantizer::AVX2};
+  if (has_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vnni") && avx512_tiles())
+    return {"avx512_vnni", avx512_tiles(), MAX_ROWS, Quantizer::AVX512};
+  if (has_avx2) return {"avx2", avx2_tiles(), AVX2_ROWS, Quantizer::AVX2};
 #endif
-  return {"scalar", SCALAR.fn, MAX_ROWS, Quantizer::SCALAR};
+  return {"scalar", scalar_tiles(), MAX_ROWS, Quantizer::SCALAR};
 }
 
 // force_scalar: 0 the best path for the row count, 1 plain C, 2 the vector path without AMX, 3 AMX
 // at every row count where the CPU has it (tests and benchmarks compare them).
 Path& path(int64_t force_scalar) {
   static Path best = pick_path();
-  static Path scalar = {"scalar", SCALAR.fn, MAX_ROWS, Quantizer::SCALAR};
+  static Path scalar = {"scalar", scalar_tiles(), MAX_ROWS, Quantizer::SCALAR};
   return force_scalar == 1 ? scalar : best;
 }
-
-#ifdef DOT8_X86
-const Table<Amx, BlockFn> AMX;
-#endif
 
 // AMX_FROM: the fewest quantized rows (rows x digits) at which the AMX path ran faster than
 // AVX-512 VNNI on a 2-core Intel Xeon (family 6 model 167; docs/kernels.md, Measurements).
@@ -112,7 +81,7 @@ constexpr int AMX_FROM = 9;
 
 int pick_amx_from() {
 #ifdef DOT8_X86
-  if (std::string(path(0).name) != "avx512_vnni" || !amx_permitted()) return 0;
+  if (std::string(path(0).name) != "avx512_vnni" || !amx_blocks() || !amx_permitted()) return 0;
   const char* want = std::getenv("DUALSERVE_DOT8_AMX");
   if (want && *want) return std::max(0, std::atoi(want));
   return AMX_FROM;
@@ -127,7 +96,7 @@ int amx_from(int64_t force_scalar) {
   if (force_scalar == 1 || force_scalar == 2) return 0;
   if (force_scalar == 3) {
 #ifdef DOT8_X86
-    static const bool ok = std::string(path(0).name) == "avx512_vnni" && amx_permitted();
+    static const bool ok = std::string(path(0).name) == "avx512_vnni" && amx_blocks() && amx_permitted();
     return ok ? 1 : 0;
 #else
     return 0;
@@ -230,7 +199,7 @@ void product(const Weights& w, const Acts& acts, int64_t M, int64_t n, float* y,
     // block's rows (the configuration is per thread) and releases them when done.
     // Folded (two digits, int4: dot8_amx.h), a block is up to 16 tokens of two quantized rows, and
     // its tiles are configured for the tokens.
-    const BlockFn afn = AMX.fn[kind_of(w)];
+    const BlockFn afn = amx_blocks()[kind_of(w)];
     const bool halves = w.s && w.s_per == 2, folded = acts.a64 && folds(w.bits, halves ? 2 : 0);
     const int64_t most = folded ? 2 * AMX_ROWS : AMX_ROWS, blocks = (M + most - 1) / most;
     const int64_t step = acts.fused ? ((M + blocks - 1) / blocks + 1) / 2 * 2 : (M + blocks - 1) / blocks;

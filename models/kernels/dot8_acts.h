@@ -1,6 +1,6 @@
 // dot8's activations: each row quantized per group of 32 to int8 digits (llama.cpp's Q8
 // activations, and with two digits what the first left over), the same bits on every path.
-// Included inside dot8.cpp's anonymous namespace, after dot8_tiles.h.
+// Included by dot8.h, inside namespace dualserve_dot8, after dot8_tiles.h.
 #pragma once
 
 // Per row and group of 32: sx = max|x| / 127, a = round(x / sx) (ties to even), sum = sum a.

@@ -7,7 +7,7 @@
 // sums are sum q a exactly, with no offset correction.
 // Linux gives a process the AMX tile state only on request (arch_prctl); the tile configuration is
 // per thread, so each thread loads it for each block of rows it runs (amx_configure).
-// Included inside dot8.cpp's anonymous namespace, after dot8_tiles56.h.
+// Included by dot8.h, inside namespace dualserve_dot8, after dot8_tiles56.h.
 #pragma once
 
 #ifdef DOT8_X86
@@ -22,7 +22,7 @@ struct alignas(64) TileConfig {
 };
 
 // Whether this CPU and kernel let the process use AMX int8 tiles (asked once).
-bool amx_permitted() {
+inline bool amx_permitted() {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
   const bool tile = d & (1u << 24), int8 = d & (1u << 25);
@@ -42,7 +42,7 @@ bool amx_permitted() {
 // tmm0..3: C (rows x 16 int32); tmm4, 5: A (rows x 32 activation bytes, 16 with halves); tmm6, 7: B
 // (8 rows of 64 bytes: inputs 4i..4i+3 of 16 channels, 4 rows with halves).
 // Folded (tile_amx_folded): A is rows x 64 (both digits) and B 16 rows of 64.
-__attribute__((target("amx-tile"))) void amx_configure(int rows, bool halves, bool folded = false) {
+__attribute__((target("amx-tile"))) inline void amx_configure(int rows, bool halves, bool folded = false) {
   TileConfig cfg;
   for (int i = 0; i < 4; ++i) {
     cfg.rows[i] = uint8_t(rows);
@@ -61,7 +61,7 @@ __attribute__((target("amx-tile"))) void amx_configure(int rows, bool halves, bo
   _tile_loadconfig(&cfg);
 }
 
-__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
+__attribute__((target("amx-tile"))) inline void amx_release() { _tile_release(); }
 
 // Chunk J of a 4-, 5- or 6-bit group (its low and high nibbles) as B rows 2J and 2J + 1, signed.
 template <int BITS, bool MIN, int J>

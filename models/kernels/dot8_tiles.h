@@ -5,7 +5,7 @@
 // MIN). This header holds the shared pieces, the scalar reference and the int4 / int8 vector
 // loops; dot8_tiles56.h the 5- and 6-bit loops and the table of kinds. Every path makes the same
 // integers and the same float operations in the same order.
-// Included inside dot8.cpp's anonymous namespace.
+// Included by dot8.h, inside namespace dualserve_dot8.
 #pragma once
 
 constexpr int TILE = 16;

@@ -5,7 +5,7 @@
 // chunks (5 bits) or 2 (6 bits); a value is rebuilt as u = nibble | high << 4 by a shift and a
 // bitwise select per 64 bytes, then multiplied exactly as int4's nibbles are. Then the kinds'
 // table, which picks a tile function per (bits, minimum, multipliers).
-// Included inside dot8.cpp's anonymous namespace, after dot8_tiles.h.
+// Included by dot8.h, inside namespace dualserve_dot8, after dot8_tiles.h.
 #pragma once
 
 #ifdef DOT8_X86

@@ -157,6 +157,36 @@ def test_the_sources_compile_side_by_side_and_link_or_fail_in_one_line(tmp_path,
     assert not (tmp_path / "other.so").exists()
 
 
+def test_a_cpu_builds_the_code_paths_it_can_run(tmp_path, monkeypatch) -> None:
+    """dot8's AVX2, AVX-512 and AMX tables are built for a CPU whose flags name what each needs,
+    and compiled empty otherwise (a null table, which dot8 never picks); the set is in the
+    library's name. Without the flags every path is built."""
+    flags = {"avx2": "fpu avx2 fma f16c", "avx512": "avx2 fma f16c avx512f avx512bw avx512_vnni",
+             "amx": "avx2 fma f16c avx512f avx512bw avx512_vnni amx_tile amx_int8 amx_bf16"}
+    omitted = {}
+    names = set()
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    for cpu, line in flags.items():
+        (tmp_path / cpu).write_text(f"processor\t: 0\nflags\t\t: {line}\n")
+        real_open = open
+        monkeypatch.setattr("builtins.open", lambda f, *a, _p=tmp_path / cpu, **k: real_open(
+            _p if f == "/proc/cpuinfo" else f, *a, **k))
+        kernels._omitted.cache_clear()
+        kernels.library_path.cache_clear()
+        try:
+            omitted[cpu] = kernels._omitted()
+            names.add(kernels.library_path().name)
+        finally:
+            monkeypatch.setattr("builtins.open", real_open)
+            kernels._omitted.cache_clear()
+            kernels.library_path.cache_clear()
+    assert omitted == {"avx2": {"dot8_avx512.cpp", "dot8_amx.cpp"}, "avx512": {"dot8_amx.cpp"}, "amx": set()}
+    assert len(names) == 3
+    for source in kernels.PATH_SOURCES:  # an omitted path's source still compiles (to a null table)
+        path = next(s for s in kernels.SOURCES if s.name == source)
+        kernels._run([kernels._compiler(), "-fsyntax-only", str(path), *kernels._compile_flags(), "-DDOT8_OMIT"])
+
+
 def test_two_environments_of_one_torch_name_the_library_alike(monkeypatch) -> None:
     """Where an environment keeps torch's headers and libraries is not in the library's name (the
     versions are): two virtual environments sharing a cache load one library, so their starts keep

@@ -23,7 +23,7 @@ left (``sweep``). While the child runs, ``build`` reports its elapsed time every
 **No compiler outlives its server.** The child runs inductor's C++ compiler (``g++``, under it
 ``cc1plus``) and its compile workers as processes of its own, which ending the child alone would
 orphan: a server stopped mid-build would leave ``cc1plus`` running after it exits. So (POSIX) the
-child starts in a session and process group of its own, and its build is ended as a group: the
+child starts in a process group of its own, and its build is ended as a group: the
 parent kills the group when a build is ended (``end_builds``: the compile worker's ``stop`` and
 ``atexit``), and a child whose parent died kills its own group: on Linux the kernel tells it at
 once (``prctl(PR_SET_PDEATHSIG)``, SIGTERM), elsewhere its watch on ``getppid`` notices.
@@ -47,10 +47,15 @@ so only a host's first build compiles anything; the build's own code still goes 
 directory.
 
 **A build yields to serving.** The child and every compiler it starts run at the lowest priority
-(``SCHED_IDLE`` on Linux, and nice 19): the engine's thread never waits for a build's process.
-The thread governor still counts a build as a neighbour and runs a team of one beside it: a team
-of two beside an idle-priority build decoded eagerly at 10-20 tok/s on a 2-core host, where one
-thread gave 45-55 (each parallel region's wake-up has to preempt the build).
+(``SCHED_IDLE`` on Linux, and nice 19), in this process's session: the engine's threads never
+wait for a build's process, and the thread governor does not count a build as a neighbour
+(``host.background``). The session matters: Linux's autogroups (``sched_autogroup_enabled``, on
+by default on desktop kernels and on this project's hosts) give each session a group that the
+scheduler shares the CPU with as an equal, whatever the priority of the processes inside it. A
+child in a session of its own therefore took half of a core from the step's second thread, and
+a team of two beside it decoded eagerly at 6-20 tok/s on a 2-core host where one thread gave
+35-60; a decode-sized dot8 GEMM on two threads took 1082 us beside a ``SCHED_IDLE`` busy loop in
+its own session, 30 us beside one in this session and 22 us alone (docs/threads.md).
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from dualserve.models.host import background
 
 from .tracing import TRACING, size_oblivious
 
@@ -129,10 +136,10 @@ def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: t
         # Inductor's files in the build's own directory (module docstring: builds share no files).
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
                "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}
-        # A session of its own: the child leads a process group that its compilers join (module docstring).
+        # A process group of its own, which its compilers join, in this session (module docstring).
         child = subprocess.Popen([sys.executable, "-m", __name__, str(job), str(tmp), str(os.getpid())],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                 start_new_session=os.name == "posix")
+                                 **_own_process_group())
         with _builds_lock:
             ended = work not in _builds  # the build was ended while the child started
             if not ended:
@@ -140,7 +147,8 @@ def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: t
         if ended:
             _kill(child)
             raise BuildCancelled(f"building {path.name} was ended: the server is stopping")
-        out, err = _wait(child, progress)
+        with background(child.pid):  # it yields to serving: not a neighbour of the steps (``host``)
+            out, err = _wait(child, progress)
         with _builds_lock:
             if work not in _builds:
                 raise BuildCancelled(f"building {path.name} was ended: the server is stopping")
@@ -158,6 +166,16 @@ def build(module: torch.nn.Module, example: tuple[torch.Tensor, ...], dynamic: t
         raise
     finally:
         _end_build(work)
+
+
+def _own_process_group() -> dict[str, object]:
+    """``Popen``'s arguments for a child that leads a process group of its own in this session
+    (the module docstring: not ``start_new_session``)."""
+    if os.name != "posix":
+        return {}
+    if sys.version_info >= (3, 11):
+        return {"process_group": 0}
+    return {"preexec_fn": os.setpgrp}
 
 
 def _wait(child: subprocess.Popen, progress: Callable[[float], None] | None) -> tuple[str, str]:

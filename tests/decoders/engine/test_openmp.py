@@ -13,7 +13,7 @@ import torch
 
 from dualserve.decoders.engine.compile.compile_worker import CompileWorker
 from dualserve.decoders.engine.openmp import ThreadGovernor, governed, run_on_own_thread
-from dualserve.models.host import neighbours_running
+from dualserve.models.host import Background, NeighbourLoad, background, neighbours_running
 from polling import until
 
 
@@ -204,3 +204,62 @@ def test_a_build_child_runs_at_the_lowest_priority():
             "print(os.nice(0), os.sched_getscheduler(0) == getattr(os, 'SCHED_IDLE', -1))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == "19" and (out[1] == "True" or not hasattr(os, "SCHED_IDLE"))
+
+
+def test_background_work_is_counted_apart_from_the_neighbours():
+    """A registered child's CPU time, and that of the processes below it (one it has reaped
+    included: a compiler that has exited), is this process's background work
+    (``host.Background``); once the block ends the child is nobody's background."""
+    if not os.path.exists("/proc/self/task"):
+        pytest.skip("no /proc")
+    burn = "import time\nwhile time.process_time() < 0.3: pass"
+    code = (f"import subprocess, sys, time\nsubprocess.run([sys.executable, '-c', {burn!r}])\n{burn}\n"
+            "print('done', flush=True)\nsys.stdin.read()\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        with background(child.pid):
+            used = Background()
+            assert child.stdout.readline() == "done\n"
+            assert used.ticks() / tick > 0.5  # both loops: 0.6 s of CPU
+            assert used.ticks() / tick < 0.1  # idle now
+        assert Background().ticks() == 0 and Background()._last == {}
+    finally:
+        child.stdin.close()
+        child.wait()
+
+
+def test_a_busy_build_child_leaves_the_team_whole():
+    """A build child at the lowest priority, busy on a core, is background work: a started
+    governor keeps its full team beside it (where nothing else on the host shrinks it)."""
+    if not governed() or not hasattr(os, "SCHED_IDLE"):
+        pytest.skip("no /proc, no OpenMP threads to govern, or no SCHED_IDLE")
+    code = ("from dualserve.decoders.engine.compile import aoti_build as b; b._yield_to_serving()\n"
+            "while True: pass")
+    g = rule(2, 2, interval=0.05, smoothing=0.1)
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        with background(child.pid):
+            g.start()
+            with NeighbourLoad() as beside:
+                shrank = until(lambda: g.team < 2, 1.5)
+            g.stop()
+    finally:
+        child.kill()
+        child.wait()
+    if shrank and beside.cores > 0.4:
+        pytest.skip(f"other work on this host used {beside.cores:.1f} cores meanwhile")
+    assert not shrank
+
+
+def test_a_build_child_leads_its_own_group_in_this_session():
+    """Its compilers join its group, which ending a build kills; it stays in this session, so
+    Linux's autogroups do not give it a share of the CPU as an equal (``aoti_build``)."""
+    if os.name != "posix":
+        pytest.skip("POSIX process groups")
+    from dualserve.decoders.engine.compile.aoti_build import _own_process_group
+
+    child = subprocess.Popen([sys.executable, "-c", "import os; print(os.getsid(0), os.getpgid(0))"],
+                             stdout=subprocess.PIPE, text=True, **_own_process_group())
+    sid, pgid = map(int, child.communicate()[0].split())
+    assert sid == os.getsid(0) and pgid == child.pid
