@@ -94,9 +94,9 @@ def compile_note(dep) -> str | None:
         return None
     graphs = f"{pending} graph{'s' if pending != 1 else ''}"
     if any(r.compiled is not None and r.compiled.packaged for r in dep.runners.values()):
-        cost = (f"a first start on this host builds each once, 40-60 s per graph on 2 cores, "
-                f"{spec.worker.workers} at a time (logged as it goes: graph k of n, elapsed), and later starts "
-                f"load them in seconds")
+        cost = (f"a first start on this host builds each once, 40-70 s per graph on 2 cores, the decode graph "
+                f"first, then {spec.worker.workers} at a time (logged as it goes: graph k of n, elapsed), and later "
+                f"starts load them in seconds")
     else:
         cost = "torch.compile compiles them on every start"
     return f"compiled steps: {graphs} to build or load in the background; {cost}; until then steps run eagerly"

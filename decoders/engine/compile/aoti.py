@@ -138,13 +138,17 @@ def load_or_build(module: torch.nn.Module, path: Path, inputs: Callable[[int], t
                   dynamic: tuple[dict[int, object], ...], inductor: dict[str, object], *, example: int,
                   checks: Sequence[int], tolerance: float,
                   announce: Callable[[], None] = lambda: None,
-                  progress: Callable[[float], None] | None = None) -> tuple[PackagedGraph, str]:
+                  progress: Callable[[float], None] | None = None,
+                  before_build: Callable[[], object] | None = None) -> tuple[PackagedGraph, str]:
     """``module``'s package at ``path``, loaded, or built there first (``build`` on ``inputs(example)``,
-    after ``announce()``), and used only once it matches the eager module on ``inputs(n)`` for each n
-    of ``checks`` (``matches`` at ``tolerance``). Returns the graph and how it came: "loaded" or "built";
-    raises ``BuildCancelled`` when its build is ended (``aoti_build.end_builds``)."""
+    after ``before_build()`` and ``announce()``), and used only once it matches the eager module on
+    ``inputs(n)`` for each n of ``checks`` (``matches`` at ``tolerance``). Returns the graph and how it
+    came: "loaded" or "built"; raises ``BuildCancelled`` when its build is ended
+    (``aoti_build.end_builds``)."""
     graph, how = _stored(path, module), "loaded"
     if graph is None:
+        if before_build is not None:
+            before_build()
         announce()
         build(module, inputs(example), dynamic, path, inductor, progress=progress)
         mark_used(path)

@@ -102,6 +102,12 @@ class CompileWorker:
             aoti_build.end_builds(thread.ident)
 
     @property
+    def stopped(self) -> bool:
+        """Whether ``stop`` has ended the work (a job that waited for another starts no build)."""
+        with self._lock:
+            return self._stopped
+
+    @property
     def busy(self) -> bool:
         with self._lock:
             return bool(self._threads)

@@ -429,3 +429,49 @@ def test_eager_steps_and_every_graph_give_the_same_bits(tmp_path) -> None:
         assert torch.equal(graphs.forward([item([tok], n + i)], aux_layers=(0,))[0], want), "rows graph, features"
         # the same position again through the plain rows graph (its key and value are rewritten alike)
         assert torch.equal(graphs.forward([item([tok], n + i)])[0], want), "rows graph"
+
+
+def test_the_rows_graph_builds_first_and_alone(tmp_path, monkeypatch) -> None:
+    """A first start builds the rows (decode) graph before the chunks graph starts building, on
+    two compile threads; a stop while the chunks graph waits starts no build of it."""
+    import threading
+    import time
+
+    from dualserve.decoders.engine.compile import aoti
+    from dualserve.decoders.engine.compile.compile_worker import CompileWorker
+
+    events, release = [], threading.Event()
+
+    def build(module, path, inputs, dynamic, inductor, *, before_build=None, **kw):
+        if before_build is not None:
+            before_build()
+        name = "chunks" if module.chunks else "rows"
+        events.append(f"start {name}")
+        release.wait(5) if name == "rows" else time.sleep(0.05)
+        events.append(f"end {name}")
+        return (lambda *a: None), "built"
+
+    monkeypatch.setattr(aoti, "load_or_build", build)
+    runner = ModelRunner(tiny(), 256, BLOCK, use_flash=False)
+    for stop in (False, True):
+        events.clear()
+        release.clear()
+        worker = CompileWorker(2)
+        step = runner.compile(cache_dir=tmp_path, worker=worker)
+        if not step.packaged:
+            pytest.skip("no AOTInductor packages on this host")
+        step.prewarm()
+        deadline = time.monotonic() + 10  # both jobs running: the rows graph's build, the chunks graph waiting
+        both = {"rows", "chunks"}
+        while (set(str(worker.progress().running).split(", ")) != both or not events) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert set(str(worker.progress().running).split(", ")) == both and events == ["start rows"]
+        if stop:
+            worker.stop()
+        release.set()
+        deadline = time.monotonic() + 10
+        while worker.busy and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert events == (["start rows", "end rows"] if stop else
+                          ["start rows", "end rows", "start chunks", "end chunks"])
