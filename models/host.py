@@ -132,10 +132,12 @@ class Background:
 
     def __init__(self) -> None:
         self._last: dict[int, int] = {}
+        self.roots = 0  # background roots at the last reading
         self.ticks()
 
     def ticks(self) -> int:
         now = {pid: _tree_ticks(pid) for pid in _background_roots()}
+        self.roots = len(now)
         used = sum(max(0, t - self._last.get(pid, 0)) for pid, t in now.items())
         self._last = now
         return used

@@ -120,13 +120,18 @@ class ThreadGovernor:
     """
 
     def __init__(self, interval: float = 0.1, margin: float = 0.6, smoothing: float = 0.5,
-                 poll: float = 0.01, calm: int = 5, release: float = 0.4, arrival_readings: int = 6):
+                 poll: float = 0.01, calm: int = 5, release: float = 0.4, arrival_readings: int = 6,
+                 starved: float = 0.25, starved_for: float = 2.0):
         self.interval = interval
         self.margin = margin
         self.poll = poll
         self.calm = calm
         self.release = release
         self.arrival_readings = arrival_readings
+        self.starved = starved
+        self.starved_for = starved_for
+        self.reserved = 0                 # cores left to this process's starved background work
+        self._starving = 0.0              # seconds its background work has been starved in a row
         self.cpus = os.cpu_count() or 1
         self.threads = torch.get_num_threads()
         self.team = self.threads          # written by the watcher, read by the engine's thread
@@ -142,8 +147,13 @@ class ThreadGovernor:
         self.restores = 0                  # times the full team came back; the watcher restarts its interval
 
     @property
+    def full(self) -> int:
+        """The team without neighbours: every thread, less a core reserved for starved background work."""
+        return max(1, self.threads - self.reserved)
+
+    @property
     def short(self) -> bool:
-        return self.team < self.threads
+        return self.team < self.full
 
     def start(self) -> "ThreadGovernor":
         if not governed():
@@ -158,7 +168,7 @@ class ThreadGovernor:
 
     def state(self) -> dict:
         """``/status.json``'s ``threads`` entry."""
-        return {"team": self.team, "threads": self.threads, "cpus": self.cpus,
+        return {"team": self.team, "threads": self.threads, "cpus": self.cpus, "reserved": self.reserved,
                 "neighbour_load": round(self.neighbour_load, 2), "switches": self.switches}
 
     def apply(self) -> None:
@@ -204,7 +214,9 @@ class ThreadGovernor:
                 continue
             t2, busy2, own2 = time.monotonic(), machine_busy_ticks(), own_ticks()
             # Clamped: the counters are sampled a moment apart, and per-thread times are rounded.
-            other = ((busy2 - busy) - (own2 - own) - background.ticks()) / ticks / max(t2 - t, 1e-3)
+            mine = background.ticks()
+            other = ((busy2 - busy) - (own2 - own) - mine) / ticks / max(t2 - t, 1e-3)
+            self.observe_background(background.roots, mine / ticks / max(t2 - t, 1e-3), t2 - t)
             t, busy, own = t2, busy2, own2
             self.observe(min(float(self.cpus), max(0.0, other)))
 
@@ -218,13 +230,38 @@ class ThreadGovernor:
             return
         self.neighbour_load += self._weight * (sample - self.neighbour_load)
         free = self.cpus - self.neighbour_load
-        if self.threads - free > self.margin:
-            team = max(1, min(self.threads, math.floor(free + self.margin)))
+        if self.full - free > self.margin:
+            team = max(1, min(self.full, math.floor(free + self.margin)))
             if team < self.team:
                 self.team, self._calm = team, 0
                 self.switches += 1
                 log.info("other processes use %.1f of %d cores: steps run on %d of %d threads",
                          self.neighbour_load, self.cpus, team, self.threads)
+
+    def observe_background(self, roots: int, cores: float, seconds: float) -> None:
+        """One interval's reading of this process's background work (``host.Background``): ``roots``
+        builds running, which used ``cores``. Being at the lowest priority, a build runs only on
+        cores the steps leave; a server whose steps leave none would never finish its graphs. So
+        builds that used less than ``starved`` of a core each for ``starved_for`` seconds in a row
+        get a core of their own (``reserved``: the team runs one thread fewer) until the last ends."""
+        if not roots:
+            self._starving = 0.0
+            if self.reserved:
+                self.reserved = 0
+                if self.team == self.threads - 1 and self.neighbour_load < self.margin:
+                    self.team = self.threads
+                log.info("background builds done: steps may run on %d threads", self.threads)
+            return
+        if self.reserved or self.threads < 2:
+            return
+        self._starving = self._starving + seconds if cores < self.starved * roots else 0.0
+        if self._starving >= self.starved_for:
+            self.reserved = 1
+            self.team = min(self.team, self.full)
+            self.switches += 1
+            log.info("this server's %d background build%s used %.2f of a core for %.0f s: steps leave them a core "
+                     "(%d of %d threads) until they end", roots, "s" if roots > 1 else "", cores, self._starving,
+                     self.full, self.threads)
 
     def read_if_due(self) -> None:
         """While the team is short and the last runnable reading is older than ``poll``: take one
@@ -248,11 +285,11 @@ class ThreadGovernor:
 
     def _calm_reading(self, runnable: int) -> bool:
         """Whether a reading of ``runnable`` other processes' threads leaves a core per thread."""
-        return self.cpus - runnable >= self.threads
+        return self.cpus - runnable >= self.full
 
     def _restore(self, why: str) -> None:
         if not self.short:
             return
-        self.team, self._calm, self.neighbour_load = self.threads, 0, 0.0
+        self.team, self._calm, self.neighbour_load = self.full, 0, 0.0
         self.restores += 1
-        log.info("cores free again (%s): steps run on %d threads", why, self.threads)
+        log.info("cores free again (%s): steps run on %d threads", why, self.full)

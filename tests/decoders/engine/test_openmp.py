@@ -46,6 +46,30 @@ def test_team_shrinks_to_the_cores_neighbours_leave():
     assert g.team == 2 and g.restores == 1 and g.neighbour_load == 0.0
 
 
+def test_starved_background_builds_get_a_core_until_they_end():
+    """A build at the lowest priority runs only where the steps leave a core: one that got under a
+    quarter of a core for 2 s in a row gets a core of its own until the last build ends."""
+    g = rule(2, 2)
+    g.observe_background(1, 0.9, 1.0)      # a build that gets its share
+    g.observe_background(1, 0.1, 1.0)      # starved 1 s
+    assert g.team == 2 and g.reserved == 0
+    g.observe_background(1, 0.5, 1.0)      # not starved: the count starts again
+    g.observe_background(2, 0.4, 1.0)      # two builds: 0.2 a build
+    assert g.team == 2
+    g.observe_background(2, 0.3, 1.0)      # starved 2 s in a row
+    assert (g.team, g.reserved, g.full) == (1, 1, 1) and not g.short
+    g.observe(0.2)                         # a calm interval restores the team without the reserved core
+    assert g.team == 1
+    g.observe_background(1, 0.9, 1.0)      # fed now: the reservation holds while builds run
+    assert g.team == 1
+    g.observe_background(0, 0.0, 1.0)      # the last build ended
+    assert (g.team, g.reserved) == (2, 0)
+    one = rule(1, 1)
+    for _ in range(5):
+        one.observe_background(1, 0.0, 1.0)
+    assert (one.team, one.reserved) == (1, 0)  # a team of one is never emptied
+
+
 def test_team_on_a_larger_host():
     g = rule(8, 4, smoothing=0.1, calm=3)
     g.observe(3.0)                     # 5 free cores for 4 threads
@@ -194,6 +218,18 @@ def test_compile_worker_thread_exits_when_idle():
     assert until(lambda: not any(t.name == "dualserve-compile" for t in threading.enumerate()), 5)
     worker.submit(lambda: done.append(3))  # a later job starts a new thread
     assert until(lambda: done == [1, 2, 3] and not worker.busy, 5)
+
+
+def test_each_compile_job_runs_on_a_thread_of_its_own():
+    """A job's thread exits when the job ends, a new one taking the next job: a thread that ran
+    torch work keeps an OpenMP pool while it lives (``CompileWorker``)."""
+    worker = CompileWorker(2)
+    threads = []
+    for _ in range(5):
+        worker.submit(lambda: (threads.append(threading.current_thread()), time.sleep(0.02)))
+    assert until(lambda: not worker.busy, 5)
+    assert len(threads) == 5 and len(set(map(id, threads))) == 5
+    assert until(lambda: not any(t.is_alive() for t in threads), 5)
 
 
 def test_a_build_child_runs_at_the_lowest_priority():
