@@ -37,7 +37,6 @@ import ctypes
 import functools
 import hashlib
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -97,28 +96,23 @@ def _compiler_version() -> str:
         raise RuntimeError(f"no C++ compiler ({_compiler()}): {e}") from e
 
 
-# dot8's code paths, each built only for a CPU that can run it (``_omitted``): the CPU flags
-# (``/proc/cpuinfo``) each needs. The plain C path is always built.
-PATH_SOURCES = {"dot8_avx2.cpp": ("avx2", "fma", "f16c"),
-                "dot8_avx512.cpp": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"),
-                "dot8_amx.cpp": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "amx_tile", "amx_int8")}
+# dot8's code paths, each built only for a CPU that can run it (``_omitted``), by torch's reading
+# of the CPU (as the host key reads it: ``formats.host_key``). The plain C path is always built.
+PATH_SOURCES = {
+    "dot8_avx2.cpp": lambda: torch.cpu._is_avx2_supported(),
+    "dot8_avx512.cpp": lambda: torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported(),
+    "dot8_amx.cpp": lambda: (torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()
+                             and torch.cpu._is_amx_tile_supported()),
+}
 
 
 @functools.cache  # the CPU does not change within a process
 def _omitted() -> frozenset[str]:
     """The code paths' sources this CPU cannot run: compiled empty (``-DDOT8_OMIT``, a table that
     is null), so a first start does not build them. The AMX path took 17 of the kernels' 76 s of
-    compiling on a 2-core AMD EPYC without AMX, the AVX-512 path 18. Where the flags cannot be read
-    (no ``/proc/cpuinfo``, or not x86), every path is built and dot8 picks at run time as before."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
-    except OSError:
-        return frozenset()
-    if not flags or platform.machine() not in ("x86_64", "AMD64"):
-        return frozenset()
-    have = set(flags)
-    return frozenset(name for name, needs in PATH_SOURCES.items() if not have.issuperset(needs))
+    compiling on a 2-core AMD EPYC without AMX, the AVX-512 path 18. dot8 still checks the CPU's
+    flags when it picks a path among those built."""
+    return frozenset(name for name, runs in PATH_SOURCES.items() if not runs())
 
 
 @functools.cache  # the sources and the compiler do not change within a process

@@ -37,7 +37,18 @@ namespace dualserve_dot8 {
 #include "dot8_amx.h"
 
 // Each path's tile function by kind (kind_of), built once on first use; null where the library was
-// built without the path, for a CPU that cannot run it.
+// built without the path, for a CPU that cannot run it (compiled with DOT8_OMIT:
+// kernels/__init__.py, _omitted). Each path's source defines its accessor by path_table.
+template <template <int, bool, int> class P, typename Fn = TileFn>
+const Fn* path_table() {
+#ifdef DOT8_OMIT
+  return nullptr;
+#else
+  static const Table<P, Fn> table;
+  return table.fn;
+#endif
+}
+
 const TileFn* scalar_tiles();
 #ifdef DOT8_X86
 const TileFn* avx512_tiles();

@@ -4,13 +4,6 @@
 
 namespace dualserve_dot8 {
 #ifdef DOT8_X86
-const BlockFn* amx_blocks() {
-#ifdef DOT8_OMIT  // a CPU that cannot run this path: not built (kernels/__init__.py, _omitted)
-  return nullptr;
-#else
-  static const Table<Amx, BlockFn> table;
-  return table.fn;
-#endif
-}
+const BlockFn* amx_blocks() { return path_table<Amx, BlockFn>(); }
 #endif
 }  // namespace dualserve_dot8

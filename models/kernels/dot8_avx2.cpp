@@ -3,13 +3,6 @@
 
 namespace dualserve_dot8 {
 #ifdef DOT8_X86
-const TileFn* avx2_tiles() {
-#ifdef DOT8_OMIT  // a CPU that cannot run this path: not built (kernels/__init__.py, _omitted)
-  return nullptr;
-#else
-  static const Table<Avx2> table;
-  return table.fn;
-#endif
-}
+const TileFn* avx2_tiles() { return path_table<Avx2>(); }
 #endif
 }  // namespace dualserve_dot8

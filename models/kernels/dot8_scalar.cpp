@@ -2,8 +2,5 @@
 #include "dot8.h"
 
 namespace dualserve_dot8 {
-const TileFn* scalar_tiles() {
-  static const Table<Scalar> table;
-  return table.fn;
-}
+const TileFn* scalar_tiles() { return path_table<Scalar>(); }
 }  // namespace dualserve_dot8

@@ -88,9 +88,13 @@ class CompileWorker:
                 self._since = time.monotonic()
             self._asked += 1
             if len(self._threads) < self.workers and len(self._queue) > len(self._threads) - len(self._running):
-                thread = threading.Thread(target=self._work, name="dualserve-compile", daemon=True)
-                self._threads.append(thread)
-                thread.start()
+                self._start_thread()
+
+    def _start_thread(self) -> None:
+        """A new compile thread (with ``_lock`` held)."""
+        thread = threading.Thread(target=self._work, name="dualserve-compile", daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def stop(self) -> None:
         """End the work for good (the server shuts down): drop the jobs not started and end the
@@ -162,9 +166,7 @@ class CompileWorker:
                     self._mine.place = None
                     if self._queue and not self._stopped:  # the next job on a new thread (class docstring)
                         self._threads.remove(me)
-                        successor = threading.Thread(target=self._work, name="dualserve-compile", daemon=True)
-                        self._threads.append(successor)
-                        successor.start()
+                        self._start_thread()
                         handed = True
             if handed:
                 return

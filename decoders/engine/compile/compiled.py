@@ -75,7 +75,7 @@ class CompiledStep:
         self.how: dict[str, str] = {}  # shape name -> built / loaded (a package) or compiled
         self.features: tuple[int, ...] = ()  # feature layers every step computes (set by prewarm)
         self._pending: set[tuple[StepShape, tuple[int, ...]]] = set()
-        # Set when a shape's compile job has ended, whatever its outcome (``_after``).
+        # Set when a shape's compile job has ended, whatever its outcome (``_package``'s ``after``).
         self._settled: dict[tuple[StepShape, tuple[int, ...]], threading.Event] = {}
         self._lock = threading.Lock()
         # Whether the two forms compute the same bits (every step by the project's ops alone), so
@@ -155,7 +155,7 @@ class CompiledStep:
             self._pending.add(key)
             self._settled[key] = threading.Event()
             rows = (StepShape(False), key[1])
-            # A chunks graph asked for after its rows graph builds after it (``_after``).
+            # A chunks graph asked for after its rows graph builds after it (``_package``'s ``after``).
             after = self._settled.get(rows) if key[0].chunks and rows in self._pending else None
         if self.worker is None:
             self._compile(key)
