@@ -396,10 +396,19 @@ void tile_avx512_rows(const Weights& w, int64_t t, const Acts& x, int64_t r0, fl
   store512<R>(y, x, out, ldo, valid);
 }
 
-// Two digits times int4, folded (AVX-512): each of R tokens keeps ONE accumulator, into which its
+// The sum of P partial integer dots (exact, so any order gives the same integer).
+template <int P>
+__attribute__((target("avx512f"), always_inline)) inline __m512i sum_parts(const __m512i* p) {
+  if constexpr (P == 1) return p[0];
+  else if constexpr (P == 2) return _mm512_add_epi32(p[0], p[1]);
+  else return _mm512_add_epi32(_mm512_add_epi32(p[0], p[1]), _mm512_add_epi32(p[2], p[3]));
+}
+
+// Two digits times int4, folded (AVX-512): each of R tokens keeps ONE integer, into which its
 // first digit multiplies the nibbles shifted up, 16 u (at most 240, still an unsigned byte), and
 // its second digit u: the fused integer 16 a0 + a1 (dot8_acts.h) with no fuse step, and the int4
-// unpacking serves 8 tokens (16 quantized rows) at once.
+// unpacking serves 8 tokens (16 quantized rows) at once. With one or two tokens that integer is
+// summed in 4 or 2 partial accumulators (sum_parts).
 template <int R, bool MIN, int MULT>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))
 void tile_avx512_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, float* out, int64_t ldo, int valid) {
@@ -411,10 +420,16 @@ void tile_avx512_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, 
   const int8_t* blk = x.blk + (r0 / 2) * x.G * 64;
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  // A token's 16 vpdpbusd a group are one chain of dependent adds; with one or two tokens the
+  // chain's latency, not the unit's rate, sets the pace, so each token's sum is split into P
+  // partial sums that run side by side and add up at the group's end: the same integer.
+  constexpr int P = R == 1 ? 4 : R == 2 ? 2 : 1;
   for (int64_t g = 0; g < w.G; ++g) {
     __m512i acc[R];
+    __m512i part[R][P];
     __m512i dlo[MULT == 2 ? R : 1];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < P; ++i) part[r][i] = _mm512_setzero_si512();
     const uint8_t* qg = q + g * 4 * 64;
     const int8_t* ag = blk + g * R * 64;
     for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(qg + PREFETCH + j * 64), _MM_HINT_T0);
@@ -422,8 +437,8 @@ void tile_avx512_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, 
       if constexpr (MULT == 2) {
         if (j == 2)
           for (int r = 0; r < R; ++r) {
-            dlo[r] = acc[r];
-            acc[r] = _mm512_setzero_si512();
+            dlo[r] = sum_parts<P>(part[r]);
+            for (int i = 0; i < P; ++i) part[r][i] = _mm512_setzero_si512();
           }
       }
       const __m512i v = _mm512_loadu_si512(qg + j * 64);
@@ -432,12 +447,14 @@ void tile_avx512_folded(const Weights& w, int64_t t, const Acts& x, int64_t r0, 
       for (int r = 0; r < R; ++r) {
         const int8_t* a0 = ag + r * 64 + 8 * j;
         const int8_t* a1 = a0 + GROUP;
-        acc[r] = _mm512_dpbusd_epi32(acc[r], lo16, _mm512_set1_epi32(load4(a0)));
-        acc[r] = _mm512_dpbusd_epi32(acc[r], hi16, _mm512_set1_epi32(load4(a0 + 4)));
-        acc[r] = _mm512_dpbusd_epi32(acc[r], lo4, _mm512_set1_epi32(load4(a1)));
-        acc[r] = _mm512_dpbusd_epi32(acc[r], hi4, _mm512_set1_epi32(load4(a1 + 4)));
+        __m512i* p = part[r];
+        p[0] = _mm512_dpbusd_epi32(p[0], lo16, _mm512_set1_epi32(load4(a0)));
+        p[1 % P] = _mm512_dpbusd_epi32(p[1 % P], hi16, _mm512_set1_epi32(load4(a0 + 4)));
+        p[2 % P] = _mm512_dpbusd_epi32(p[2 % P], lo4, _mm512_set1_epi32(load4(a1)));
+        p[3 % P] = _mm512_dpbusd_epi32(p[3 % P], hi4, _mm512_set1_epi32(load4(a1 + 4)));
       }
     }
+    for (int r = 0; r < R; ++r) acc[r] = sum_parts<P>(part[r]);
     if constexpr (offset_of(4, MIN) != 0)  // Q4_0: u = q + 8; token r's digits are quantized rows rg, rg + G
       for (int r = 0; r < R; ++r) {
         constexpr int OFF = offset_of(4, MIN);
