@@ -79,10 +79,13 @@ def place_on_huge_pages(model: torch.nn.Module, min_bytes: int = MIN_BYTES) -> i
     total = sum((n + ALIGN - 1) // ALIGN * ALIGN for n in sizes.values())
     if total < min_bytes:
         return 0
-    arena = mmap.mmap(-1, total + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # Whole huge pages from a 2 MB boundary on: the mapping is one page longer than they need, so
+    # wherever it starts they fit (untouched, the spare bytes cost nothing).
+    span = (total + HUGE - 1) // HUGE * HUGE
+    arena = mmap.mmap(-1, span + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = (-_address(arena)) % HUGE
     try:
-        arena.madvise(mmap.MADV_HUGEPAGE, start, (total + HUGE - 1) // HUGE * HUGE)
+        arena.madvise(mmap.MADV_HUGEPAGE, start, span)
     except OSError as e:  # a kernel without THP for anonymous memory
         log.debug("madvise(MADV_HUGEPAGE) refused: %s", e)
         arena.close()
