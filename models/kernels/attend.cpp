@@ -84,6 +84,14 @@ inline __m512 load16(const C* p) {
     return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
 }
 
+// The cache lines of a key or value row of ``bytes``, asked for ahead of their use. A step's rows
+// come from blocks scattered over the pool (16 tokens a block), where the hardware prefetchers
+// restart at every block; a decode's keys and values are mostly in memory, its weights having
+// streamed through the caches since the last step.
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at, 0, 3);
+}
+
 // Sixteen keys' scores at once. acc[j] is key j's 16 lane sums, exactly as dot_scalar forms them;
 // the network below then halves all sixteen together (lanes l + 8, l + 4, l + 2, l + 1, the same
 // additions as dot_scalar's tree and hsum_avx512), a few shuffles per key instead of a horizontal
@@ -126,6 +134,7 @@ void scores_avx512(const float* const* qrows, int64_t nq, const C* const* keys, 
   const float* widened[16];
   for (int k = 0; k < 16; ++k) widened[k] = kb + k * DC * LANES;
   for (int64_t j = 0; j < n; j += 16) {
+    for (int64_t k = j + 16; k < std::min<int64_t>(n, j + 32); ++k) prefetch_row(keys[k], DC * LANES * sizeof(C));
     const float* const* block;
     if constexpr (std::is_same_v<C, c10::BFloat16>) {
       for (int k = 0; k < 16; ++k) widen_avx512(keys[j + k], DC * LANES, kb + k * DC * LANES);
@@ -176,6 +185,7 @@ void heads_avx512(const C* const* vals, const int32_t* vis, int64_t nv, bool pre
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < DC; ++c) out[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < nv; ++j) {
+    if (j + 8 < nv) prefetch_row(vals[prefix ? j + 8 : int64_t(vis[j + 8])], DC * LANES * sizeof(C));
     const C* v = vals[prefix ? j : int64_t(vis[j])];
     __m512 vv[DC];
     for (int c = 0; c < DC; ++c) vv[c] = load16<C>(v + c * LANES);
@@ -536,11 +546,13 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const float sc = float(scale);
 
   // One task per (sequence, kv head, chunk of query rows): its keys are gathered once and shared
-  // by the group's heads and the chunk's rows. A step with little work (a decode step) runs on the
-  // calling thread, where a parallel region's wake-up would cost more than it saves; a step of few
-  // sequences splits its rows so that every thread has a task.
+  // by the group's heads and the chunk's rows. Only a step with very little work (a decode over a
+  // few dozen keys) runs on the calling thread, where a parallel region's wake-up would cost more
+  // than it saves: a decode's keys and values come mostly from memory (the weights have streamed
+  // through the caches since the last step), and two threads fetch them side by side. A step of
+  // few sequences splits its rows so that every thread has a task.
   const int64_t work = S * Q * H * (W + Q);
-  const int64_t threads = work < (1 << 12) ? 1 : at::get_num_threads();
+  const int64_t threads = work < (1 << 8) ? 1 : at::get_num_threads();
   const int64_t chunks = std::min<int64_t>(Q, std::max<int64_t>(1, (2 * threads + S * KV - 1) / (S * KV)));
   const int64_t per_chunk = (Q + chunks - 1) / chunks;
   const int64_t tasks = S * KV * chunks;
