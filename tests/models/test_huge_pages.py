@@ -79,3 +79,16 @@ def test_small_models_and_hosts_without_huge_pages_are_left_alone(monkeypatch, t
     assert host_mode() == "never"
     assert place_on_huge_pages(model, min_bytes=0) == 0
     assert model.packed.data_ptr() == address
+
+
+@needs_thp
+def test_a_loaded_model_s_weights_are_on_huge_pages(default_gguf, cache_dir):
+    """``load_model`` places what it built: the served format's packed weights and the norms alike."""
+    from dualserve.models.loader import load_model
+    from dualserve.models.quant import Dot8Linear
+
+    model = load_model(default_gguf, cache_dir=cache_dir, quantization="w4a16").model
+    layers = [m for m in model.modules() if isinstance(m, Dot8Linear)]
+    assert layers
+    for t in (layers[0].packed, layers[-1].d, next(model.parameters())):
+        assert region_of(t.data_ptr()).get("THPeligible") == "1"
